@@ -1,0 +1,1 @@
+"""expresslane router: the OpenAI-compatible front door for both lanes."""
