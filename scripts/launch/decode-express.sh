@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# The express-lane decode node: our engine behind the TileRT decode-node HTTP contract.
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+source "$here/common.sh"
+EXPRESS_HTTP_PORT="${EXPRESS_HTTP_PORT:-5557}"
+EXPRESS_CTRL_PORT="${EXPRESS_CTRL_PORT:-5556}"
+EXPRESS_DEVICE="${EXPRESS_DEVICE:-cpu}"
+# The host the prefill's sender uses to reach this node's NIXL agent / control port.
+EXPRESS_ADVERTISE_HOST="${EXPRESS_ADVERTISE_HOST:-127.0.0.1}"
+
+exec "$PYTHON" -m expresslane.engine.server \
+  --model "$MODEL_DIR" --dtype "$DTYPE" --device "$EXPRESS_DEVICE" \
+  --max-seq-len "$MAX_MODEL_LEN" --host "$BIND_HOST" \
+  --advertise-host "$EXPRESS_ADVERTISE_HOST" \
+  --ctrl-port "$EXPRESS_CTRL_PORT" --http-port "$EXPRESS_HTTP_PORT" "$@"

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# A native-lane decode server: STOCK vLLM with NixlConnector as kv_consumer. Every instance needs its own
+# NIXL side-channel port (and host, when instances are not on one host).
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+source "$here/common.sh"
+DECODE_NATIVE_PORT="${DECODE_NATIVE_PORT:-8100}"
+KV_BUFFER_DEVICE="${KV_BUFFER_DEVICE:-cpu}"
+export VLLM_NIXL_SIDE_CHANNEL_PORT="${DECODE_NATIVE_NIXL_PORT:-5601}"
+export VLLM_NIXL_SIDE_CHANNEL_HOST="${DECODE_NATIVE_NIXL_HOST:-127.0.0.1}"
+kv_config='{"kv_connector":"NixlConnector","kv_role":"kv_consumer","kv_buffer_device":"'"$KV_BUFFER_DEVICE"'"}'
+
+exec "$PYTHON" -m vllm.entrypoints.openai.api_server \
+  --model "$MODEL_DIR" --served-model-name "$SERVED_MODEL_NAME" \
+  --host "$BIND_HOST" --port "$DECODE_NATIVE_PORT" \
+  --dtype "$DTYPE" --max-model-len "$MAX_MODEL_LEN" \
+  --max-num-batched-tokens "$MAX_NUM_BATCHED_TOKENS" --seed "$SEED" \
+  --kv-transfer-config "$kv_config" "$@"

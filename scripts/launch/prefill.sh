@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# The prefill server: STOCK vLLM. Our connector is loaded only through kv_connector_module_path as a
+# MultiConnector child beside vLLM's own NixlConnector (EXPRESS_CONNECTOR=0 leaves it out, for baselines).
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+source "$here/common.sh"
+PREFILL_PORT="${PREFILL_PORT:-8000}"
+KV_BUFFER_DEVICE="${KV_BUFFER_DEVICE:-cpu}"
+EXPRESS_CONNECTOR="${EXPRESS_CONNECTOR:-1}"
+CONNECTOR_METRICS_PORT="${CONNECTOR_METRICS_PORT:-9400}"
+export VLLM_NIXL_SIDE_CHANNEL_PORT="${PREFILL_NIXL_PORT:-5600}"
+export VLLM_NIXL_SIDE_CHANNEL_HOST="${PREFILL_NIXL_HOST:-127.0.0.1}"
+
+nixl='{"kv_connector":"NixlConnector","kv_role":"kv_producer","kv_buffer_device":"'"$KV_BUFFER_DEVICE"'"}'
+express='{"kv_connector":"ExpressLaneConnector","kv_connector_module_path":"expresslane.engine.connector","kv_role":"kv_producer","kv_connector_extra_config":{"metrics_port":'"$CONNECTOR_METRICS_PORT"'}}'
+if [[ "$EXPRESS_CONNECTOR" == "1" ]]; then children="$nixl,$express"; else children="$nixl"; fi
+kv_config='{"kv_connector":"MultiConnector","kv_role":"kv_producer","kv_connector_extra_config":{"connectors":['"$children"']}}'
+
+exec "$PYTHON" -m vllm.entrypoints.openai.api_server \
+  --model "$MODEL_DIR" --served-model-name "$SERVED_MODEL_NAME" \
+  --host "$BIND_HOST" --port "$PREFILL_PORT" \
+  --dtype "$DTYPE" --max-model-len "$MAX_MODEL_LEN" \
+  --max-num-batched-tokens "$MAX_NUM_BATCHED_TOKENS" --seed "$SEED" \
+  --kv-transfer-config "$kv_config" "$@"
