@@ -1,0 +1,132 @@
+"""Batch-1 decoder (Llama / Qwen2 / Qwen3) over a caller-owned static KV cache.
+
+Activations are [T, hidden] (no batch dimension: the express lane serves one user). Q/K/V and gate/up are
+fused into one matmul each. The KV cache is passed in per layer as [max_seq_len, num_kv_heads, head_dim]
+views; the forward writes the new keys/values in place at `input_pos` and attends over the first `kv_len`
+cache rows, so a decode step has fixed shapes except for `kv_len` (pass kv_len=max_seq_len with a mask for
+fully static shapes).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ModelConfig
+from .rope import apply_rope
+
+
+class RMSNorm(nn.Module):
+    """HF semantics: normalize in float32, cast back, then scale by the weight in the model dtype."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+        self.shape = (dim,)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight * F.rms_norm(x.float(), self.shape, eps=self.eps).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.split = [cfg.q_size, cfg.kv_size, cfg.kv_size]
+        self.scale = cfg.head_dim**-0.5
+        self.gqa = cfg.num_heads != cfg.num_kv_heads
+        self.qkv_proj = nn.Linear(cfg.hidden_size, sum(self.split), bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=cfg.o_bias)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        input_pos: torch.Tensor,
+        kv_len: int,
+        attn_mask: torch.Tensor | None,
+        is_causal: bool,
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        k_cache.index_copy_(0, input_pos, k)
+        v_cache.index_copy_(0, input_pos, v)
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1).unsqueeze(0),
+            k_cache[:kv_len].transpose(0, 1).unsqueeze(0),
+            v_cache[:kv_len].transpose(0, 1).unsqueeze(0),
+            attn_mask=attn_mask,
+            is_causal=is_causal,
+            scale=self.scale,
+            enable_gqa=self.gqa,
+        )
+        return self.o_proj(out.squeeze(0).transpose(0, 1).reshape(t, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.intermediate = cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos, sin, k_cache, v_cache, input_pos, kv_len, attn_mask, is_causal):
+        x = x + self.self_attn(
+            self.input_layernorm(x), cos, sin, k_cache, v_cache, input_pos, kv_len, attn_mask, is_causal
+        )
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        input_pos: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        k_caches: list[torch.Tensor],
+        v_caches: list[torch.Tensor],
+        kv_len: int,
+        attn_mask: torch.Tensor | None = None,
+        is_causal: bool = False,
+    ) -> torch.Tensor:
+        """tokens, input_pos: [T]; cos/sin: [T, head_dim] rows for input_pos. Returns float32 logits of the
+        LAST position, shape [vocab]."""
+        x = self.embed_tokens(tokens)
+        for layer, k_cache, v_cache in zip(self.layers, k_caches, v_caches):
+            x = layer(x, cos, sin, k_cache, v_cache, input_pos, kv_len, attn_mask, is_causal)
+        return self.lm_head(self.norm(x[-1])).float()

@@ -1,0 +1,264 @@
+#!/usr/bin/env python3
+"""Run the whole expresslane stack without Docker, for development and tests.
+
+    python scripts/dev_stack.py up [--model-dir DIR] [--port-base N] [--only prefill,router,...]
+    python scripts/dev_stack.py status
+    python scripts/dev_stack.py down
+
+Every service is started with the SAME launcher the compose files use (scripts/launch/*.sh) and the
+router reads the same compose/config/router.yaml; only the environment differs (everything on
+127.0.0.1, ports from the defaults or shifted by --port-base). State (pids, logs, env) lives in
+var/dev-stack/. The pytest fixture `live_stack` (tests/conftest.py) drives the same `DevStack` class.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+LAUNCH = REPO / "scripts" / "launch"
+DEFAULT_STATE = REPO / "var" / "dev-stack"
+DEFAULT_MODEL_DIR = REPO / "var" / "models" / "tiny-llama"
+
+# Default ports: the same numbers as .env / docs/architecture.md.
+DEFAULT_PORTS = {
+    "ROUTER_PORT": 8080,
+    "PREFILL_PORT": 8000,
+    "PREFILL_NIXL_PORT": 5600,
+    "CONNECTOR_METRICS_PORT": 9400,
+    "DECODE_NATIVE_PORT": 8100,
+    "DECODE_NATIVE_NIXL_PORT": 5601,
+    "EXPRESS_HTTP_PORT": 5557,
+    "EXPRESS_CTRL_PORT": 5556,
+}
+
+# Service name -> (launcher, health path, port variable). Start order matters only for readiness.
+SERVICES = {
+    "prefill": ("prefill.sh", "/health", "PREFILL_PORT"),
+    "decode-native": ("decode-native.sh", "/health", "DECODE_NATIVE_PORT"),
+    "decode-express": ("decode-express.sh", "/health", "EXPRESS_HTTP_PORT"),
+    "router": ("router.sh", "/health", "ROUTER_PORT"),
+}
+
+
+class StackError(RuntimeError):
+    """A service failed to start or become healthy."""
+
+
+@dataclasses.dataclass
+class DevStack:
+    """The processes of one local stack. Usable as a context manager."""
+
+    model_dir: Path = DEFAULT_MODEL_DIR
+    state_dir: Path = DEFAULT_STATE
+    port_base: int = 0
+    services: tuple[str, ...] = tuple(SERVICES)
+    python: str = sys.executable
+    extra_env: dict[str, str] = dataclasses.field(default_factory=dict)
+    start_timeout_s: float = 900.0
+
+    def __post_init__(self) -> None:
+        self.model_dir = Path(self.model_dir)
+        self.state_dir = Path(self.state_dir)
+        unknown = set(self.services) - set(SERVICES)
+        if unknown:
+            raise ValueError(f"unknown services {sorted(unknown)}; choose from {list(SERVICES)}")
+        self.ports = {k: v + self.port_base for k, v in DEFAULT_PORTS.items()}
+        self.procs: dict[str, subprocess.Popen] = {}
+
+    # ---- addresses -------------------------------------------------------------------------
+    def url(self, port_var: str) -> str:
+        return f"http://127.0.0.1:{self.ports[port_var]}"
+
+    @property
+    def router_url(self) -> str:
+        return self.url("ROUTER_PORT")
+
+    @property
+    def prefill_url(self) -> str:
+        return self.url("PREFILL_PORT")
+
+    @property
+    def native_url(self) -> str:
+        return self.url("DECODE_NATIVE_PORT")
+
+    @property
+    def express_url(self) -> str:
+        return self.url("EXPRESS_HTTP_PORT")
+
+    @property
+    def connector_metrics_url(self) -> str:
+        return self.url("CONNECTOR_METRICS_PORT")
+
+    # ---- environment -----------------------------------------------------------------------
+    def env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update({k: str(v) for k, v in self.ports.items()})
+        env.update(
+            {
+                "PYTHON": self.python,
+                "MODEL_DIR": str(self.model_dir),
+                "BIND_HOST": "127.0.0.1",
+                "PREFILL_HOST": "127.0.0.1",
+                "PREFILL_NIXL_HOST": "127.0.0.1",
+                "DECODE_NATIVE_HOST": "127.0.0.1",
+                "DECODE_NATIVE_NIXL_HOST": "127.0.0.1",
+                "EXPRESS_HOST": "127.0.0.1",
+                "EXPRESS_ADVERTISE_HOST": "127.0.0.1",
+                "PYTHONUNBUFFERED": "1",
+            }
+        )
+        # The launchers run `$PYTHON -m ...`; make the venv's console scripts visible too.
+        env["PATH"] = f"{Path(self.python).parent}{os.pathsep}{env.get('PATH', '')}"
+        env.update(self.extra_env)
+        return env
+
+    # ---- lifecycle -------------------------------------------------------------------------
+    def ensure_model(self) -> None:
+        dtype = self.extra_env.get("DTYPE", os.environ.get("DTYPE", "float32"))
+        cmd = [self.python, str(REPO / "scripts" / "make_tiny_model.py"), str(self.model_dir), "--dtype", dtype]
+        subprocess.run(cmd, check=True)
+
+    def start(self) -> "DevStack":
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        self.ensure_model()
+        env = self.env()
+        (self.state_dir / "env.json").write_text(
+            json.dumps({k: env[k] for k in sorted(set(self.ports) | {"MODEL_DIR", "PYTHON"})}, indent=2)
+        )
+        try:
+            for name in self.services:
+                launcher = SERVICES[name][0]
+                log = open(self.state_dir / f"{name}.log", "wb")
+                proc = subprocess.Popen(
+                    ["bash", str(LAUNCH / launcher)],
+                    env=env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,  # so `down` can kill the whole process group
+                )
+                self.procs[name] = proc
+                (self.state_dir / f"{name}.pid").write_text(str(proc.pid))
+            self.wait_healthy()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def wait_healthy(self) -> None:
+        deadline = time.monotonic() + self.start_timeout_s
+        pending = list(self.services)
+        while pending:
+            for name in list(pending):
+                proc = self.procs.get(name)
+                if proc is not None and proc.poll() is not None:
+                    raise StackError(f"{name} exited with {proc.returncode}:\n{self.log_tail(name)}")
+                _, path, port_var = SERVICES[name]
+                if _http_ok(self.url(port_var) + path):
+                    pending.remove(name)
+            if pending and time.monotonic() > deadline:
+                tails = "\n".join(f"--- {n} ---\n{self.log_tail(n)}" for n in pending)
+                raise StackError(f"not healthy after {self.start_timeout_s:.0f}s: {pending}\n{tails}")
+            if pending:
+                time.sleep(1.0)
+
+    def log_tail(self, name: str, lines: int = 60) -> str:
+        path = self.state_dir / f"{name}.log"
+        if not path.exists():
+            return "(no log)"
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+
+    def stop(self) -> None:
+        for name in reversed(list(self.services)):
+            pid_file = self.state_dir / f"{name}.pid"
+            proc = self.procs.pop(name, None)
+            pid = proc.pid if proc else (int(pid_file.read_text()) if pid_file.exists() else None)
+            if pid is not None:
+                _kill_group(pid)
+            if proc is not None:
+                try:
+                    proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    _kill_group(pid, signal.SIGKILL)
+            pid_file.unlink(missing_ok=True)
+
+    def status(self) -> dict[str, str]:
+        out = {}
+        for name, (_, path, port_var) in SERVICES.items():
+            pid_file = self.state_dir / f"{name}.pid"
+            running = pid_file.exists() and _pid_alive(int(pid_file.read_text()))
+            healthy = _http_ok(self.url(port_var) + path)
+            out[name] = "healthy" if healthy else ("starting" if running else "down")
+        return out
+
+    def __enter__(self) -> "DevStack":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def _http_ok(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as resp:
+            return 200 <= resp.status < 300
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except OSError:
+        return False
+
+
+def _kill_group(pid: int, sig: int = signal.SIGTERM) -> None:
+    try:
+        os.killpg(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("command", choices=["up", "down", "status"])
+    ap.add_argument("--model-dir", type=Path, default=DEFAULT_MODEL_DIR)
+    ap.add_argument("--state-dir", type=Path, default=DEFAULT_STATE)
+    ap.add_argument("--port-base", type=int, default=0, help="added to every default port")
+    ap.add_argument("--only", default=",".join(SERVICES), help="comma-separated services to start")
+    args = ap.parse_args(argv)
+    stack = DevStack(
+        model_dir=args.model_dir,
+        state_dir=args.state_dir,
+        port_base=args.port_base,
+        services=tuple(s for s in args.only.split(",") if s),
+    )
+    if args.command == "up":
+        stack.start()
+        print(f"up: router {stack.router_url}  (logs in {stack.state_dir}; stop with `dev_stack.py down`)")
+        for name, state in stack.status().items():
+            print(f"  {name:15s} {state}")
+        return 0
+    if args.command == "down":
+        stack.stop()
+        print("down")
+        return 0
+    for name, state in stack.status().items():
+        print(f"{name:15s} {state}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

