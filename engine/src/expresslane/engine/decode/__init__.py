@@ -1,0 +1,53 @@
+"""The express decode engine: batch 1, static KV cache, KV injected from a prefill server.
+
+API::
+
+    from expresslane.engine.decode import DecodeEngine, SamplingParams
+
+    engine = DecodeEngine.from_pretrained(model_dir, dtype="float32", device="cpu", max_seq_len=4096)
+    # model_dir: the HF checkpoint directory vLLM loads (config.json + *.safetensors, sharded index ok);
+    # Llama, Qwen2 (qkv bias), Qwen3 (q/k norm). dtype: float32 | bfloat16 | float16.
+    # Optional: attention="sliced" (SDPA over cache[:pos+1], default on CPU) | "masked" (whole cache +
+    # length mask: fixed shapes, default on CUDA / with compile=True); compile=True wraps the step in
+    # torch.compile.
+
+    engine.geometry            # KVGeometry(num_layers, num_kv_heads, head_dim, max_seq_len, dtype, device)
+    engine.inject(k, v, num_tokens)
+    # k, v: dense [num_layers, num_tokens, num_kv_heads, head_dim] (paged->dense is the transfer layer's job),
+    # copied into cache positions [0, num_tokens).
+
+    gen = engine.generate(first_token_id, num_prompt_tokens, SamplingParams(max_tokens=64, temperature=0.0))
+    for token_id in gen:       # starts WITH first_token_id (sampled by the prefill), then position
+        ...                    # num_prompt_tokens onwards
+    gen.finish_reason          # "stop" | "length" | "abort" (cancelled); gen.token_ids; gen.seq_len
+    gen.cancel()               # or engine.cancel(), or set the threading.Event passed as cancel_event=;
+                               # checked between steps, from any thread
+
+    logits = engine.prefill(token_ids)   # full forward from position 0 writing the cache (tests / fallback);
+                                         # float32 logits [vocab] of the last position
+    engine.capabilities()      # honoured sampling options, max_seq_len, model facts
+
+SamplingParams: max_tokens (counts first_token_id), min_tokens, temperature (0 = greedy), top_p, top_k
+(-1/0 = off), seed (reproducible), stop_token_ids, ignore_eos (eos ids come from config.json and
+generation_config.json), repetition_penalty, presence_penalty, frequency_penalty (over the tokens this
+request produced, like vLLM's output-token penalties; the decode node does not see prompt ids, so
+repetition_penalty covers the prompt only when prompt_token_ids is given). Generation also stops when
+prompt + output reaches max_seq_len ("length").
+
+The loop reads exactly one value from the device per token (the token id itself); sampling, penalties and
+the next input stay on the device, step buffers are reused.
+"""
+
+from .cache import KVGeometry, StaticKVCache
+from .engine import DecodeEngine, Generation, parse_dtype
+from .sampling import HONOURED_SAMPLING_OPTIONS, SamplingParams
+
+__all__ = [
+    "DecodeEngine",
+    "Generation",
+    "HONOURED_SAMPLING_OPTIONS",
+    "KVGeometry",
+    "SamplingParams",
+    "StaticKVCache",
+    "parse_dtype",
+]

@@ -1,0 +1,148 @@
+"""Sampling parameters and a per-request sampler that never syncs with the host.
+
+Order of operations follows vLLM's V1 sampler: float32 logits -> min_tokens (stop ids masked) ->
+penalties (repetition, frequency, presence; over the tokens THIS request has produced, first token
+included) -> greedy argmax when temperature == 0, else temperature -> top-k / top-p -> sample with the
+exponential-race trick (argmax(probs / Exp(1)), no torch.multinomial and no host sync).
+
+Deviation from vLLM, by construction: the decode node never sees the prompt's token ids (only its KV),
+so repetition_penalty covers generated tokens unless the caller passes prompt_token_ids.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+_SAMPLING_EPS = 1e-5
+
+HONOURED_SAMPLING_OPTIONS = (
+    "max_tokens",
+    "min_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "stop_token_ids",
+    "ignore_eos",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    prompt_token_ids: tuple[int, ...] = field(default=(), repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        object.__setattr__(self, "prompt_token_ids", tuple(int(t) for t in self.prompt_token_ids))
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1 (it counts the first token), got {self.max_tokens}")
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be -1 (off), 0 (off) or >= 1, got {self.top_k}")
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < _SAMPLING_EPS
+
+    def check_vocab(self, vocab_size: int) -> None:
+        for name in ("stop_token_ids", "prompt_token_ids"):
+            bad = [t for t in getattr(self, name) if not 0 <= t < vocab_size]
+            if bad:
+                raise ValueError(f"{name} outside the vocabulary [0, {vocab_size}): {bad[:5]}")
+
+
+class Sampler:
+    """Per-request device state: output token counts, RNG, stop-id mask. `sample` returns a [1] long tensor."""
+
+    def __init__(
+        self, params: SamplingParams, vocab_size: int, eos_token_ids: tuple[int, ...], device: torch.device
+    ) -> None:
+        self.params = params
+        self.vocab_size = vocab_size
+        self.device = device
+        self.stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
+        self._min_tokens_ids = (
+            torch.tensor(sorted(self.stop_ids), dtype=torch.long, device=device)
+            if params.min_tokens > 1 and self.stop_ids
+            else None
+        )
+        self._use_counts = params.presence_penalty != 0 or params.frequency_penalty != 0
+        self._use_rep = params.repetition_penalty != 1.0
+        self.counts = torch.zeros(vocab_size, dtype=torch.float32, device=device)
+        self._ones = torch.ones(1, dtype=torch.float32, device=device)
+        self.prompt_mask = torch.zeros(vocab_size, dtype=torch.bool, device=device)
+        if params.prompt_token_ids and self._use_rep:
+            ids = torch.tensor(params.prompt_token_ids, dtype=torch.long, device=device)
+            self.prompt_mask[ids] = True
+        self.generator: torch.Generator | None = None
+        if not params.greedy and params.seed is not None:
+            self.generator = torch.Generator(device=device)
+            self.generator.manual_seed(params.seed)
+        self._top_k = params.top_k if 0 < params.top_k < vocab_size else 0
+        self._top_p = params.top_p if params.top_p < 1.0 else 0.0
+
+    def observe(self, token: torch.Tensor) -> None:
+        """Record an output token (a [1] long device tensor) for the penalties."""
+        if self._use_counts or self._use_rep:
+            self.counts.index_add_(0, token, self._ones)
+
+    def sample(self, logits: torch.Tensor, num_output_tokens: int) -> torch.Tensor:
+        """logits: [vocab] float32 for the next position; num_output_tokens already produced (host int)."""
+        p = self.params
+        if self._min_tokens_ids is not None and num_output_tokens < p.min_tokens:
+            logits = logits.index_fill(0, self._min_tokens_ids, float("-inf"))
+        if self._use_rep:
+            seen = (self.counts > 0) | self.prompt_mask
+            penalised = torch.where(logits > 0, logits / p.repetition_penalty, logits * p.repetition_penalty)
+            logits = torch.where(seen, penalised, logits)
+        if self._use_counts:
+            logits = logits - p.frequency_penalty * self.counts - p.presence_penalty * (self.counts > 0)
+        if p.greedy:
+            return logits.argmax(dim=-1, keepdim=True)
+        logits = logits / p.temperature
+        if self._top_k or self._top_p:
+            logits = _top_k_top_p(logits, self._top_k, self._top_p)
+        probs = logits.softmax(dim=-1)
+        q = torch.empty_like(probs).exponential_(generator=self.generator)
+        return probs.div(q).argmax(dim=-1, keepdim=True)
+
+
+def _top_k_top_p(logits: torch.Tensor, k: int, p: float) -> torch.Tensor:
+    """vLLM's apply_top_k_top_p for one row (k=0 / p=0.0 mean off)."""
+    sorted_logits, idx = logits.sort(dim=-1, descending=False)
+    if k:
+        kth = sorted_logits[-k]
+        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
+    if p:
+        cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        drop = cum <= 1 - p
+        drop[-1] = False
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(0, idx, sorted_logits)
