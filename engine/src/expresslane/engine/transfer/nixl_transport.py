@@ -1,0 +1,138 @@
+"""A thin, thread-safe wrapper over one NIXL agent: register a region, WRITE into a peer, read notifs."""
+
+from __future__ import annotations
+
+import base64
+import logging
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+
+import torch
+
+from expresslane.engine.transfer.errors import SendError
+
+logger = logging.getLogger(__name__)
+
+# Large writes are split into descriptors of at most this size (lets UCX pipeline/parallelise lanes).
+_MAX_DESC_BYTES = 64 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class Region:
+    """A registered memory region as advertised to peers."""
+
+    addr: int
+    nbytes: int
+    dev_id: int
+    mem_type: str  # "DRAM" | "VRAM"
+
+    def to_wire(self) -> dict:
+        return {"addr": self.addr, "nbytes": self.nbytes, "dev_id": self.dev_id, "mem_type": self.mem_type}
+
+    @classmethod
+    def from_wire(cls, d: dict) -> "Region":
+        return cls(int(d["addr"]), int(d["nbytes"]), int(d["dev_id"]), str(d["mem_type"]))
+
+
+def region_of(tensor: torch.Tensor) -> Region:
+    if not tensor.is_contiguous():
+        raise ValueError("NIXL regions must be contiguous tensors")
+    dev = tensor.get_device()
+    return Region(
+        addr=tensor.data_ptr(),
+        nbytes=tensor.numel() * tensor.element_size(),
+        dev_id=max(dev, 0),
+        mem_type="DRAM" if dev < 0 else "VRAM",
+    )
+
+
+def _descs(addr: int, nbytes: int, dev_id: int) -> list[tuple[int, int, int]]:
+    return [(addr + off, min(_MAX_DESC_BYTES, nbytes - off), dev_id) for off in range(0, nbytes, _MAX_DESC_BYTES)]
+
+
+class NixlEndpoint:
+    """One NIXL agent (UCX by default). All agent calls are serialised by one lock."""
+
+    def __init__(self, name_prefix: str, backends: tuple[str, ...] = ("UCX",)) -> None:
+        try:
+            from nixl._api import nixl_agent, nixl_agent_config
+        except ImportError as e:  # fail loudly: the express lane cannot work without NIXL
+            raise RuntimeError(
+                "expresslane needs NIXL for the KV data plane: pip install 'expresslane-engine[nixl]' (nixl>=1.5)"
+            ) from e
+        self.name = f"{name_prefix}-{uuid.uuid4().hex[:8]}"
+        self.backends = list(backends)
+        self._agent = nixl_agent(self.name, nixl_agent_config(backends=self.backends))
+        self._lock = threading.Lock()
+        self._remotes: dict[str, str] = {}
+        self._notifs: set[bytes] = set()
+        self._registered: list = []
+
+    def register(self, tensor: torch.Tensor) -> Region:
+        region = region_of(tensor)
+        with self._lock:
+            self._registered.append(self._agent.register_memory(tensor))
+        return region
+
+    def metadata_b64(self) -> str:
+        with self._lock:
+            return base64.b64encode(self._agent.get_agent_metadata()).decode()
+
+    def ensure_remote(self, agent_name: str, metadata_b64: str) -> str:
+        with self._lock:
+            if agent_name not in self._remotes:
+                self._remotes[agent_name] = self._agent.add_remote_agent(base64.b64decode(metadata_b64))
+            return self._remotes[agent_name]
+
+    def write(
+        self, *, local: Region, local_offset: int, nbytes: int, remote_agent: str, remote: Region,
+        remote_offset: int, notif: bytes, timeout_s: float,
+    ) -> None:
+        """One-sided WRITE of ``nbytes`` and wait for completion. Raises SendError("nixl"|"write_timeout")."""
+        if local_offset + nbytes > local.nbytes or remote_offset + nbytes > remote.nbytes:
+            raise SendError("bad_request", f"write of {nbytes} B does not fit the registered regions")
+        with self._lock:
+            ldesc = self._agent.get_xfer_descs(_descs(local.addr + local_offset, nbytes, local.dev_id), local.mem_type)
+            rdesc = self._agent.get_xfer_descs(_descs(remote.addr + remote_offset, nbytes, remote.dev_id),
+                                               remote.mem_type)
+            handle = self._agent.initialize_xfer("WRITE", ldesc, rdesc, remote_agent, notif)
+            state = self._agent.transfer(handle)
+        try:
+            deadline = time.monotonic() + timeout_s
+            sleep = 0.0
+            while state == "PROC":
+                if time.monotonic() > deadline:
+                    raise SendError("write_timeout", f"NIXL WRITE of {nbytes} B not done after {timeout_s}s")
+                if sleep:
+                    time.sleep(sleep)
+                sleep = min(max(sleep * 2, 1e-5), 1e-3)
+                with self._lock:
+                    state = self._agent.check_xfer_state(handle)
+            if state != "DONE":
+                raise SendError("nixl", f"NIXL WRITE failed with state {state}")
+        finally:
+            with self._lock:
+                try:
+                    self._agent.release_xfer_handle(handle)
+                except Exception:  # a handle still in flight cannot be released; the agent reaps it
+                    logger.warning("could not release NIXL xfer handle", exc_info=True)
+
+    def wait_notif(self, msg: bytes, timeout_s: float) -> bool:
+        """Wait until the notification ``msg`` (attached to a WRITE) arrived at this agent."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with self._lock:
+                for msgs in self._agent.get_new_notifs().values():
+                    self._notifs.update(msgs)
+                if msg in self._notifs:
+                    self._notifs.discard(msg)
+                    return True
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.0005)
+
+    def discard_notifs(self, prefix: bytes) -> None:
+        with self._lock:
+            self._notifs = {m for m in self._notifs if not m.startswith(prefix)}
