@@ -1,0 +1,48 @@
+"""`python -m expresslane.router --config FILE`: the only place the router reads the environment.
+
+The YAML config is interpolated with `os.environ` (`${VAR:-default}`), validated into one typed
+`RouterConfig`, and served with uvicorn on `listen.host:listen.port` (`--host/--port` override).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from .config import ConfigError, load_config
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m expresslane.router", description=__doc__.splitlines()[0])
+    ap.add_argument("--config", required=True, help="router YAML (see compose/config/router.yaml)")
+    ap.add_argument("--host", help="override listen.host")
+    ap.add_argument("--port", type=int, help="override listen.port")
+    ap.add_argument("--log-level", default=os.environ.get("LOG_LEVEL", "info"))
+    ap.add_argument("--check", action="store_true", help="validate the config, print it, and exit")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    try:
+        config = load_config(args.config, os.environ)
+    except ConfigError as e:
+        print(f"expresslane.router: {e}", file=sys.stderr)
+        return 2
+    if args.check:
+        print(config.model_dump_json(indent=2, exclude={"api_key"}))
+        return 0
+    import uvicorn
+
+    from .app import create_app
+
+    uvicorn.run(create_app(config), host=args.host or config.listen.host, port=args.port or config.listen.port,
+                log_level=args.log_level.lower(), access_log=False)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

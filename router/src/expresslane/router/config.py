@@ -1,0 +1,262 @@
+"""The router's one typed configuration, loaded from YAML with `${VAR:-default}` interpolation.
+
+The environment is read in exactly one place: the entrypoint passes `os.environ` to `load_config`.
+Everything below that works on the typed `RouterConfig`.
+
+Interpolation (applied to the raw YAML text before parsing, so unquoted values keep their YAML type:
+`port: ${PORT:-8080}` is an int, `"${HOST:-x}"` a string; full-line `#` comments are left alone):
+  `${VAR}`            value of VAR; an error if VAR is unset (fail loudly, not with an empty string)
+  `${VAR:-default}`   VAR if set and non-empty, else `default`
+  `${VAR-default}`    VAR if set (even empty), else `default`
+  `$$`                a literal `$`
+
+Schema (see compose/config/router.yaml for a commented example):
+  listen:        {host, port}
+  api_key:       optional bearer token for /v1/*; empty = auth off
+  prefill:       {url, model}            the stock vLLM prefill server and the model name it serves
+  tokenizer_dir: model directory (tokenizer.json, generation_config.json); needed by express pools
+  max_model_len: optional; default max_tokens on the express lane = max_model_len - prompt_tokens.
+                 Unset = asked once from the prefill's /v1/models.
+  timeouts:      {connect_s, prefill_s, decode_s, kv_wait_s, cancel_s}
+  pools:         name -> native pool {kind: native, nodes: [url...], model?}
+                      | express pool {kind: expresslane|tilert, nodes: [{url, ctrl_host, ctrl_port}],
+                                      queue: {max_waiting, max_wait_s, when_full, spill_to, retry_after_s},
+                                      busy_retries}
+  aliases:       alias -> {pool, queue?}   (the alias is the `model` clients send; `queue` overrides the
+                                            pool's queue policy for this alias)
+  lanes:         optional {native: pool, express: pool}: the pool an `X-Lane` header override uses when
+                 the alias's own pool is of the other lane (default: the first pool of that lane).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Annotated, Literal, Union
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+__all__ = [
+    "ConfigError",
+    "ExpressNode",
+    "ExpressPool",
+    "Lane",
+    "NativePool",
+    "QueueConfig",
+    "RouterConfig",
+    "interpolate",
+    "load_config",
+    "parse_config",
+]
+
+Lane = Literal["native", "express"]
+LANES: tuple[str, ...] = ("native", "express")
+
+
+class ConfigError(ValueError):
+    """The router configuration is unusable; the message says which key and why."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+def _strip_url(url: str) -> str:
+    url = url.strip().rstrip("/")
+    if not re.match(r"^https?://[^/\s]+", url):
+        raise ValueError(f"{url!r} is not an http(s) URL")
+    return url
+
+
+class Listen(_Strict):
+    host: str = "0.0.0.0"
+    port: int = Field(8080, ge=0, le=65535)
+
+
+class Prefill(_Strict):
+    url: str
+    model: str = Field(min_length=1)
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, v: str) -> str:
+        return _strip_url(v)
+
+
+class Timeouts(_Strict):
+    connect_s: float = Field(5.0, gt=0)
+    prefill_s: float = Field(300.0, gt=0)
+    decode_s: float = Field(600.0, gt=0)
+    # `timeout_s` sent to an express node: how long it waits for the KV to arrive.
+    kv_wait_s: float = Field(120.0, gt=0)
+    # Budget for POST /pd/cancel on client disconnect (the node is released after it either way).
+    cancel_s: float = Field(1.0, gt=0)
+
+
+class QueueConfig(_Strict):
+    """What an express request does while every node of its pool is busy."""
+
+    max_waiting: int = Field(16, ge=0)
+    max_wait_s: float = Field(10.0, ge=0)
+    when_full: Literal["spill", "reject"] = "reject"
+    spill_to: str | None = None
+    retry_after_s: int = Field(1, ge=0)
+
+    @model_validator(mode="after")
+    def _spill_needs_target(self) -> "QueueConfig":
+        if self.when_full == "spill" and not self.spill_to:
+            raise ValueError("when_full: spill needs spill_to (a native pool)")
+        return self
+
+
+class NativePool(_Strict):
+    kind: Literal["native"]
+    nodes: list[str] = Field(min_length=1)
+    model: str | None = None  # the name the decode nodes serve; default: prefill.model
+
+    @field_validator("nodes")
+    @classmethod
+    def _nodes(cls, v: list[str]) -> list[str]:
+        return [_strip_url(u) for u in v]
+
+    @property
+    def lane(self) -> Lane:
+        return "native"
+
+
+class ExpressNode(_Strict):
+    url: str  # HTTP base of the node's /pd/* contract
+    ctrl_host: str = Field(min_length=1)  # where the prefill's connector reaches its control plane
+    ctrl_port: int = Field(ge=1, le=65535)
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, v: str) -> str:
+        return _strip_url(v)
+
+    @property
+    def name(self) -> str:
+        return self.url.split("://", 1)[1]
+
+
+class ExpressPool(_Strict):
+    kind: Literal["expresslane", "tilert"]
+    nodes: list[ExpressNode] = Field(min_length=1)
+    queue: QueueConfig = QueueConfig()
+    busy_retries: int = Field(3, ge=0)  # node answered 429: requeue at most this many times
+
+    @property
+    def lane(self) -> Lane:
+        return "express"
+
+
+Pool = Annotated[Union[NativePool, ExpressPool], Field(discriminator="kind")]
+
+
+class Alias(_Strict):
+    pool: str
+    queue: QueueConfig | None = None
+
+
+class RouterConfig(_Strict):
+    listen: Listen = Listen()
+    api_key: str = ""
+    prefill: Prefill
+    tokenizer_dir: str | None = None
+    max_model_len: int | None = Field(None, gt=0)
+    timeouts: Timeouts = Timeouts()
+    pools: dict[str, Pool] = Field(min_length=1)
+    aliases: dict[str, Alias] = Field(min_length=1)
+    lanes: dict[Lane, str] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _check_references(self) -> "RouterConfig":
+        for name, alias in self.aliases.items():
+            if alias.pool not in self.pools:
+                raise ValueError(f"alias {name!r}: unknown pool {alias.pool!r} (pools: {sorted(self.pools)})")
+            if alias.queue is not None and self.pools[alias.pool].lane != "express":
+                raise ValueError(f"alias {name!r}: a queue policy only applies to an express pool")
+        for lane, pool in self.lanes.items():
+            if pool not in self.pools or self.pools[pool].lane != lane:
+                raise ValueError(f"lanes.{lane}: {pool!r} is not a configured {lane} pool")
+        queues = [(f"pools.{n}.queue", p.queue) for n, p in self.pools.items() if isinstance(p, ExpressPool)]
+        queues += [(f"aliases.{n}.queue", a.queue) for n, a in self.aliases.items() if a.queue is not None]
+        for where, q in queues:
+            if q.spill_to is not None:
+                target = self.pools.get(q.spill_to)
+                if target is None or target.lane != "native":
+                    raise ValueError(f"{where}.spill_to: {q.spill_to!r} is not a configured native pool")
+        if any(p.lane == "express" for p in self.pools.values()) and not self.tokenizer_dir:
+            raise ValueError("an express pool needs tokenizer_dir (the router detokenizes the express lane)")
+        return self
+
+    # ---- lookups used by the app ------------------------------------------------------------
+    def lane_pool(self, lane: str) -> str | None:
+        """The pool an `X-Lane: <lane>` override lands on when the alias's own pool is the other lane."""
+        if lane in self.lanes:
+            return self.lanes[lane]
+        return next((n for n, p in self.pools.items() if p.lane == lane), None)
+
+    def queue_for(self, alias: str | None, pool: str) -> QueueConfig:
+        a = self.aliases.get(alias) if alias else None
+        if a is not None and a.queue is not None and a.pool == pool:
+            return a.queue
+        p = self.pools[pool]
+        return p.queue if isinstance(p, ExpressPool) else QueueConfig()
+
+    def native_model(self, pool: str) -> str:
+        p = self.pools[pool]
+        return (p.model if isinstance(p, NativePool) and p.model else None) or self.prefill.model
+
+
+_VAR = re.compile(r"\$\$|\$\{(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?:(?P<op>:?-)(?P<default>[^}]*))?\}")
+
+
+def interpolate(text: str, env: Mapping[str, str]) -> str:
+    """Compose-style `${VAR}`, `${VAR:-default}`, `${VAR-default}` and `$$` substitution."""
+
+    def sub(m: re.Match[str]) -> str:
+        if m.group(0) == "$$":
+            return "$"
+        name, op, default = m.group("name"), m.group("op"), m.group("default")
+        value = env.get(name)
+        if op == ":-":
+            return value if value else default
+        if op == "-":
+            return value if value is not None else default
+        if value is None:
+            raise ConfigError(f"${{{name}}} is not set (write ${{{name}:-default}} to give a default)")
+        return value
+
+    return "".join(line if line.lstrip().startswith("#") else _VAR.sub(sub, line)
+                   for line in text.splitlines(keepends=True))
+
+
+def parse_config(data: object, *, source: str = "<config>") -> RouterConfig:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: the top level must be a mapping, got {type(data).__name__}")
+    try:
+        return RouterConfig.model_validate(data)
+    except ValidationError as e:
+        lines = []
+        for err in e.errors():
+            loc = ".".join(str(p) for p in err["loc"]) or "(top level)"
+            lines.append(f"  {loc}: {err['msg']}")
+        raise ConfigError(f"{source}: invalid router config:\n" + "\n".join(lines)) from None
+
+
+def load_config(path: str | Path, env: Mapping[str, str]) -> RouterConfig:
+    """Read `path`, interpolate it with `env`, validate it. Errors name the file and the key."""
+    path = Path(path)
+    try:
+        raw = path.read_text()
+    except OSError as e:
+        raise ConfigError(f"cannot read router config {path}: {e}") from None
+    text = interpolate(raw, env)
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML after interpolation: {e}") from None
+    return parse_config(data, source=str(path))

@@ -1,0 +1,189 @@
+"""Express-lane detokenization: token ids from the decode node -> text deltas, stop rules, finish reason.
+
+`IncrementalDetokenizer` is the prefix/read-offset scheme of vLLM's incremental detokenizer: decode a
+small window twice and emit only what the newest tokens added, holding back text that still ends in
+U+FFFD (a multi-byte character split across tokens). It is primed with the tail of the prompt so the
+first generated token gets the same leading-space treatment it gets inside vLLM.
+
+`OutputAssembler` applies vLLM's finishing rules on top: EOS (unless `ignore_eos`) and
+`stop_token_ids` finish with "stop" (their text is not emitted unless `include_stop_str_in_output`),
+stop strings truncate the text and finish with "stop" (text that could still become a stop string is
+held back while streaming), `max_tokens` finishes with "length"; `min_tokens` suppresses all of them.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+__all__ = ["IncrementalDetokenizer", "ModelText", "OutputAssembler", "load_model_text"]
+
+_REPLACEMENT = "\ufffd"
+_PRIME_MIN, _PRIME_MAX = 5, 24
+
+
+class Tokenizer(Protocol):
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
+
+
+@dataclass(frozen=True)
+class ModelText:
+    """What the router needs from the model directory: the tokenizer, EOS ids, sampling defaults."""
+
+    tokenizer: Any
+    eos_token_ids: frozenset[int] = frozenset()
+    generation_defaults: dict[str, Any] = field(default_factory=dict)
+
+
+_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "repetition_penalty")
+
+
+def _ids(value: Any) -> set[int]:
+    if isinstance(value, int):
+        return {value}
+    if isinstance(value, list):
+        return {v for v in value if isinstance(v, int)}
+    return set()
+
+
+def load_model_text(model_dir: str | Path) -> ModelText:
+    """Load tokenizer.json (with the `tokenizers` library) and the EOS ids / sampling defaults that
+    vLLM itself would use (generation_config.json, config.json, tokenizer_config.json)."""
+    from tokenizers import Tokenizer as HFTokenizer
+
+    d = Path(model_dir)
+    tok_file = d / "tokenizer.json"
+    if not tok_file.is_file():
+        raise FileNotFoundError(f"tokenizer_dir {d}: no tokenizer.json (the express lane detokenizes with it)")
+    tokenizer = HFTokenizer.from_file(str(tok_file))
+
+    def read(name: str) -> dict:
+        p = d / name
+        if not p.is_file():
+            return {}
+        data = json.loads(p.read_text())
+        return data if isinstance(data, dict) else {}
+
+    gen, cfg, tcfg = read("generation_config.json"), read("config.json"), read("tokenizer_config.json")
+    eos = _ids(gen.get("eos_token_id")) | _ids(cfg.get("eos_token_id"))
+    eos_tok = tcfg.get("eos_token")
+    if isinstance(eos_tok, dict):
+        eos_tok = eos_tok.get("content")
+    if isinstance(eos_tok, str) and tokenizer.token_to_id(eos_tok) is not None:
+        eos.add(tokenizer.token_to_id(eos_tok))
+    defaults = {k: gen[k] for k in _DEFAULT_KEYS if gen.get(k) is not None}
+    return ModelText(tokenizer, frozenset(eos), defaults)
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = (), *, skip_special_tokens: bool = True):
+        self._tok = tokenizer
+        self._skip = skip_special_tokens
+        self.tokens: list[int] = self._prime(list(prompt_ids))
+        self._prefix = 0
+        self._read = len(self.tokens)
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=self._skip)
+
+    def _prime(self, prompt: list[int]) -> list[int]:
+        # The shortest prompt tail (>= 5 tokens) that decodes without a split character.
+        for n in range(_PRIME_MIN, min(len(prompt), _PRIME_MAX) + 1):
+            tail = prompt[-n:]
+            if _REPLACEMENT not in self._decode(tail):
+                return tail
+        return prompt[-_PRIME_MIN:] if prompt else []
+
+    def push(self, token_id: int) -> str:
+        """Add one token; return the text it completes ('' while a character is still split)."""
+        self.tokens.append(token_id)
+        prefix_text = self._decode(self.tokens[self._prefix:self._read])
+        new_text = self._decode(self.tokens[self._prefix:])
+        if len(new_text) > len(prefix_text) and not new_text.endswith(_REPLACEMENT):
+            self._prefix, self._read = self._read, len(self.tokens)
+            return new_text[len(prefix_text):]
+        return ""
+
+
+class OutputAssembler:
+    def __init__(self, detok: IncrementalDetokenizer, *, max_tokens: int, stop: Iterable[str] = (),
+                 stop_token_ids: Iterable[int] = (), eos_token_ids: Iterable[int] = (), ignore_eos: bool = False,
+                 min_tokens: int = 0, include_stop_str_in_output: bool = False):
+        self._detok = detok
+        self.max_tokens = max_tokens
+        self.stop = [s for s in stop if s]
+        self.stop_token_ids = set(stop_token_ids)
+        self.eos_token_ids = set() if ignore_eos else set(eos_token_ids)
+        self.min_tokens = min_tokens
+        self.include_stop = include_stop_str_in_output
+        self._hold = 0 if not self.stop or self.include_stop else max(len(s) for s in self.stop) - 1
+        self.token_ids: list[int] = []
+        self.text = ""
+        self._sent = 0
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def push(self, ids: Iterable[int]) -> str:
+        """Consume token ids (ignoring any after the finish); return the text that may be sent now."""
+        for t in ids:
+            if self.finished:
+                break
+            self._push_one(int(t))
+        return self._take()
+
+    def finish(self, node_reason: str | None) -> str:
+        """The node ended the stream: settle the finish reason, return the held-back text."""
+        if not self.finished:
+            if len(self.token_ids) >= self.max_tokens:
+                self.finish_reason = "length"
+            else:
+                self.finish_reason = "length" if node_reason == "length" else "stop"
+        return self._take()
+
+    def _push_one(self, t: int) -> None:
+        self.token_ids.append(t)
+        n = len(self.token_ids)
+        past_min = n > self.min_tokens
+        is_eos = past_min and t in self.eos_token_ids
+        is_stop_id = past_min and t in self.stop_token_ids
+        if is_eos or is_stop_id:
+            if self.include_stop:
+                self.text += self._detok.push(t)
+            self.finish_reason = "stop"
+            self.stop_reason = None if is_eos and not is_stop_id else t
+            return
+        delta = self._detok.push(t)
+        if delta:
+            self.text += delta
+            if self.stop and past_min and self._check_stop_strings(len(delta)):
+                return
+        if n >= self.max_tokens:
+            self.finish_reason = "length"
+
+    def _check_stop_strings(self, new_chars: int) -> bool:
+        for s in self.stop:
+            idx = self.text.find(s, max(0, len(self.text) - new_chars - len(s) + 1))
+            if idx == -1:
+                continue
+            if self.include_stop:
+                idx += len(s)
+            self.text = self.text[:idx]
+            self.finish_reason = "stop"
+            self.stop_reason = s
+            return True
+        return False
+
+    def _take(self) -> str:
+        end = len(self.text) if self.finished else len(self.text) - self._hold
+        if end <= self._sent:
+            return ""
+        out = self.text[self._sent:end]
+        self._sent = end
+        return out

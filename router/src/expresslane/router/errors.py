@@ -1,0 +1,139 @@
+"""The router's exception hierarchy, drawn once: each class is one HTTP status and one OpenAI-style body.
+
+    RouterError (500 internal_error)
+    +-- BadRequest (400 invalid_request_error)
+    +-- Unauthorized (401 authentication_error)
+    +-- ModelNotFound (404 invalid_request_error / model_not_found)
+    +-- LaneBusy (429 rate_limit_error / express_lane_busy, with Retry-After)
+    +-- UpstreamRejected (the upstream's own 4xx, relayed byte for byte)
+    +-- UpstreamError (502 upstream_error: the upstream answered, but not usefully)
+    |   +-- UpstreamUnavailable (503 service_unavailable: connect refused, upstream 503)
+    |   +-- UpstreamTimeout (504 timeout: no answer in time, KV never reached the node)
+    +-- ClientGone (the client disconnected; nothing is sent)
+
+Body: `{"error": {"message", "type", "param", "code"}}` like OpenAI and vLLM.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+__all__ = [
+    "BadRequest",
+    "ClientGone",
+    "LaneBusy",
+    "ModelNotFound",
+    "RouterError",
+    "Unauthorized",
+    "UpstreamError",
+    "UpstreamRejected",
+    "UpstreamTimeout",
+    "UpstreamUnavailable",
+    "error_body",
+]
+
+
+def error_body(message: str, type_: str, *, param: str | None = None, code: Any = None) -> dict:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+class RouterError(Exception):
+    status: int = 500
+    type: str = "internal_error"
+    code: Any = None
+
+    def __init__(self, message: str, *, param: str | None = None, code: Any = None,
+                 headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        if code is not None:
+            self.code = code
+        self.headers = dict(headers or {})
+
+    def body(self) -> dict:
+        return error_body(self.message, self.type, param=self.param, code=self.code)
+
+    def render(self) -> tuple[int, bytes, dict[str, str]]:
+        """(status, body bytes, headers) of the HTTP reply for this error."""
+        return self.status, json.dumps(self.body()).encode(), {"content-type": "application/json", **self.headers}
+
+
+class BadRequest(RouterError):
+    status = 400
+    type = "invalid_request_error"
+
+
+class Unauthorized(RouterError):
+    status = 401
+    type = "authentication_error"
+    code = "invalid_api_key"
+
+
+class ModelNotFound(RouterError):
+    status = 404
+    type = "invalid_request_error"
+    code = "model_not_found"
+
+
+class LaneBusy(RouterError):
+    """Every express node is busy and the queue is full or waited too long (policy `reject`)."""
+
+    status = 429
+    type = "rate_limit_error"
+    code = "express_lane_busy"
+
+    def __init__(self, message: str, *, retry_after_s: int, reason: str):
+        super().__init__(message, headers={"retry-after": str(retry_after_s)})
+        self.reason = reason
+
+
+class UpstreamRejected(RouterError):
+    """vLLM (or a node) refused the request with a 4xx: the client gets that reply unchanged."""
+
+    def __init__(self, status: int, content: bytes, content_type: str | None, *, stage: str):
+        super().__init__(f"{stage} upstream answered {status}")
+        self.status = status
+        self.content = content
+        self.content_type = content_type or "application/json"
+        self.stage = stage
+
+    def body(self) -> dict:
+        try:
+            parsed = json.loads(self.content)
+        except ValueError:
+            parsed = None
+        if isinstance(parsed, dict) and isinstance(parsed.get("error"), dict):
+            return parsed
+        return error_body(self.content.decode("utf-8", "replace") or self.message, "invalid_request_error")
+
+    def render(self) -> tuple[int, bytes, dict[str, str]]:
+        return self.status, self.content, {"content-type": self.content_type}
+
+
+class UpstreamError(RouterError):
+    status = 502
+    type = "upstream_error"
+
+    def __init__(self, message: str, *, stage: str, kind: str = "bad_reply", **kw: Any):
+        super().__init__(message, **kw)
+        self.stage = stage  # prefill | decode | express_decode | ...
+        self.kind = kind  # metric label: bad_reply | connect | timeout | http_5xx | ...
+
+
+class UpstreamUnavailable(UpstreamError):
+    status = 503
+    type = "service_unavailable"
+
+
+class UpstreamTimeout(UpstreamError):
+    status = 504
+    type = "timeout"
+
+
+class ClientGone(RouterError):
+    """The client went away; the reply is never seen (status 499 in metrics, like nginx)."""
+
+    status = 499
+    type = "client_closed_request"

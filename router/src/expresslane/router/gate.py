@@ -1,0 +1,137 @@
+"""Express node gate: at most ONE request in flight per node, and a bounded FIFO queue in front.
+
+`NodeGate.acquire(max_waiting, max_wait_s)` returns a `Lease` on a free node, waiting in FIFO order
+behind earlier requests when all nodes are busy. It raises `QueueFull` at once when `max_waiting`
+requests already wait, and `QueueTimeout` after `max_wait_s`. A released node goes straight to the
+oldest waiter. A waiter that is cancelled (client gone) or times out just as a node was handed to it
+passes the node on, so no node is ever lost. `Lease.release()` is idempotent and synchronous, so it is
+safe in every `finally`, even inside a cancelled task.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import Generic, TypeVar
+
+__all__ = ["Lease", "NodeGate", "QueueFull", "QueueTimeout"]
+
+N = TypeVar("N")
+
+
+class QueueFull(Exception):
+    """`max_waiting` requests already wait for a node."""
+
+    reason = "queue_full"
+
+
+class QueueTimeout(Exception):
+    """No node became free within `max_wait_s`."""
+
+    reason = "queue_timeout"
+
+
+class Lease(Generic[N]):
+    def __init__(self, gate: "NodeGate[N]", node: N, waited_s: float):
+        self._gate = gate
+        self.node = node
+        self.waited_s = waited_s
+        self.released = False
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self._gate._release(self.node)
+
+    def __enter__(self) -> "Lease[N]":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+class NodeGate(Generic[N]):
+    def __init__(self, nodes: Sequence[N], *, on_change: Callable[["NodeGate[N]"], None] | None = None,
+                 clock: Callable[[], float] = time.monotonic):
+        if not nodes:
+            raise ValueError("a gate needs at least one node")
+        self.nodes = list(nodes)
+        self._free: deque[N] = deque(self.nodes)  # least recently used first
+        self._busy: set[int] = set()
+        self._waiters: deque[asyncio.Future[N]] = deque()
+        self._on_change = on_change
+        self._clock = clock
+
+    # ---- state ---------------------------------------------------------------------------
+    @property
+    def waiting(self) -> int:
+        return sum(1 for w in self._waiters if not w.done())
+
+    def is_busy(self, node: N) -> bool:
+        return id(node) in self._busy
+
+    @property
+    def busy_count(self) -> int:
+        return len(self._busy)
+
+    # ---- acquire / release -------------------------------------------------------------------
+    def try_acquire(self) -> Lease[N] | None:
+        if self._free and not self.waiting:
+            return self._take(self._free.popleft(), 0.0)
+        return None
+
+    async def acquire(self, *, max_waiting: int, max_wait_s: float) -> Lease[N]:
+        lease = self.try_acquire()
+        if lease is not None:
+            return lease
+        if self.waiting >= max_waiting:
+            raise QueueFull(f"{self.waiting} requests already wait (max_waiting={max_waiting})")
+        t0 = self._clock()
+        fut: asyncio.Future[N] = asyncio.get_running_loop().create_future()
+        self._waiters.append(fut)
+        self._changed()
+        try:
+            async with asyncio.timeout(max_wait_s):
+                node = await asyncio.shield(fut)
+        except BaseException as exc:
+            if fut.done() and not fut.cancelled():
+                # A node was handed over in the same instant we gave up: pass it on.
+                self._release(fut.result())
+            else:
+                fut.cancel()
+            self._prune()
+            self._changed()
+            if isinstance(exc, TimeoutError):
+                raise QueueTimeout(f"no node became free within {max_wait_s:g}s") from None
+            raise
+        self._prune()
+        return self._take(node, self._clock() - t0, already_busy=True)
+
+    def _take(self, node: N, waited_s: float, *, already_busy: bool = False) -> Lease[N]:
+        if not already_busy:
+            self._busy.add(id(node))
+        self._changed()
+        return Lease(self, node, waited_s)
+
+    def _release(self, node: N) -> None:
+        while self._waiters:
+            w = self._waiters.popleft()
+            if not w.done():
+                w.set_result(node)  # stays busy: ownership moves to the waiter
+                self._changed()
+                return
+        self._busy.discard(id(node))
+        self._free.append(node)
+        self._changed()
+
+    def _prune(self) -> None:
+        while self._waiters and self._waiters[0].done():
+            self._waiters.popleft()
+        if any(w.done() for w in self._waiters):
+            self._waiters = deque(w for w in self._waiters if not w.done())
+
+    def _changed(self) -> None:
+        if self._on_change is not None:
+            self._on_change(self)

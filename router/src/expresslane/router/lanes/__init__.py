@@ -1,0 +1,1 @@
+"""The two decode lanes: native (stock vLLM NixlConnector pool) and express (TileRT HTTP contract)."""

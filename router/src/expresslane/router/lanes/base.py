@@ -1,0 +1,79 @@
+"""What both lanes share: the per-app context, shielded cleanup, and a stream that always cleans up."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+import httpx
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from ..config import RouterConfig
+from ..errors import RouterError, UpstreamError
+from ..metrics import RequestRecord, RouterMetrics
+
+__all__ = ["LaneContext", "ManagedStream", "count_upstream_error", "shielded"]
+
+log = logging.getLogger("expresslane.router")
+
+
+@dataclass
+class LaneContext:
+    config: RouterConfig
+    client: httpx.AsyncClient
+    metrics: RouterMetrics
+    clock: Callable[[], float]
+
+    def timeout(self, read_s: float) -> httpx.Timeout:
+        return httpx.Timeout(read_s, connect=self.config.timeouts.connect_s)
+
+
+def count_upstream_error(ctx: LaneContext, lane: str, err: RouterError) -> None:
+    if isinstance(err, UpstreamError):
+        ctx.metrics.upstream_errors.labels(lane, err.stage, err.kind).inc()
+
+
+async def shielded(aw: Awaitable[Any]) -> None:
+    """Await cleanup even inside a cancelled task or scope; never raises."""
+    with anyio.CancelScope(shield=True):
+        try:
+            await aw
+        except Exception:  # cleanup must not mask the original outcome
+            log.exception("cleanup failed")
+
+
+class ManagedStream(StreamingResponse):
+    """A StreamingResponse whose `on_close` runs on EVERY exit: normal end, client disconnect,
+    cancellation, or an exception before the first byte. `record` gets status 499 if the body did
+    not run to its end."""
+
+    def __init__(self, content: AsyncIterator[bytes], *, on_close: Callable[[], Awaitable[Any]],
+                 record: RequestRecord, headers: dict[str, str] | None = None):
+        super().__init__(content, media_type="text/event-stream", headers=headers)
+        self._on_close = on_close
+        self._record = record
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            aclose = getattr(self.body_iterator, "aclose", None)
+            if aclose is not None:
+                await shielded(aclose())
+            await shielded(self._on_close())
+            self._record.finish(499)
+
+
+@contextlib.asynccontextmanager
+async def closing_on_error(stack: contextlib.AsyncExitStack) -> AsyncIterator[None]:
+    """Close `stack` (shielded) if the body raises or is cancelled; leave it open on success."""
+    try:
+        yield
+    except BaseException:
+        await shielded(stack.aclose())
+        raise

@@ -1,0 +1,115 @@
+"""Router metrics: one `CollectorRegistry` per app, built in the factory and passed down.
+
+Every series is prefixed `expresslane_router_` and names its unit. Label sets for the configured
+pools, nodes, lanes and aliases are created up front so dashboards show zeros, not "No data".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from .config import LANES, ExpressPool, RouterConfig
+
+__all__ = ["RequestRecord", "RouterMetrics", "node_label"]
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1, 2.5)
+_TPS_BUCKETS = (1, 5, 10, 25, 50, 75, 100, 150, 200, 300, 400, 600, 800, 1200, 2000)
+_QUEUE_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60)
+
+P = "expresslane_router_"
+
+
+def node_label(url: str) -> str:
+    return url.split("://", 1)[-1]
+
+
+class RouterMetrics:
+    def __init__(self, config: RouterConfig, registry: CollectorRegistry | None = None):
+        self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter(P + "requests_total", "Finished client requests by served lane, alias and HTTP status",
+                                ["lane", "alias", "status"], registry=r)
+        self.ttft = Histogram(P + "time_to_first_token_seconds", "Arrival to first streamed token",
+                              ["lane"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram(P + "inter_token_latency_seconds", "Gap between streamed token chunks",
+                             ["lane"], buckets=_ITL_BUCKETS, registry=r)
+        self.e2e = Histogram(P + "e2e_request_latency_seconds", "Arrival to last byte",
+                             ["lane"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.user_tps = Histogram(P + "user_tokens_per_second",
+                                  "Per-request decode speed: tokens after the first / time after the first",
+                                  ["lane"], buckets=_TPS_BUCKETS, registry=r)
+        self.queue_wait = Histogram(P + "queue_wait_seconds", "Time an express request waited for a node",
+                                    ["lane"], buckets=_QUEUE_BUCKETS, registry=r)
+        self.queue_depth = Gauge(P + "queue_depth", "Requests waiting for an express node", ["pool"], registry=r)
+        self.inflight = Gauge(P + "inflight_requests", "Requests in flight per decode node", ["pool", "node"],
+                              registry=r)
+        self.rejected = Counter(P + "rejected_total", "Express requests refused with 429", ["pool", "reason"],
+                                registry=r)
+        self.spillover = Counter(P + "spillover_total", "Express requests served by their spill pool",
+                                 ["from_pool", "to_pool"], registry=r)
+        self.upstream_errors = Counter(P + "upstream_errors_total", "Failed upstream calls",
+                                       ["lane", "stage", "type"], registry=r)
+        self.generated_tokens = Counter(P + "generated_tokens_total", "Completion tokens returned to clients",
+                                        ["lane"], registry=r)
+        self._precreate(config)
+
+    def _precreate(self, config: RouterConfig) -> None:
+        for lane in LANES:
+            for h in (self.ttft, self.itl, self.e2e, self.user_tps, self.queue_wait):
+                h.labels(lane)
+            self.generated_tokens.labels(lane)
+        for name, pool in config.pools.items():
+            for node in pool.nodes:
+                self.inflight.labels(name, node_label(node if isinstance(node, str) else node.url))
+            if isinstance(pool, ExpressPool):
+                self.queue_depth.labels(name)
+                for reason in ("queue_full", "queue_timeout", "node_busy"):
+                    self.rejected.labels(name, reason)
+                targets = {q.spill_to for q in [pool.queue] + [a.queue for a in config.aliases.values()
+                                                              if a.queue is not None and a.pool == name]}
+                for target in targets - {None}:
+                    self.spillover.labels(name, target)
+        for alias, a in config.aliases.items():
+            self.requests.labels(config.pools[a.pool].lane, alias, "200")
+
+
+class RequestRecord:
+    """One client request's measurements; `finish` records them once (idempotent)."""
+
+    def __init__(self, metrics: RouterMetrics, *, lane: str, alias: str, started: float,
+                 clock: Callable[[], float]):
+        self._m = metrics
+        self.lane = lane
+        self.alias = alias
+        self.started = started
+        self._clock = clock
+        self.first_token_at: float | None = None
+        self.last_token_at: float | None = None
+        self.finished = False
+
+    def token_chunk(self) -> None:
+        """A chunk carrying generated text was sent to the client."""
+        now = self._clock()
+        if self.first_token_at is None:
+            self.first_token_at = now
+            self._m.ttft.labels(self.lane).observe(now - self.started)
+        else:
+            self._m.itl.labels(self.lane).observe(now - (self.last_token_at or now))
+        self.last_token_at = now
+
+    def finish(self, status: int, completion_tokens: int = 0) -> None:
+        if self.finished:
+            return
+        self.finished = True
+        now = self._clock()
+        self._m.requests.labels(self.lane, self.alias, str(status)).inc()
+        self._m.e2e.labels(self.lane).observe(now - self.started)
+        if completion_tokens > 0:
+            self._m.generated_tokens.labels(self.lane).inc(completion_tokens)
+        if (completion_tokens > 1 and self.first_token_at is not None and self.last_token_at is not None
+                and self.last_token_at > self.first_token_at):
+            self._m.user_tps.labels(self.lane).observe(
+                (completion_tokens - 1) / (self.last_token_at - self.first_token_at))

@@ -1,0 +1,97 @@
+"""Calling upstreams (vLLM servers, express nodes) with one error mapping.
+
+connect refused / DNS / pool exhausted -> UpstreamUnavailable (503)
+read/write/connect timeout             -> UpstreamTimeout (504)
+4xx                                    -> UpstreamRejected (relayed unchanged)
+503                                    -> UpstreamUnavailable
+other non-2xx, non-JSON 2xx, bad shape -> UpstreamError (502)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+
+from .errors import UpstreamError, UpstreamRejected, UpstreamTimeout, UpstreamUnavailable
+
+__all__ = ["open_stream", "post_json", "map_transport_error", "check_status", "read_json"]
+
+
+def map_transport_error(exc: httpx.HTTPError, *, stage: str, url: str) -> UpstreamError:
+    if isinstance(exc, httpx.TimeoutException) and not isinstance(exc, httpx.PoolTimeout):
+        return UpstreamTimeout(f"{stage}: {url} did not answer in time ({type(exc).__name__})",
+                               stage=stage, kind="timeout")
+    if isinstance(exc, (httpx.ConnectError, httpx.PoolTimeout)):
+        return UpstreamUnavailable(f"{stage}: cannot connect to {url} ({exc or type(exc).__name__})",
+                                   stage=stage, kind="connect")
+    return UpstreamError(f"{stage}: {url} failed: {type(exc).__name__}: {exc}", stage=stage, kind="transport")
+
+
+async def check_status(resp: httpx.Response, *, stage: str) -> None:
+    """Raise the mapped error for a non-2xx reply (reads the body of a streamed reply first)."""
+    if resp.is_success:
+        return
+    content = await resp.aread()
+    if 400 <= resp.status_code < 500:
+        raise UpstreamRejected(resp.status_code, content, resp.headers.get("content-type"), stage=stage)
+    detail = content[:300].decode("utf-8", "replace")
+    cls = UpstreamUnavailable if resp.status_code == 503 else UpstreamError
+    raise cls(f"{stage}: upstream answered {resp.status_code}: {detail}", stage=stage, kind=f"http_{resp.status_code}")
+
+
+def read_json(resp: httpx.Response, *, stage: str) -> dict[str, Any]:
+    try:
+        data = resp.json()
+    except (ValueError, UnicodeDecodeError):
+        raise UpstreamError(f"{stage}: upstream reply is not JSON", stage=stage) from None
+    if not isinstance(data, dict):
+        raise UpstreamError(f"{stage}: upstream reply is not a JSON object", stage=stage)
+    return data
+
+
+async def post_json(client: httpx.AsyncClient, url: str, body: dict, *, stage: str,
+                    timeout: httpx.Timeout) -> dict[str, Any]:
+    try:
+        resp = await client.post(url, json=body, timeout=timeout)
+    except httpx.HTTPError as e:
+        raise map_transport_error(e, stage=stage, url=url) from None
+    await check_status(resp, stage=stage)
+    return read_json(resp, stage=stage)
+
+
+@contextlib.asynccontextmanager
+async def open_stream(client: httpx.AsyncClient, url: str, body: dict, *, stage: str,
+                      timeout: httpx.Timeout) -> AsyncIterator[httpx.Response]:
+    """POST and yield the 2xx streaming reply (headers received, body unread); closes it on exit."""
+    try:
+        req = client.build_request("POST", url, json=body, timeout=timeout)
+        resp = await client.send(req, stream=True)
+    except httpx.HTTPError as e:
+        raise map_transport_error(e, stage=stage, url=url) from None
+    try:
+        await check_status(resp, stage=stage)
+        yield resp
+    finally:
+        await resp.aclose()
+
+
+async def iter_lines(resp: httpx.Response, *, stage: str, url: str) -> AsyncIterator[str]:
+    try:
+        async for line in resp.aiter_lines():
+            yield line
+    except httpx.HTTPError as e:
+        raise map_transport_error(e, stage=stage, url=url) from None
+
+
+def loads_line(line: str, *, stage: str) -> dict[str, Any]:
+    try:
+        obj = json.loads(line)
+    except ValueError:
+        raise UpstreamError(f"{stage}: bad line from upstream: {line[:200]!r}", stage=stage) from None
+    if not isinstance(obj, dict):
+        raise UpstreamError(f"{stage}: bad line from upstream: {line[:200]!r}", stage=stage)
+    return obj
