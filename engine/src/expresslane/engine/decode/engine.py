@@ -76,7 +76,9 @@ class DecodeEngine:
         # Step buffers reused every decode step.
         self._pos = torch.zeros(1, dtype=torch.long, device=device)
         self._arange = torch.arange(max_seq_len, device=device)
-        self._step = torch.compile(self._decode_step, dynamic=False) if compile else self._decode_step
+        # sliced attention has a growing kv_len: compile it with a symbolic length instead of recompiling.
+        self._step = (torch.compile(self._decode_step, dynamic=attention == "sliced") if compile
+                      else self._decode_step)
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, *, dtype: str | torch.dtype = "float32",
@@ -88,7 +90,7 @@ class DecodeEngine:
             raise ValueError(f"max_seq_len must be >= 2, got {max_seq_len}")
         model = load_model(model_dir, config, torch_dtype, device)
         if attention is None:
-            attention = "masked" if compile or device.type == "cuda" else "sliced"
+            attention = "masked" if device.type == "cuda" else "sliced"
         return cls(model, config, dtype=torch_dtype, device=device, max_seq_len=max_seq_len,
                    attention=attention, compile=compile)
 

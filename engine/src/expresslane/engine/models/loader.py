@@ -66,8 +66,10 @@ def _hf_to_fused(cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> dict[str
         if cfg.o_bias:
             out[dst + "self_attn.o_proj.bias"] = take(attn + "o_proj.bias")
         if cfg.qk_norm:
-            out[dst + "self_attn.q_norm.weight"] = take(attn + "q_norm.weight")
-            out[dst + "self_attn.k_norm.weight"] = take(attn + "k_norm.weight")
+            q_norm, k_norm = take(attn + "q_norm.weight"), take(attn + "k_norm.weight")
+            out[dst + "self_attn.qk_norm_weight"] = torch.cat(
+                [q_norm.expand(cfg.num_heads, -1), k_norm.expand(cfg.num_kv_heads, -1)]
+            )
         out[dst + "mlp.gate_up_proj.weight"] = torch.cat([take(mlp + "gate_proj.weight"), take(mlp + "up_proj.weight")])
         if cfg.mlp_bias:
             out[dst + "mlp.gate_up_proj.bias"] = torch.cat([take(mlp + "gate_proj.bias"), take(mlp + "up_proj.bias")])

@@ -39,15 +39,17 @@ def _llama3_scale(freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
 def rope_tables(
     rope: RopeConfig, head_dim: int, max_seq_len: int, dtype: torch.dtype, device: torch.device | str
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin tables of shape [max_seq_len, head_dim] in `dtype` on `device`."""
+    """cos and SIGNED sin tables, [max_seq_len, head_dim] in `dtype` on `device`.
+
+    The signed sin is (-sin, sin) over the two halves, so rotate_half(x) * sin == roll(x, D/2) * signed_sin
+    exactly (negation is exact) with one op instead of slice/neg/cat."""
     positions = torch.arange(max_seq_len, dtype=torch.int64).to(torch.float32)
     freqs = positions[:, None] * inv_freq(rope, head_dim)[None, :]
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos().to(dtype=dtype, device=device), emb.sin().to(dtype=dtype, device=device)
+    cos, sin = freqs.cos(), freqs.sin()
+    return (torch.cat((cos, cos), dim=-1).to(dtype=dtype, device=device),
+            torch.cat((-sin, sin), dim=-1).to(dtype=dtype, device=device))
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, H, D]; cos/sin: [T, D]."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, H, D]; cos/signed_sin: [T, D] (from rope_tables)."""
+    return x * cos[:, None, :] + torch.roll(x, x.shape[-1] // 2, dims=-1) * signed_sin[:, None, :]

@@ -34,13 +34,17 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.split = [cfg.q_size, cfg.kv_size, cfg.kv_size]
+        self.num_qk_heads = cfg.num_heads + cfg.num_kv_heads
         self.scale = cfg.head_dim**-0.5
         self.gqa = cfg.num_heads != cfg.num_kv_heads
-        self.qkv_proj = nn.Linear(cfg.hidden_size, sum(self.split), bias=cfg.qkv_bias)
+        self.qkv_proj = nn.Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=cfg.o_bias)
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        # Qwen3: per-head RMSNorm of q and k, applied to q and k together with a per-head weight
+        # [num_heads + num_kv_heads, head_dim] (rows of q_norm.weight, then rows of k_norm.weight).
+        self.eps = cfg.rms_norm_eps
+        self.qk_norm_weight = (
+            nn.Parameter(torch.ones(self.num_qk_heads, cfg.head_dim)) if cfg.qk_norm else None
+        )
 
     def forward(
         self,
@@ -55,13 +59,12 @@ class Attention(nn.Module):
         is_causal: bool,
     ) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        qkv = self.qkv_proj(x).view(t, self.num_qk_heads + self.num_kv_heads, self.head_dim)
+        qk, v = qkv[:, : self.num_qk_heads], qkv[:, self.num_qk_heads :]
+        if self.qk_norm_weight is not None:
+            qk = self.qk_norm_weight * F.rms_norm(qk.float(), (self.head_dim,), eps=self.eps).to(qk.dtype)
+        qk = apply_rope(qk, cos, sin)
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         k_cache.index_copy_(0, input_pos, k)
         v_cache.index_copy_(0, input_pos, v)
         out = F.scaled_dot_product_attention(
