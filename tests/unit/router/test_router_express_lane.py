@@ -121,7 +121,7 @@ async def test_stream_chat_is_shaped_like_vllm(make_client, node, tokenizer):
     node.finish_reason = "stop"
     async with make_client() as (client, app):
         r = await client.post("/v1/chat/completions", json=body)
-        metrics = (await client.get("/metrics/")).text
+        metrics = (await client.get("/metrics")).text
         assert gate_of(app).busy_count == 0
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
     events = parse_sse(r.text)
@@ -184,7 +184,7 @@ async def test_busy_node_after_all_retries_is_a_429(make_client, node):
     node.decode_statuses = [429, 429]
     async with make_client() as (client, app):
         r = await client.post("/v1/completions", json=COMP)
-        metrics = (await client.get("/metrics/")).text
+        metrics = (await client.get("/metrics")).text
         assert gate_of(app).busy_count == 0
     assert r.status_code == 429 and r.headers["retry-after"] == "1"
     assert 'expresslane_router_rejected_total{pool="express",reason="node_busy"} 1.0' in metrics
@@ -197,7 +197,7 @@ async def test_node_errors_map_and_release_the_node(make_client, node, status, w
     async with make_client() as (client, app):
         r = await client.post("/v1/completions", json=dict(COMP, stream=stream))
         assert gate_of(app).busy_count == 0
-        metrics = (await client.get("/metrics/")).text
+        metrics = (await client.get("/metrics")).text
     assert r.status_code == want, r.text
     assert "error" in r.json() and "Traceback" not in r.text
     assert 'expresslane_router_upstream_errors_total{lane="express",stage="express_decode"' in metrics
@@ -284,7 +284,7 @@ async def test_all_nodes_busy_spill_goes_to_native(make_client, node, upstreams)
     async with make_client() as (client, app):
         holder = await _hold_node(client, node)
         r = await client.post("/v1/completions", json=dict(COMP, model="tiny-xs"))
-        metrics = (await client.get("/metrics/")).text
+        metrics = (await client.get("/metrics")).text
         holder.cancel()
     assert r.status_code == 200 and r.json()["choices"][0]["text"] == "native!"
     assert r.json()["model"] == "tiny-xs"
@@ -307,7 +307,7 @@ async def test_all_nodes_busy_reject_after_max_wait_with_retry_after(make_client
         t0 = time.monotonic()
         r = await client.post("/v1/completions", json=COMP)  # tiny-x: max_wait_s 0.3, reject
         waited = time.monotonic() - t0
-        metrics = (await client.get("/metrics/")).text
+        metrics = (await client.get("/metrics")).text
         holder.cancel()
     assert r.status_code == 429 and r.headers["retry-after"] == "1"
     assert r.json()["error"]["type"] == "rate_limit_error"
@@ -326,7 +326,7 @@ async def test_full_queue_rejects_immediately(make_client, node):
         r = await client.post("/v1/completions", json=COMP)
         assert time.monotonic() - t0 < 0.2
         assert r.status_code == 429
-        assert 'expresslane_router_queue_depth{pool="express"} 2.0' in (await client.get("/metrics/")).text
+        assert 'expresslane_router_queue_depth{pool="express"} 2.0' in (await client.get("/metrics")).text
         holder.cancel()
         for w in waiters:
             w.cancel()
@@ -390,7 +390,7 @@ async def test_client_disconnect_mid_stream_cancels_and_releases_within_a_second
             await asyncio.sleep(0.01)
         elapsed = time.monotonic() - t0
         assert gate_of(app).busy_count == 0
-        metrics = (await client.get("/metrics/")).text
+        metrics = (await client.get("/metrics")).text
     assert elapsed < 1.0
     assert len(node.cancelled) == 1
     assert 'expresslane_router_requests_total{alias="tiny-x",lane="express",status="499"} 1.0' in metrics

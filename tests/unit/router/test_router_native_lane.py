@@ -96,7 +96,7 @@ async def test_stream_relays_sse_with_alias_and_drops_usage_unless_asked(make_cl
         events = parse_sse(r.text)
         assert events[-2]["choices"] == [] and events[-2]["usage"]["completion_tokens"] == 2
         assert events[-2]["model"] == "tiny"
-        metrics = (await client.get("/metrics/")).text
+        metrics = (await client.get("/metrics")).text
     assert 'expresslane_router_generated_tokens_total{lane="native"} 4.0' in metrics
     assert 'expresslane_router_requests_total{alias="tiny",lane="native",status="200"} 2.0' in metrics
 
@@ -143,7 +143,7 @@ async def test_transport_failures_map_to_502_503_504(make_client, vllm, exc, sta
     vllm.on(PREFILL, "/v1/completions", boom)
     async with make_client() as (client, _):
         r = await client.post("/v1/completions", json=CLIENT)
-        metrics = (await client.get("/metrics/")).text
+        metrics = (await client.get("/metrics")).text
     assert r.status_code == status
     err = r.json()["error"]
     assert err["type"] == err_type and "prefill" in err["message"] and "Traceback" not in r.text
@@ -219,12 +219,12 @@ async def test_api_key_is_required_when_configured(make_client, vllm):
         ok = await client.post("/v1/completions", json=CLIENT, headers={"authorization": "Bearer sk-test"})
         assert ok.status_code == 200
         assert (await client.get("/health")).status_code == 200
-        assert (await client.get("/metrics/")).status_code == 200
+        assert (await client.get("/metrics")).status_code == 200
 
 
 async def test_metrics_show_zeros_for_configured_pools_before_any_request(make_client):
     async with make_client() as (client, _):
-        text = (await client.get("/metrics/")).text
+        text = (await client.get("/metrics")).text
     for line in [
         'expresslane_router_queue_depth{pool="express"} 0.0',
         'expresslane_router_inflight_requests{node="native:8100",pool="native"} 0.0',

@@ -27,6 +27,7 @@ import httpx
 from fastapi import FastAPI, Request
 from prometheus_client import CollectorRegistry, make_asgi_app
 from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
 
 from .config import LANES, ExpressPool, NativePool, RouterConfig
 from .detokenizer import ModelText, load_model_text
@@ -106,6 +107,16 @@ async def run_until_disconnect(request: Request, work: Awaitable[Response]) -> R
             task.cancel()
 
 
+class _AsgiEndpoint:
+    """Lets a plain ASGI function serve an exact path (Starlette calls bare functions as request handlers)."""
+
+    def __init__(self, app: Callable) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        await self.app(scope, receive, send)
+
+
 def create_app(config: RouterConfig, *, transport: httpx.AsyncBaseTransport | None = None,
                registry: CollectorRegistry | None = None, model_text: ModelText | None = None,
                clock: Callable[[], float] = time.monotonic) -> FastAPI:
@@ -134,7 +145,9 @@ def create_app(config: RouterConfig, *, transport: httpx.AsyncBaseTransport | No
     app = FastAPI(title="expresslane router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.config = config
     app.state.metrics = metrics
-    app.mount("/metrics", make_asgi_app(registry=metrics.registry))
+    metrics_app = make_asgi_app(registry=metrics.registry)
+    app.router.routes.append(Route("/metrics", _AsgiEndpoint(metrics_app), include_in_schema=False))
+    app.mount("/metrics", metrics_app)  # /metrics/ too (no redirect for scrapers)
 
     @app.exception_handler(RouterError)
     async def _router_error(request: Request, exc: RouterError) -> Response:
