@@ -191,7 +191,8 @@ async def test_busy_node_after_all_retries_is_a_429(make_client, node):
 
 
 @pytest.mark.parametrize("status,want,stream", [(504, 504, False), (504, 504, True), (500, 502, False),
-                                               (501, 502, True), (499, 502, False)])
+                                               (501, 400, True), (400, 400, False), (499, 502, False),
+                                               (503, 503, False)])
 async def test_node_errors_map_and_release_the_node(make_client, node, status, want, stream):
     node.decode_statuses = [status]
     async with make_client() as (client, app):
@@ -235,7 +236,8 @@ async def test_prefill_4xx_passes_through_and_releases(make_client, node, upstre
     assert upstreams.bodies(EXPRESS, "/pd/decode") == []
 
 
-@pytest.mark.parametrize("field,value", [("logprobs", 1), ("echo", True), ("response_format", {"type": "json_object"})])
+@pytest.mark.parametrize("field,value", [("logprobs", 1), ("echo", True), ("min_tokens", 2),
+                                         ("response_format", {"type": "json_object"})])
 async def test_unsupported_options_are_refused_on_the_express_lane(make_client, node, upstreams, field, value):
     async with make_client() as (client, _):
         r = await client.post("/v1/completions", json=dict(COMP, **{field: value}))
@@ -261,7 +263,22 @@ async def test_tilert_pool_uses_tilert_marker_and_derived_rid(make_client, node,
     (pre,) = upstreams.bodies(PREFILL, "/v1/chat/completions")
     assert pre["kv_transfer_params"] == {"tilert_host": "10.0.0.9", "tilert_ctrl_port": 5556}
     assert (pre["logprobs"], pre["top_logprobs"]) == (True, 1)
-    assert upstreams.bodies(EXPRESS, "/pd/decode")[0]["rid"] == "abc123"
+    (dec,) = upstreams.bodies(EXPRESS, "/pd/decode")
+    assert dec["rid"] == "abc123"
+
+
+async def test_tilert_nodes_get_no_stop_token_ids_but_the_router_still_stops_on_them(make_client, node, upstreams):
+    cfg = make_config(pools={
+        "native": {"kind": "native", "nodes": [NATIVE]},
+        "express": {"kind": "tilert", "nodes": [{"url": EXPRESS, "ctrl_host": "h", "ctrl_port": 1}]}})
+    stop_id = node.answer[2]
+    async with make_client(cfg) as (client, _):
+        r = await client.post("/v1/completions", json=dict(COMP, max_tokens=20, stop_token_ids=[stop_id]))
+    (dec,) = upstreams.bodies(EXPRESS, "/pd/decode")
+    assert "stop_token_ids" not in dec["sampling"]
+    choice = r.json()["choices"][0]
+    assert (choice["finish_reason"], choice["stop_reason"]) == ("stop", stop_id)
+    assert r.json()["usage"]["completion_tokens"] == 3
 
 
 # ---- queue policies ----------------------------------------------------------------------------------

@@ -12,7 +12,9 @@ Per request:
    the client streams, one JSON reply otherwise. The node's token ids (starting with first_token_id)
    are detokenized here (detokenizer.OutputAssembler: stop strings, stop ids, EOS, length).
    Node replies: 429 busy -> release and requeue (at most `busy_retries` times, then `when_full`);
-   504 -> 504 (the KV never arrived); anything else -> 502.
+   504 -> 504 (the KV never arrived); 400/422/501 (a parameter the node cannot honour) -> 400 with
+   the node's message; anything else -> 502. Options no express node can honour (logprobs, echo,
+   min_tokens, guided decoding, ...) are refused with 400 before any work.
 4. The node is released on every exit. If the router stops early (stop string, client gone, error)
    it first POSTs /pd/cancel {rid} (bounded by timeouts.cancel_s), then releases.
 """
@@ -61,7 +63,7 @@ def _set(v: Any) -> bool:
 
 
 # Request fields the express decode node cannot honour: refused loudly instead of ignored.
-_UNSUPPORTED = ("logprobs", "top_logprobs", "prompt_logprobs", "echo", "logit_bias", "frequency_penalty", "min_p",
+_UNSUPPORTED = ("min_tokens", "logprobs", "top_logprobs", "prompt_logprobs", "echo", "logit_bias", "frequency_penalty", "min_p",
                 "bad_words", "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
                 "allowed_token_ids")
 
@@ -77,9 +79,12 @@ def check_express_supported(body: dict[str, Any]) -> None:
                          param="response_format")
 
 
-def sampling_of(body: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
-    """The sampling block of /pd/decode: the client's values, vLLM's generation-config defaults otherwise."""
-    out = {k: body[k] for k in SAMPLING_KEYS if body.get(k) is not None}
+def sampling_of(body: dict[str, Any], defaults: dict[str, Any], kind: str = "expresslane") -> dict[str, Any]:
+    """The sampling block of /pd/decode: the client's values, vLLM's generation-config defaults otherwise.
+    TileRT refuses per-request `stop_token_ids` (its loop uses the model's stop set), so for `tilert`
+    nodes they are left out and enforced by the router alone."""
+    keys = [k for k in SAMPLING_KEYS if not (kind == "tilert" and k == "stop_token_ids")]
+    out = {k: body[k] for k in keys if body.get(k) is not None}
     for k, v in defaults.items():
         out.setdefault(k, v)
     return out
@@ -229,7 +234,8 @@ class ExpressLane:
     async def _open_decode(self, leg: _Leg, req: ClientRequest, *, stream: bool) -> httpx.Response:
         cfg = self.ctx.config
         body = {"rid": leg.rid, "first_token_id": leg.first_token_id, "max_tokens": leg.max_tokens,
-                "sampling": sampling_of(req.body, self.model_text.generation_defaults if self.model_text else {}),
+                "sampling": sampling_of(req.body, self.model_text.generation_defaults if self.model_text else {},
+                                        self.pools_kind(leg.node)),
                 "stream": stream, "timeout_s": cfg.timeouts.kv_wait_s}
         url = leg.node.url + "/pd/decode"
         timeout = httpx.Timeout(cfg.timeouts.decode_s + cfg.timeouts.kv_wait_s, connect=cfg.timeouts.connect_s)
@@ -248,6 +254,10 @@ class ExpressLane:
         if resp.status_code == 504:
             raise UpstreamTimeout(f"express node {leg.node.name}: the KV cache never arrived ({content})",
                                   stage=STAGE, kind="kv_timeout")
+        if resp.status_code in (400, 422, 501):  # the node refuses a parameter it cannot honour
+            self.ctx.metrics.upstream_errors.labels("express", STAGE, f"http_{resp.status_code}").inc()
+            raise BadRequest(f"express node {leg.node.name} refused the request: {content}; "
+                             "send 'X-Lane: native' to use the native lane")
         if resp.status_code == 503:
             raise UpstreamUnavailable(f"express node {leg.node.name} is unavailable: {content}", stage=STAGE,
                                       kind="http_503")
