@@ -128,7 +128,21 @@ class DecodeEngine:
     def inject(self, k: torch.Tensor, v: torch.Tensor, num_tokens: int) -> None:
         """Copy dense [num_layers, num_tokens, num_kv_heads, head_dim] K/V into cache positions [0, num_tokens)."""
         self.cache.write_prefix(k, v, num_tokens)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # the caller may reuse k/v's buffer as soon as we return
         self.cached_tokens = num_tokens
+
+    def warmup(self, steps: int = 4) -> None:
+        """Run a short prefill + decode so the first request does not pay one-time costs (allocator,
+        kernels, torch.compile). Leaves the cache logically empty."""
+        n = min(8, self.max_seq_len - steps - 1)
+        self.prefill(list(range(n)))
+        for _ in self.generate(0, n, SamplingParams(max_tokens=steps, ignore_eos=True)):
+            pass
+        for _ in self.generate(0, n, SamplingParams(max_tokens=steps, temperature=1.0, top_p=0.9, top_k=5,
+                                                    ignore_eos=True, presence_penalty=0.5, seed=0)):
+            pass
+        self.cached_tokens = 0
 
     @torch.inference_mode()
     def prefill(self, token_ids: Sequence[int]) -> torch.Tensor:

@@ -1,0 +1,46 @@
+"""python -m expresslane.engine.server --model DIR [--dtype float32] [--device cpu] [--max-seq-len 4096]
+    [--host 0.0.0.0] [--advertise-host 127.0.0.1] [--ctrl-port 5556] [--http-port 5557] [--kv-timeout-s 120]"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+
+import torch
+import uvicorn
+
+from ..decode import DecodeEngine
+from .app import create_app
+from .config import ServerConfig, parse_args
+from .receiver import build_receiver
+
+log = logging.getLogger("expresslane.engine.server")
+
+
+def build_engine(config: ServerConfig) -> DecodeEngine:
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    t0 = time.perf_counter()
+    engine = DecodeEngine.from_pretrained(config.model, dtype=config.dtype, device=config.device,
+                                          max_seq_len=config.max_seq_len, attention=config.attention,
+                                          compile=config.compile)
+    if config.warmup:
+        engine.warmup()
+    log.info("engine ready in %.1fs: %s %s on %s, max_seq_len=%d, %.1f MB of weights, attention=%s",
+             time.perf_counter() - t0, engine.config.model_type, config.dtype, config.device, config.max_seq_len,
+             engine.weight_bytes() / 1e6, engine.attention)
+    return engine
+
+
+def main(argv: list[str] | None = None) -> None:
+    config = parse_args(argv)
+    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    engine = build_engine(config)
+    receiver = build_receiver(config, engine)
+    app = create_app(config, engine, receiver)
+    uvicorn.run(app, host=config.host, port=config.http_port, log_level=config.log_level, access_log=False)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,62 @@
+"""The express decode server's one typed config, built from the command line at the entrypoint."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    model: str
+    dtype: str = "float32"
+    device: str = "cpu"
+    max_seq_len: int = 4096
+    host: str = "0.0.0.0"
+    advertise_host: str = "127.0.0.1"
+    ctrl_port: int = 5556
+    http_port: int = 5557
+    kv_timeout_s: float = 120.0  # default /pd/decode timeout_s (wait for the KV) when the request has none
+    max_timeout_s: float = 3600.0  # a request's timeout_s above this is refused (400)
+    attention: str | None = None  # None: engine default for the device
+    compile: bool = False
+    threads: int | None = None  # torch intra-op threads on CPU; None = torch default
+    warmup: bool = True
+    log_level: str = "info"
+
+    @property
+    def model_name(self) -> str:
+        return Path(self.model).name
+
+
+def parse_args(argv: list[str] | None = None) -> ServerConfig:
+    ap = argparse.ArgumentParser(
+        prog="python -m expresslane.engine.server",
+        description="expresslane express decode node (TileRT-compatible /pd/* HTTP contract)",
+    )
+    ap.add_argument("--model", required=True, help="HF checkpoint directory (the one the prefill vLLM loads)")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    ap.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N")
+    ap.add_argument("--max-seq-len", type=int, default=4096)
+    ap.add_argument("--host", default="0.0.0.0", help="bind address (HTTP and control plane)")
+    ap.add_argument("--advertise-host", default="127.0.0.1", help="address the prefill uses to reach this node")
+    ap.add_argument("--ctrl-port", type=int, default=5556)
+    ap.add_argument("--http-port", type=int, default=5557)
+    ap.add_argument("--kv-timeout-s", type=float, default=120.0, help="default wait for a request's KV")
+    ap.add_argument("--attention", choices=["sliced", "masked"], default=None)
+    ap.add_argument("--compile", action="store_true", help="torch.compile the decode step")
+    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    ap.add_argument("--no-warmup", dest="warmup", action="store_false")
+    ap.add_argument("--log-level", default="info")
+    a = ap.parse_args(argv)
+    if a.max_seq_len < 2:
+        ap.error("--max-seq-len must be >= 2")
+    if a.kv_timeout_s <= 0:
+        ap.error("--kv-timeout-s must be > 0")
+    return ServerConfig(
+        model=a.model, dtype=a.dtype, device=a.device, max_seq_len=a.max_seq_len, host=a.host,
+        advertise_host=a.advertise_host, ctrl_port=a.ctrl_port, http_port=a.http_port,
+        kv_timeout_s=a.kv_timeout_s, attention=a.attention, compile=a.compile, threads=a.threads,
+        warmup=a.warmup, log_level=a.log_level,
+    )

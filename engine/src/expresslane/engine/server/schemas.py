@@ -1,0 +1,90 @@
+"""Request bodies of the /pd/* contract (TileRT's decode node), validated with pydantic.
+
+Unknown sampling options are refused (400) rather than silently ignored; `null` means "default".
+`prompt_token_ids` is an expresslane extension: when given, repetition_penalty also covers the prompt,
+exactly like vLLM (the node otherwise never sees prompt ids).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from ..decode import SamplingParams
+from .errors import BadRequest, Unsupported
+
+
+class SamplingBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1)
+    repetition_penalty: float | None = Field(None, gt=0)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    ignore_eos: bool | None = None
+    seed: int | None = None
+    stop_token_ids: list[int] | None = None
+    min_tokens: int | None = Field(None, ge=0)
+
+
+class DecodeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    rid: str = Field(min_length=1, max_length=512)
+    first_token_id: int = Field(ge=0)
+    max_tokens: int = Field(ge=1)
+    sampling: SamplingBody = Field(default_factory=SamplingBody)
+    stream: bool = False
+    timeout_s: float | None = Field(None, gt=0)
+    top_logprobs: int | None = Field(None, ge=0)
+    prompt_token_ids: list[int] | None = None
+
+    @field_validator("sampling", mode="before")
+    @classmethod
+    def _null_sampling(cls, v: Any) -> Any:
+        return {} if v is None else v
+
+    def sampling_params(self) -> SamplingParams:
+        s = self.sampling
+        try:
+            return SamplingParams(
+                max_tokens=self.max_tokens,
+                temperature=1.0 if s.temperature is None else s.temperature,
+                top_p=1.0 if s.top_p is None else s.top_p,
+                top_k=-1 if s.top_k in (None, 0) else s.top_k,
+                seed=s.seed,
+                stop_token_ids=tuple(s.stop_token_ids or ()),
+                ignore_eos=bool(s.ignore_eos),
+                min_tokens=s.min_tokens or 0,
+                repetition_penalty=1.0 if s.repetition_penalty is None else s.repetition_penalty,
+                presence_penalty=s.presence_penalty or 0.0,
+                frequency_penalty=s.frequency_penalty or 0.0,
+                prompt_token_ids=tuple(self.prompt_token_ids or ()),
+            )
+        except ValueError as e:
+            raise BadRequest(str(e)) from None
+
+
+class CancelRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    rid: str = Field(min_length=1)
+
+
+def parse_body(model: type[BaseModel], raw: bytes) -> Any:
+    """Validate a JSON body; any problem becomes a BadRequest naming the field, never a traceback."""
+    if not raw:
+        raise BadRequest("empty request body; expected a JSON object")
+    try:
+        obj = model.model_validate_json(raw)
+    except ValidationError as e:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in err['loc']) or 'body'}: {err['msg']}" for err in e.errors()[:5]
+        )
+        raise BadRequest(f"invalid {model.__name__}: {problems}") from None
+    if isinstance(obj, DecodeRequest) and obj.top_logprobs:
+        raise Unsupported("logprobs are not supported by this decode node (top_logprobs must be 0 or absent)")
+    return obj

@@ -1,0 +1,304 @@
+"""The express decode server's HTTP contract (TileRT's decode node), served by uvicorn in-process over a
+real DecodeEngine. KV arrives through LocalKVSource, computed by a second engine's prefill."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import pytest
+import uvicorn
+
+from expresslane.engine.decode import DecodeEngine, SamplingParams
+from expresslane.engine.server import LocalKVSource, ServerConfig, create_app
+
+from ._models import VOCAB, build_model
+
+PROMPT = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38]
+MAX_SEQ = 2048
+
+
+class LiveServer:
+    def __init__(self, app) -> None:
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning",
+                                                    lifespan="on"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self) -> str:
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert time.monotonic() < deadline, "server did not start"
+            time.sleep(0.02)
+        port = self.server.servers[0].sockets[0].getsockname()[1]
+        return f"http://127.0.0.1:{port}"
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("server-model")
+    build_model(out, "qwen2")
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir):
+    """A second engine: computes the prompt KV the 'prefill' ships, and the expected continuation."""
+    return DecodeEngine.from_pretrained(model_dir, max_seq_len=MAX_SEQ)
+
+
+@pytest.fixture(scope="module")
+def node(model_dir):
+    engine = DecodeEngine.from_pretrained(model_dir, max_seq_len=MAX_SEQ)
+    engine.warmup()
+    source = LocalKVSource()
+    config = ServerConfig(model=str(model_dir), max_seq_len=MAX_SEQ, kv_timeout_s=5.0)
+    app = create_app(config, engine, source)
+    with LiveServer(app) as url, httpx.Client(base_url=url, timeout=30) as client:
+        assert source.started
+        yield client, source, app
+    assert not source.started  # lifespan stopped it
+
+
+@pytest.fixture(autouse=True)
+def node_idle_after(request):
+    yield
+    if "node" in request.fixturenames:
+        client = request.getfixturevalue("node")[0]
+        wait_idle(client)
+
+
+def wait_idle(client, within_s: float = 1.0) -> float:
+    t0 = time.monotonic()
+    while client.get("/decode_status").json()["state"] != "idle":
+        assert time.monotonic() - t0 < within_s, "node still busy"
+        time.sleep(0.01)
+    return time.monotonic() - t0
+
+
+def ship(reference, source, rid, prompt=PROMPT):
+    """What the prefill does: run the prompt, send its KV, return the first token."""
+    first = int(reference.prefill(prompt).argmax())
+    n = len(prompt)
+    source.put(rid, reference.cache.k[:, :n].clone(), reference.cache.v[:, :n].clone())
+    return first
+
+
+def expected(reference, first, max_tokens, prompt=PROMPT, **sampling):
+    reference.prefill(prompt)
+    return list(reference.generate(first, len(prompt), SamplingParams(max_tokens=max_tokens, **sampling)))
+
+
+def body(rid, first, max_tokens=24, stream=False, **sampling):
+    sampling = {"temperature": 0.0, "ignore_eos": True, **sampling}
+    return {"rid": rid, "first_token_id": first, "max_tokens": max_tokens, "sampling": sampling, "stream": stream,
+            "timeout_s": 5}
+
+
+def read_ndjson(resp) -> list[dict]:
+    return [json.loads(line) for line in resp.iter_lines() if line.strip()]
+
+
+def metric(client, name: str, labels: str = "") -> float:
+    for line in client.get("/metrics").text.splitlines():
+        if line.startswith(name + (("{" + labels + "}") if labels else " ")):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name}{{{labels}}} not exported")
+
+
+def test_non_stream_reply_continues_the_prompt_exactly(node, reference):
+    client, source, _ = node
+    first = ship(reference, source, "r-plain")
+    r = client.post("/pd/decode", json=body("r-plain", first, max_tokens=24))
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["rid"] == "r-plain"
+    assert out["token_ids"] == expected(reference, first, 24, ignore_eos=True)
+    assert out["token_ids"][0] == first
+    assert out["seq_len"] == len(PROMPT) + 24
+    assert out["finish_reason"] == "length"
+    assert set(out["timing_ms"]) >= {"wire_wait", "convert", "inject", "decode", "total"}
+    assert source.delivered[-1].released
+
+
+def test_stream_ndjson_shape(node, reference):
+    client, source, _ = node
+    first = ship(reference, source, "r-stream")
+    with client.stream("POST", "/pd/decode", json=body("r-stream", first, max_tokens=30, stream=True)) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("application/x-ndjson")
+        lines = read_ndjson(r)
+    *chunks, done = lines
+    assert chunks and all(set(c) == {"t"} and isinstance(c["t"], list) for c in chunks)
+    tokens = [t for c in chunks for t in c["t"]]
+    assert tokens == expected(reference, first, 30, ignore_eos=True)
+    assert done["done"] is True and done["n"] == 30 and done["seq_len"] == len(PROMPT) + 30
+    assert done["finish_reason"] == "length" and "decode" in done["timing_ms"]
+
+
+def test_stop_token_ends_with_stop(node, reference):
+    client, source, _ = node
+    first = ship(reference, source, "r-stop")
+    ref = expected(reference, first, 24, ignore_eos=True)
+    stop = ref[5]
+    first = ship(reference, source, "r-stop2")
+    r = client.post("/pd/decode", json=body("r-stop2", first, max_tokens=24, stop_token_ids=[stop]))
+    out = r.json()
+    assert out["token_ids"] == ref[: ref.index(stop) + 1] and out["finish_reason"] == "stop"
+
+
+def test_seeded_sampling_is_reproducible_over_http(node, reference):
+    client, source, _ = node
+    outs = []
+    for i, seed in enumerate((7, 7, 8)):
+        first = ship(reference, source, f"r-seed-{i}")
+        r = client.post("/pd/decode", json=body(f"r-seed-{i}", first, max_tokens=20, temperature=1.5, top_p=0.9,
+                                                  top_k=40, seed=seed))
+        outs.append(r.json()["token_ids"])
+    assert outs[0] == outs[1] != outs[2]
+
+
+def test_busy_while_waiting_for_kv_then_cancel_frees_node(node, reference):
+    client, source, _ = node
+    results = {}
+
+    def first_request():
+        results["a"] = client.post("/pd/decode", json=body("r-wait", 5))
+
+    t = threading.Thread(target=first_request)
+    t.start()
+    deadline = time.monotonic() + 5
+    while client.get("/decode_status").json() != {"state": "busy", "rid": "r-wait", "phase": "wire_wait"}:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert source.busy is True
+    busy = client.post("/pd/decode", json=body("r-other", 5))
+    assert busy.status_code == 429 and busy.json()["error"] == "busy"
+    c = client.post("/pd/cancel", json={"rid": "r-wait"})
+    assert c.json() == {"rid": "r-wait", "cancelled": True}
+    t.join(5)
+    assert results["a"].status_code == 499 and results["a"].json()["error"] == "cancelled"
+    assert wait_idle(client) < 1.0
+    assert source.busy is False
+
+
+def test_kv_timeout_is_504(node):
+    client, _, _ = node
+    before = metric(client, "expresslane_decode_kv_timeouts_total")
+    r = client.post("/pd/decode", json={**body("r-never", 5), "timeout_s": 0.2})
+    assert r.status_code == 504 and r.json()["error"] == "kv_transfer_timeout"
+    assert metric(client, "expresslane_decode_kv_timeouts_total") == before + 1
+    assert client.get("/decode_status").json()["state"] == "idle"
+
+
+def test_cancel_during_decode_frees_node_within_1s(node, reference):
+    client, source, _ = node
+    first = ship(reference, source, "r-long")
+    cancels = metric(client, "expresslane_decode_cancellations_total")
+    with client.stream("POST", "/pd/decode", json=body("r-long", first, max_tokens=MAX_SEQ, stream=True)) as r:
+        lines = r.iter_lines()
+        assert "t" in json.loads(next(lines))
+        assert client.post("/pd/cancel", json={"rid": "r-long"}).json()["cancelled"] is True
+        t0 = time.monotonic()
+        wait_idle(client, within_s=1.0)
+        rest = [json.loads(x) for x in lines if x.strip()]
+    assert time.monotonic() - t0 < 1.0
+    assert rest[-1]["error"] == "cancelled"
+    n = sum(len(x.get("t", [])) for x in rest) + 1
+    assert n < MAX_SEQ - len(PROMPT)
+    assert metric(client, "expresslane_decode_cancellations_total") == cancels + 1
+
+
+def test_client_disconnect_mid_stream_cancels(node, reference):
+    client, source, _ = node
+    first = ship(reference, source, "r-gone")
+    cancels = metric(client, "expresslane_decode_cancellations_total")
+    with httpx.Client(base_url=str(client.base_url), timeout=30) as other:
+        with other.stream("POST", "/pd/decode", json=body("r-gone", first, max_tokens=MAX_SEQ, stream=True)) as r:
+            assert "t" in json.loads(next(r.iter_lines()))
+    # the connection is closed: the node must notice, stop decoding and free itself
+    assert wait_idle(client, within_s=2.0) < 2.0
+    assert metric(client, "expresslane_decode_cancellations_total") == cancels + 1
+
+
+@pytest.mark.parametrize(
+    "payload, status, needle",
+    [
+        (b"{not json", 400, "invalid"),
+        (b"", 400, "empty"),
+        ({"first_token_id": 1, "max_tokens": 4}, 400, "rid"),
+        ({"rid": "x", "first_token_id": 1, "max_tokens": 0}, 400, "max_tokens"),
+        ({"rid": "x", "first_token_id": VOCAB, "max_tokens": 4}, 400, "first_token_id"),
+        ({"rid": "x", "first_token_id": 1, "max_tokens": 4, "sampling": {"min_p": 0.1}}, 400, "min_p"),
+        ({"rid": "x", "first_token_id": 1, "max_tokens": 4, "sampling": {"top_p": 0}}, 400, "top_p"),
+        ({"rid": "x", "first_token_id": 1, "max_tokens": 4, "sampling": {"stop_token_ids": [VOCAB + 1]}}, 400,
+         "stop_token_ids"),
+        ({"rid": "x", "first_token_id": 1, "max_tokens": 4, "top_logprobs": 2}, 501, "logprobs"),
+    ],
+)
+def test_bad_requests_get_clear_errors(node, payload, status, needle):
+    client, _, _ = node
+    if isinstance(payload, bytes):
+        r = client.post("/pd/decode", content=payload, headers={"content-type": "application/json"})
+    else:
+        r = client.post("/pd/decode", json=payload)
+    assert r.status_code == status, r.text
+    err = r.json()
+    assert needle in err["message"] and "Traceback" not in r.text
+    assert client.get("/decode_status").json()["state"] == "idle"
+
+
+def test_null_sampling_fields_mean_defaults(node, reference):
+    client, source, _ = node
+    first = ship(reference, source, "r-null")
+    payload = {"rid": "r-null", "first_token_id": first, "max_tokens": 6,
+               "sampling": {"temperature": 0, "top_p": None, "top_k": None, "seed": None, "ignore_eos": True}}
+    r = client.post("/pd/decode", json=payload)
+    assert r.status_code == 200 and len(r.json()["token_ids"]) == 6
+
+
+def test_info_endpoints(node):
+    client, _, _ = node
+    assert client.get("/health").json() == {"status": "ok"}
+    caps = client.get("/capabilities").json()
+    assert caps["max_seq_len"] == MAX_SEQ and caps["max_concurrent_requests"] == 1
+    for option in ("temperature", "top_p", "top_k", "repetition_penalty", "presence_penalty", "ignore_eos", "seed",
+                   "stop_token_ids"):
+        assert option in caps["sampling"]
+    assert client.get("/decode_status").json() == {"state": "idle", "rid": None}
+    assert client.post("/pd/cancel", json={"rid": "nobody"}).json() == {"rid": "nobody", "cancelled": False}
+
+
+def test_metrics_exported_with_zeros_and_counts(node):
+    client, _, _ = node
+    text = client.get("/metrics").text
+    for name in ("expresslane_decode_busy", "expresslane_decode_handoff_bytes_total",
+                 "expresslane_decode_handoff_seconds_bucket", "expresslane_decode_tokens_per_second_bucket",
+                 "expresslane_decode_handoff_throughput_gigabytes_per_second_bucket",
+                 "expresslane_decode_generated_tokens_total", "expresslane_decode_cancellations_total",
+                 "expresslane_decode_kv_timeouts_total"):
+        assert name in text, name
+    for phase in ("wire_wait", "convert", "inject", "decode"):
+        assert f'expresslane_decode_phase_seconds_count{{phase="{phase}"}}' in text
+    for status in ("ok", "busy", "bad_request", "cancelled", "kv_timeout"):
+        assert f'expresslane_decode_requests_total{{status="{status}"}}' in text
+    assert metric(client, "expresslane_decode_busy") == 0
+
+
+def test_ok_request_updates_metrics(node, reference):
+    client, source, _ = node
+    ok = metric(client, "expresslane_decode_requests_total", 'status="ok"')
+    gen = metric(client, "expresslane_decode_generated_tokens_total")
+    nbytes = metric(client, "expresslane_decode_handoff_bytes_total")
+    first = ship(reference, source, "r-metrics")
+    assert client.post("/pd/decode", json=body("r-metrics", first, max_tokens=9)).status_code == 200
+    assert metric(client, "expresslane_decode_requests_total", 'status="ok"') == ok + 1
+    assert metric(client, "expresslane_decode_generated_tokens_total") == gen + 8
+    kv_bytes = 2 * reference.geometry.token_bytes() // 2 * len(PROMPT)
+    assert metric(client, "expresslane_decode_handoff_bytes_total") == nbytes + kv_bytes
