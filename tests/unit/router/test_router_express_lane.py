@@ -108,10 +108,15 @@ async def test_non_stream_completion_exact_bodies_and_detokenized_text(make_clie
 async def test_sampling_defaults_and_max_tokens_default(make_client, node, upstreams):
     async with make_client() as (client, _):
         r = await client.post("/v1/completions", json={"model": "tiny-x", "prompt": "hi", "top_k": 5,
-                                                       "repetition_penalty": 1.1, "stop_token_ids": [1]})
+                                                       "repetition_penalty": 1.1, "stop_token_ids": [1],
+                                                       "min_tokens": 2, "frequency_penalty": 0.5})
     assert r.status_code == 200
+    (pre,) = upstreams.bodies(PREFILL, "/v1/completions")
+    assert pre["min_tokens"] == 1  # the first token must not be EOS either
     (dec,) = upstreams.bodies(EXPRESS, "/pd/decode")
-    assert dec["sampling"] == {"temperature": 0.7, "top_k": 5, "repetition_penalty": 1.1, "stop_token_ids": [1]}
+    assert dec["sampling"] == {"temperature": 0.7, "top_k": 5, "repetition_penalty": 1.1, "stop_token_ids": [1],
+                               "min_tokens": 2, "frequency_penalty": 0.5}
+    assert dec["prompt_token_ids"] == PROMPT_IDS  # repetition_penalty covers the prompt, like vLLM
     assert dec["max_tokens"] == 64 - len(PROMPT_IDS)  # max_model_len - prompt tokens
 
 
@@ -236,7 +241,7 @@ async def test_prefill_4xx_passes_through_and_releases(make_client, node, upstre
     assert upstreams.bodies(EXPRESS, "/pd/decode") == []
 
 
-@pytest.mark.parametrize("field,value", [("logprobs", 1), ("echo", True), ("min_tokens", 2),
+@pytest.mark.parametrize("field,value", [("logprobs", 1), ("echo", True),
                                          ("response_format", {"type": "json_object"})])
 async def test_unsupported_options_are_refused_on_the_express_lane(make_client, node, upstreams, field, value):
     async with make_client() as (client, _):
@@ -267,10 +272,20 @@ async def test_tilert_pool_uses_tilert_marker_and_derived_rid(make_client, node,
     assert dec["rid"] == "abc123"
 
 
+TILERT = {"native": {"kind": "native", "nodes": [NATIVE]},
+          "express": {"kind": "tilert", "nodes": [{"url": EXPRESS, "ctrl_host": "h", "ctrl_port": 1}]}}
+
+
+@pytest.mark.parametrize("field,value", [("min_tokens", 2), ("frequency_penalty", 0.5)])
+async def test_tilert_pools_refuse_what_tilert_cannot_honour(make_client, node, upstreams, field, value):
+    async with make_client(make_config(pools=TILERT)) as (client, _):
+        r = await client.post("/v1/completions", json=dict(COMP, **{field: value}))
+    assert r.status_code == 400 and field in r.json()["error"]["message"]
+    assert upstreams.calls == []
+
+
 async def test_tilert_nodes_get_no_stop_token_ids_but_the_router_still_stops_on_them(make_client, node, upstreams):
-    cfg = make_config(pools={
-        "native": {"kind": "native", "nodes": [NATIVE]},
-        "express": {"kind": "tilert", "nodes": [{"url": EXPRESS, "ctrl_host": "h", "ctrl_port": 1}]}})
+    cfg = make_config(pools=TILERT)
     stop_id = node.answer[2]
     async with make_client(cfg) as (client, _):
         r = await client.post("/v1/completions", json=dict(COMP, max_tokens=20, stop_token_ids=[stop_id]))

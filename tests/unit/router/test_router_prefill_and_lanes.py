@@ -35,7 +35,7 @@ def test_express_prefill_body_asks_for_token_ids_and_logprobs_and_carries_the_ma
     body = express_prefill_body(CLIENT_BODY, "served", chat=False, kv_transfer_params=marker)
     assert body == {
         "model": "served", "prompt": "hi", "max_tokens": 1, "stream": False, "temperature": 0.5, "seed": 7,
-        "ignore_eos": True, "stop_token_ids": [5], "logprobs": 1, "return_token_ids": True,
+        "ignore_eos": True, "stop_token_ids": [5], "min_tokens": 1, "logprobs": 1, "return_token_ids": True,
         "kv_transfer_params": marker,
     }
     chat = express_prefill_body({"model": "m", "messages": [{"role": "user", "content": "x"}]}, "served", chat=True,

@@ -6,8 +6,8 @@ with these changes:
   max_tokens = 1, stream = false, max_completion_tokens dropped
   stream_options             dropped (vLLM rejects it without stream)
   stop, include_stop_str_in_output dropped (the one token's text is never shown)
-  min_tokens                 dropped (a one-token request cannot have min_tokens > max_tokens; the
-                             express lane refuses min_tokens up front)
+  min_tokens                 dropped on the native lane; capped at 1 on the express lane (its first
+                             token is the answer's first token, so EOS must stay masked for it)
   kv_transfer_params         the lane's own (a client-sent value is never forwarded)
 Native lane additionally drops what only costs work on a discarded token: logprobs, top_logprobs,
 prompt_logprobs, echo, return_token_ids. Express lane asks for `return_token_ids` (prompt and first
@@ -45,8 +45,12 @@ def native_prefill_body(body: dict[str, Any], model: str) -> dict[str, Any]:
 def express_prefill_body(body: dict[str, Any], model: str, *, chat: bool,
                          kv_transfer_params: dict[str, Any]) -> dict[str, Any]:
     out = _base(body, model)
-    for k in ("prompt_logprobs", "echo", "min_tokens"):
+    for k in ("prompt_logprobs", "echo"):
         out.pop(k, None)
+    if out.get("min_tokens"):
+        out["min_tokens"] = 1  # the first token is the answer's: EOS/stop ids stay masked for it
+    else:
+        out.pop("min_tokens", None)
     out["return_token_ids"] = True
     if chat:
         out["logprobs"] = True

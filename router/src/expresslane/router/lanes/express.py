@@ -13,8 +13,10 @@ Per request:
    are detokenized here (detokenizer.OutputAssembler: stop strings, stop ids, EOS, length).
    Node replies: 429 busy -> release and requeue (at most `busy_retries` times, then `when_full`);
    504 -> 504 (the KV never arrived); 400/422/501 (a parameter the node cannot honour) -> 400 with
-   the node's message; anything else -> 502. Options no express node can honour (logprobs, echo,
-   min_tokens, guided decoding, ...) are refused with 400 before any work.
+   the node's message; anything else -> 502. Options the pool's node kind cannot honour (logprobs,
+   echo, guided decoding, ...; for TileRT also min_tokens, frequency_penalty) are refused with 400
+   before any work. `kind: expresslane` nodes also get `prompt_token_ids` when a repetition penalty
+   applies (so it covers the prompt, as in vLLM).
 4. The node is released on every exit. If the router stops early (stop string, client gone, error)
    it first POSTs /pd/cancel {rid} (bounded by timeouts.cancel_s), then releases.
 """
@@ -49,8 +51,13 @@ __all__ = ["ExpressLane", "NodeBusy", "check_express_supported", "sampling_of"]
 
 log = logging.getLogger("expresslane.router.express")
 
-SAMPLING_KEYS = ("temperature", "top_p", "top_k", "repetition_penalty", "presence_penalty", "ignore_eos", "seed",
-                 "stop_token_ids")
+# The /pd/decode `sampling` keys each node kind honours (our engine server: more than TileRT).
+SAMPLING_KEYS = {
+    "expresslane": ("temperature", "top_p", "top_k", "repetition_penalty", "presence_penalty", "frequency_penalty",
+                    "ignore_eos", "seed", "stop_token_ids", "min_tokens"),
+    # TileRT refuses per-request stop_token_ids (its loop uses the model's stop set): the router enforces them.
+    "tilert": ("temperature", "top_p", "top_k", "repetition_penalty", "presence_penalty", "ignore_eos", "seed"),
+}
 STAGE = "express_decode"
 
 
@@ -62,14 +69,15 @@ def _set(v: Any) -> bool:
     return v not in (None, False, 0, 0.0, "", [], {})
 
 
-# Request fields the express decode node cannot honour: refused loudly instead of ignored.
-_UNSUPPORTED = ("min_tokens", "logprobs", "top_logprobs", "prompt_logprobs", "echo", "logit_bias", "frequency_penalty", "min_p",
-                "bad_words", "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
+# Request fields an express decode node cannot honour: refused loudly instead of ignored.
+_UNSUPPORTED = ("logprobs", "top_logprobs", "prompt_logprobs", "echo", "logit_bias", "min_p", "bad_words",
+                "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
                 "allowed_token_ids")
+_UNSUPPORTED_BY_KIND = {"expresslane": (), "tilert": ("min_tokens", "frequency_penalty")}
 
 
-def check_express_supported(body: dict[str, Any]) -> None:
-    for key in _UNSUPPORTED:
+def check_express_supported(body: dict[str, Any], kind: str = "expresslane") -> None:
+    for key in _UNSUPPORTED + _UNSUPPORTED_BY_KIND[kind]:
         if _set(body.get(key)):
             raise BadRequest(f"'{key}' is not supported on the express lane; send 'X-Lane: native' to use it",
                              param=key)
@@ -80,11 +88,8 @@ def check_express_supported(body: dict[str, Any]) -> None:
 
 
 def sampling_of(body: dict[str, Any], defaults: dict[str, Any], kind: str = "expresslane") -> dict[str, Any]:
-    """The sampling block of /pd/decode: the client's values, vLLM's generation-config defaults otherwise.
-    TileRT refuses per-request `stop_token_ids` (its loop uses the model's stop set), so for `tilert`
-    nodes they are left out and enforced by the router alone."""
-    keys = [k for k in SAMPLING_KEYS if not (kind == "tilert" and k == "stop_token_ids")]
-    out = {k: body[k] for k in keys if body.get(k) is not None}
+    """The sampling block of /pd/decode: the client's values, vLLM's generation-config defaults otherwise."""
+    out = {k: body[k] for k in SAMPLING_KEYS[kind] if body.get(k) is not None}
     for k, v in defaults.items():
         out.setdefault(k, v)
     return out
@@ -126,7 +131,7 @@ class ExpressLane:
 
     # ---- admission -----------------------------------------------------------------------------
     async def handle(self, req: ClientRequest, pool: str, record: RequestRecord, queue: QueueConfig) -> Response:
-        check_express_supported(req.body)
+        check_express_supported(req.body, self.pools[pool].kind)
         if self.model_text is None:
             raise RouterError("express lane has no tokenizer loaded (tokenizer_dir)")
         gate, busy_retries = self.gates[pool], self.pools[pool].busy_retries
@@ -233,10 +238,12 @@ class ExpressLane:
 
     async def _open_decode(self, leg: _Leg, req: ClientRequest, *, stream: bool) -> httpx.Response:
         cfg = self.ctx.config
+        kind = self.pools_kind(leg.node)
+        sampling = sampling_of(req.body, self.model_text.generation_defaults if self.model_text else {}, kind)
         body = {"rid": leg.rid, "first_token_id": leg.first_token_id, "max_tokens": leg.max_tokens,
-                "sampling": sampling_of(req.body, self.model_text.generation_defaults if self.model_text else {},
-                                        self.pools_kind(leg.node)),
-                "stream": stream, "timeout_s": cfg.timeouts.kv_wait_s}
+                "sampling": sampling, "stream": stream, "timeout_s": cfg.timeouts.kv_wait_s}
+        if kind == "expresslane" and sampling.get("repetition_penalty", 1.0) != 1.0 and leg.prompt_ids:
+            body["prompt_token_ids"] = leg.prompt_ids  # our extension: the penalty covers the prompt, like vLLM
         url = leg.node.url + "/pd/decode"
         timeout = httpx.Timeout(cfg.timeouts.decode_s + cfg.timeouts.kv_wait_s, connect=cfg.timeouts.connect_s)
         try:
