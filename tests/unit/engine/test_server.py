@@ -177,7 +177,7 @@ def test_busy_while_waiting_for_kv_then_cancel_frees_node(node, reference):
     while client.get("/decode_status").json() != {"state": "busy", "rid": "r-wait", "phase": "wire_wait"}:
         assert time.monotonic() < deadline
         time.sleep(0.01)
-    assert source.busy is True
+    assert source.busy is False  # the awaited KV must still be admitted by the control plane
     busy = client.post("/pd/decode", json=body("r-other", 5))
     assert busy.status_code == 429 and busy.json()["error"] == "busy"
     c = client.post("/pd/cancel", json={"rid": "r-wait"})
@@ -204,12 +204,14 @@ def test_cancel_during_decode_frees_node_within_1s(node, reference):
     with client.stream("POST", "/pd/decode", json=body("r-long", first, max_tokens=MAX_SEQ, stream=True)) as r:
         lines = r.iter_lines()
         assert "t" in json.loads(next(lines))
+        assert source.busy is True  # KV claimed, engine decoding: other admissions are refused
         assert client.post("/pd/cancel", json={"rid": "r-long"}).json()["cancelled"] is True
         t0 = time.monotonic()
         wait_idle(client, within_s=1.0)
         rest = [json.loads(x) for x in lines if x.strip()]
     assert time.monotonic() - t0 < 1.0
     assert rest[-1]["error"] == "cancelled"
+    assert source.busy is False
     n = sum(len(x.get("t", [])) for x in rest) + 1
     assert n < MAX_SEQ - len(PROMPT)
     assert metric(client, "expresslane_decode_cancellations_total") == cancels + 1

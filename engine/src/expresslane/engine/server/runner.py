@@ -1,8 +1,13 @@
 """The node's single request slot and its decode thread.
 
-One request at a time: `acquire` takes the slot (else Busy/429) and advertises busy to the KV source; the
-slot is released only when the handler is finished AND the decode thread has stopped touching the engine,
-so the next request's inject can never race the previous decode. Engine work (inject, the decode loop) runs
+One request at a time: `acquire` takes the slot (else Busy/429). The slot is released only when the handler
+is finished AND the decode thread has stopped touching the engine, so the next request's inject can never
+race the previous decode.
+
+Busy is advertised to the KV source (the control-plane hello / admission) from the moment this request's
+KV is claimed until the engine is free again, NOT while /pd/decode waits for the KV: the KV being waited
+for must still be admitted (the router posts /pd/decode right after the prefill, often before the
+prefill's sender has been admitted). Engine work (inject, the decode loop) runs
 on one dedicated thread, off the event loop; tokens come back through an asyncio.Queue.
 """
 
@@ -66,7 +71,6 @@ class DecodeRunner:
             raise Busy(f"node is serving rid {self.active.rid}; one request per node")
         self.active = ActiveRequest(rid)
         self.metrics.busy.set(1)
-        self.source.set_busy(True)
         return self.active
 
     def finish(self, active: ActiveRequest) -> None:
@@ -104,6 +108,7 @@ class DecodeRunner:
             raise Cancelled(str(e)) from None
         except KVReceiveError as e:
             raise KVTransferFailed(str(e)) from None
+        self.source.set_busy(True)  # our KV is in: refuse other admissions until the engine is free
         if active.cancel_event.is_set():
             received.release()
             raise Cancelled(f"rid {active.rid} was cancelled")
