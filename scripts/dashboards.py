@@ -413,7 +413,7 @@ def lanes_overview() -> dict:
              "Client requests finished per lane over the selected range (lane=none: rejected before routing).",
              w=5),
         stat("Error ratio", "percentunit",
-             [T(f"{rate(R + 'requests_total', sel=NON_2XX, window=RANGE)} / "
+             [T(f"({or_zero(rate(R + 'requests_total', sel=NON_2XX, window=RANGE))}) / "
                 f"{rate(R + 'requests_total', window=RANGE)}", "non-2xx")],
              "Share of client requests answered with a non-2xx HTTP status over the range.", w=3),
         stat("TTFT p50", "s", [T(quantile(0.5, R + "time_to_first_token_seconds", lane, RANGE), "{{lane}}")],
