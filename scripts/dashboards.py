@@ -168,6 +168,7 @@ _CONNECTOR = {
     "expresslane_connector_send_seconds": _m("histogram", "", "connector"),
     "expresslane_connector_send_failures_total": _m("counter", "reason", "connector"),
     "expresslane_connector_staging_copy_seconds": _m("histogram", "", "connector"),
+    "expresslane_connector_staging_slots_free": _m("gauge", "", "connector"),
 }
 _VLLM_JOBS = "prefill decode-native"
 _VLLM_LABELS = "model_name engine"
@@ -615,14 +616,17 @@ def kv_handoff() -> dict:
            [T(rate(C + "staging_bytes_total"), "bytes"), T(rate(C + "staging_copies_total"), "copies/s")],
            "KV bytes (and copies) per second into the staging buffer.", w=8),
         ts("Send time", "s", _p50_p95(C + "send_seconds", (), "send"),
-           "Time for the background sender to write one request's KV to the decode node, p50 and p95.", w=8),
+           "Staged to acked by the decode node (queue, control, NIXL WRITE) per request, p50 and p95.", w=6),
         ts("Send throughput", "Bps",
            [T(ratio(C + "sent_bytes_total", C + "send_seconds_sum"), "sent bytes / send time")],
-           "Connector-side KV bytes per second of send time.", w=8),
+           "Connector-side KV bytes per second of send time.", w=6),
         ts("Sends and send failures/s", "reqps",
            [T(rate(C + "sent_requests_total"), "sent"),
             T(or_zero(rate(C + "send_failures_total", ("reason",))), "failed {{reason}}")],
-           "Requests whose KV was sent per second, and failed sends by reason (0 when none).", w=8),
+           "Requests whose KV was sent per second, and failed sends by reason (0 when none).", w=6),
+        ts("Free staging slots", "short",
+           [T(f"sum by (instance) ({C}staging_slots_free)", "{{instance}}")],
+           "Staging buffer slots free per prefill worker; 0 means claimed requests wait for a slot.", w=6),
         Row("Express path: decode server"),
         ts("Handoff time (decode side)", "s", _p50_p95(D + "handoff_seconds", (), "handoff"),
            "Handoff time per request measured on the decode node, p50 and p95.", w=8),
