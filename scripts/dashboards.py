@@ -948,6 +948,11 @@ def _pick_datasource(api, wanted: str | None) -> dict:
     return sources[0]
 
 
+def _exprs(dash: dict) -> list[tuple[str, str, str]]:
+    return [(p["title"], t.get("refId", ""), t.get("expr", "")) for p in dash.get("panels", [])
+            for t in p.get("targets", [])]
+
+
 def verify(datasource: str | None, require_data: bool, time_from: str) -> int:
     from grafana_client.client import GrafanaException
 
@@ -964,7 +969,7 @@ def verify(datasource: str | None, require_data: bool, time_from: str) -> int:
             continue
         if lint_dashboards({name: remote}):
             failures += [f"{name} (in Grafana): {e}" for e in lint_dashboards({name: remote})]
-        if [p.get("targets") for p in remote["panels"]] != [p.get("targets") for p in dash["panels"]]:
+        if _exprs(remote) != _exprs(dash):
             failures.append(f"{name}: queries in Grafana differ from grafana/dashboards/{name} (push again)")
         for q in iter_queries({name: remote}):
             total += 1

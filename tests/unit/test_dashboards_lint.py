@@ -198,3 +198,116 @@ def test_grafana_rate_interval():
     assert dashboards.grafana_rate_interval(15, 5) == "20s"
     assert dashboards.grafana_rate_interval(60, 5) == "65s"
     assert dashboards.grafana_rate_interval(1, 1) == "4s"
+
+
+# ---- push / verify against a stand-in Grafana HTTP API (the real server cannot be installed here) ----------
+
+
+class _FakeGrafana:
+    """Just enough of Grafana's HTTP API for `push` and `verify`: records every request."""
+
+    def __init__(self):
+        import http.server
+        import threading
+
+        self.requests: list[tuple[str, str, dict | None]] = []
+        self.dashboards: dict[str, dict] = {}
+        self.datasources = [{"id": 1, "uid": "prom-a", "name": "Prometheus", "type": "prometheus",
+                             "isDefault": True, "access": "proxy"},
+                            {"id": 2, "uid": "loki", "name": "Loki", "type": "loki", "access": "proxy"}]
+        fake = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *a):
+                pass
+
+            def _reply(self, code, body):
+                data = json.dumps(body).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self):
+                fake.requests.append(("GET", self.path, None))
+                if self.path == "/api/frontend/settings":  # grafana-client's connect() / version
+                    return self._reply(200, {"buildInfo": {"version": "11.3.0"}})
+                if self.path == "/api/datasources":
+                    return self._reply(200, fake.datasources)
+                if self.path.startswith("/api/folders/"):
+                    return self._reply(404, {"message": "folder not found"})
+                if self.path.startswith("/api/dashboards/uid/"):
+                    uid = self.path.rsplit("/", 1)[1]
+                    if uid in fake.dashboards:
+                        return self._reply(200, {"dashboard": fake.dashboards[uid], "meta": {}})
+                    return self._reply(404, {"message": "Dashboard not found"})
+                self._reply(404, {"message": "not found"})
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"{}")
+                fake.requests.append(("POST", self.path, body))
+                if self.path == "/api/folders":
+                    return self._reply(200, {"uid": body.get("uid"), "title": body["title"]})
+                if self.path == "/api/dashboards/db":
+                    d = body["dashboard"]
+                    fake.dashboards[d["uid"]] = d
+                    return self._reply(200, {"uid": d["uid"], "url": f"/d/{d['uid']}", "status": "success"})
+                if self.path == "/api/ds/query":
+                    (q,) = body["queries"]
+                    frame = {"schema": {}, "data": {"values": [[1], [0.5]]}}
+                    return self._reply(200, {"results": {q["refId"]: {"status": 200, "frames": [frame]}}})
+                self._reply(404, {"message": "not found"})
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def fake_grafana(monkeypatch):
+    pytest.importorskip("grafana_client")
+    fake = _FakeGrafana()
+    monkeypatch.setenv("GRAFANA_URL", fake.url)
+    monkeypatch.setenv("GRAFANA_USER", "admin")
+    monkeypatch.setenv("GRAFANA_PASSWORD", "secret")
+    monkeypatch.delenv("GRAFANA_TOKEN", raising=False)
+    yield fake
+    fake.close()
+
+
+def test_push_then_verify(fake_grafana, capsys):
+    assert dashboards.main(["push", "--folder", "expresslane"]) == 0
+    posted = [b for m, p, b in fake_grafana.requests if p == "/api/dashboards/db"]
+    assert sorted(b["dashboard"]["uid"] for b in posted) == sorted(
+        d["uid"] for d in dashboards.load_committed().values())
+    assert all(b["overwrite"] and b["folderUid"] == "expresslane" and b["dashboard"]["id"] is None for b in posted)
+    assert any(p == "/api/folders" for _, p, _ in fake_grafana.requests)
+
+    assert dashboards.main(["verify", "--require-data"]) == 0, capsys.readouterr().out
+    queries = [b["queries"][0] for m, p, b in fake_grafana.requests if p == "/api/ds/query"]
+    assert len(queries) == len(dashboards.iter_queries())
+    # ${datasource} resolved to the Prometheus data source; Grafana's own $__ variables left for Grafana
+    assert {q["datasource"]["uid"] for q in queries} == {"prom-a"}
+    assert any("$__rate_interval" in q["expr"] for q in queries)
+    assert all(q["instant"] != q["range"] for q in queries)
+
+
+def test_verify_fails_on_missing_dashboard_and_drift(fake_grafana, capsys):
+    assert dashboards.main(["verify"]) == 1
+    assert "not found in Grafana" in capsys.readouterr().out
+    dashboards.main(["push"])
+    uid = next(iter(fake_grafana.dashboards))
+    fake_grafana.dashboards[uid]["panels"][1]["targets"][0]["expr"] = "vector(1)"
+    assert dashboards.main(["verify"]) == 1
+    assert "differ from grafana/dashboards" in capsys.readouterr().out
+
+
+def test_verify_fails_without_a_prometheus_datasource(fake_grafana):
+    fake_grafana.datasources = [d for d in fake_grafana.datasources if d["type"] != "prometheus"]
+    with pytest.raises(SystemExit, match="no Prometheus data source"):
+        dashboards.main(["verify"])
