@@ -8,7 +8,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from .exactness import (
+from exactness import (
     MAX_TOKENS,
     NATIVE_ALIAS,
     PROMPT_LENGTHS,
