@@ -1,0 +1,194 @@
+"""REAL loopback: KVSender -> KVReceiver over TCP control + NIXL WRITE between two agents on localhost."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+
+import pytest
+import torch
+
+pytest.importorskip("nixl")
+
+from expresslane.engine.protocol.layout import KVLayoutSpec  # noqa: E402
+from expresslane.engine.transfer import KVCancelled, KVReceiver, KVTimeout, SendError  # noqa: E402
+from expresslane.engine.transfer.nixl_transport import NixlEndpoint  # noqa: E402
+from expresslane.engine.transfer.sender import KVSender, SenderConfig, SendJob  # noqa: E402
+from expresslane.engine.transfer.staging import StagingPool  # noqa: E402
+
+L, H, D, MAX = 3, 4, 16, 64
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture()
+def receiver():
+    rx = KVReceiver(L, H, D, torch.float32, "cpu", MAX, "127.0.0.1", ctrl_port=_free_port(), num_slots=1,
+                    unclaimed_ttl_s=1.0)
+    rx.start()
+    yield rx
+    rx.stop()
+
+
+class _Prefill:
+    """One prefill rank: staging pool + NIXL endpoint + sender."""
+
+    def __init__(self, layout: KVLayoutSpec, heads: int | None = None, rank: int = 0, world: int = 1,
+                 busy_retry_s: float = 0.3) -> None:
+        self.layout = layout
+        self.heads = layout.num_kv_heads if heads is None else heads
+        self.pool = StagingPool(2, layout.request_nbytes(MAX, self.heads))
+        self.endpoint = NixlEndpoint("test-prefill")
+        region = self.endpoint.register(self.pool.buffer)
+        self.sender = KVSender(self.endpoint, region, layout, rank=rank, world_size=world,
+                               head_start=rank * self.heads, num_heads=self.heads,
+                               config=SenderConfig(busy_retry_s=busy_retry_s, io_timeout_s=5))
+
+    def stage(self, rid: str, port: int, T: int, seed: int = 0):
+        slot = self.pool.acquire()
+        assert slot is not None
+        k, v = slot.dense_kv(L, T, self.heads, D, self.layout.torch_dtype)
+        gen = torch.Generator().manual_seed(seed)
+        k.copy_(torch.randn(k.shape, generator=gen))
+        v.copy_(torch.randn(v.shape, generator=gen))
+        job = SendJob(rid=rid, host="127.0.0.1", port=port, num_tokens=T, slot=slot,
+                      nbytes=self.layout.request_nbytes(T, self.heads))
+        return job, k.clone(), v.clone()
+
+
+LAYOUT = KVLayoutSpec(L, H, D, "float32", MAX)
+
+
+async def test_byte_exact_arrival_then_release(receiver: KVReceiver) -> None:
+    tx = _Prefill(LAYOUT)
+    job, k, v = tx.stage("r1", receiver.ctrl_port, 37)
+    await asyncio.to_thread(tx.sender.send, job)
+    assert tx.pool.num_free == 2  # slot released after the send
+    got = await receiver.wait_for("r1", 5)  # arrived before wait_for was called
+    assert got.rid == "r1" and got.num_tokens == 37 and got.k.shape == (L, 37, H, D)
+    assert torch.equal(got.k, k) and torch.equal(got.v, v)
+    assert got.nbytes == LAYOUT.request_nbytes(37) and got.wire_wait_s < 0.5
+    got.release()
+    got.release()  # idempotent
+    # The slot is free again: a second request fits the single receive slot.
+    job, k2, _ = tx.stage("r2", receiver.ctrl_port, 5, seed=1)
+    waiter = asyncio.create_task(receiver.wait_for("r2", 5))  # waiting before the KV arrives
+    await asyncio.sleep(0.05)
+    await asyncio.to_thread(tx.sender.send, job)
+    got2 = await waiter
+    assert torch.equal(got2.k, k2)
+    got2.release()
+
+
+async def test_busy_reject_retry_and_give_up(receiver: KVReceiver) -> None:
+    tx = _Prefill(LAYOUT, busy_retry_s=5)
+    receiver.set_busy(True)
+    job, k, _ = tx.stage("rb", receiver.ctrl_port, 8)
+    threading.Timer(0.3, receiver.set_busy, args=(False,)).start()
+    t0 = time.monotonic()
+    await asyncio.to_thread(tx.sender.send, job)  # retried with backoff until the node is free
+    assert time.monotonic() - t0 >= 0.25
+    assert receiver.stats["rejected"] >= 1
+    got = await receiver.wait_for("rb", 2)
+    assert torch.equal(got.k, k)
+    # The one slot is held (not released): the next admit is rejected busy and the sender gives up.
+    tx.sender.config = SenderConfig(busy_retry_s=0.2)
+    job2, _, _ = tx.stage("rc", receiver.ctrl_port, 8)
+    with pytest.raises(SendError) as e:
+        await asyncio.to_thread(tx.sender.send, job2)
+    assert e.value.reason == "rejected_busy"
+    assert tx.pool.num_free == 2  # released on the failure path too
+    got.release()
+
+
+async def test_too_long_and_layout_mismatch_are_not_retried(receiver: KVReceiver) -> None:
+    long_layout = KVLayoutSpec(L, H, D, "float32", MAX * 2)
+    tx = _Prefill(long_layout)
+    tx.pool = StagingPool(1, long_layout.request_nbytes(MAX + 1))
+    tx.sender.staging_region = tx.endpoint.register(tx.pool.buffer)
+    slot = tx.pool.acquire()
+    job = SendJob("rl", "127.0.0.1", receiver.ctrl_port, MAX + 1, slot, long_layout.request_nbytes(MAX + 1))
+    with pytest.raises(SendError) as e:
+        tx.sender.send(job)
+    assert e.value.reason == "rejected_too_long"
+
+    bad = _Prefill(KVLayoutSpec(L, H, D, "bfloat16", MAX))
+    job, _, _ = bad.stage("rm", receiver.ctrl_port, 4)
+    with pytest.raises(SendError) as e:
+        bad.sender.send(job)
+    assert e.value.reason == "incompatible" and "dtype" in e.value.detail
+    assert bad.pool.num_free == 2
+
+
+async def test_timeout_and_unclaimed_expiry(receiver: KVReceiver) -> None:
+    with pytest.raises(KVTimeout):
+        await receiver.wait_for("never", 0.2)
+    tx = _Prefill(LAYOUT)
+    job, _, _ = tx.stage("rx", receiver.ctrl_port, 4)
+    tx.sender.send(job)
+    await asyncio.sleep(2.0)  # unclaimed_ttl_s=1: dropped by the reaper, slot freed
+    assert receiver.stats["expired"] == 1
+    with pytest.raises(KVTimeout):
+        await receiver.wait_for("rx", 0.1)
+    job, _, _ = tx.stage("ry", receiver.ctrl_port, 4)
+    tx.sender.send(job)  # the slot was given back
+    (await receiver.wait_for("ry", 1)).release()
+
+
+async def test_cancel_wakes_waiter_and_rejects_late_admit(receiver: KVReceiver) -> None:
+    waiter = asyncio.create_task(receiver.wait_for("rk", 5))
+    await asyncio.sleep(0.05)
+    receiver.cancel("rk")
+    with pytest.raises(KVCancelled):
+        await waiter
+    tx = _Prefill(LAYOUT)
+    job, _, _ = tx.stage("rk", receiver.ctrl_port, 4)
+    with pytest.raises(SendError) as e:
+        tx.sender.send(job)
+    assert e.value.reason == "rejected_cancelled"
+    with pytest.raises(KVCancelled):
+        await receiver.wait_for("rk", 0.1)
+    # Cancel after arrival frees the slot at once.
+    job, _, _ = tx.stage("rz", receiver.ctrl_port, 4)
+    tx.sender.send(job)
+    receiver.cancel("rz")
+    job, _, _ = tx.stage("rw", receiver.ctrl_port, 4)
+    tx.sender.send(job)
+    (await receiver.wait_for("rw", 1)).release()
+
+
+async def test_two_ranks_assemble_heads(receiver: KVReceiver) -> None:
+    """TP=2 prefill: each rank writes its half of the KV heads; the receiver hands out all heads."""
+    ranks = [_Prefill(LAYOUT, heads=H // 2, rank=r, world=2) for r in range(2)]
+    staged = [p.stage("rt", receiver.ctrl_port, 9, seed=r) for r, p in enumerate(ranks)]
+    waiter = asyncio.create_task(receiver.wait_for("rt", 5))
+    await asyncio.gather(*(asyncio.to_thread(p.sender.send, job) for p, (job, _, _) in zip(ranks, staged)))
+    got = await waiter
+    assert torch.equal(got.k, torch.cat([staged[0][1], staged[1][1]], dim=2))
+    assert torch.equal(got.v, torch.cat([staged[0][2], staged[1][2]], dim=2))
+    got.release()
+
+
+def test_unreachable_decode_node_fails_fast() -> None:
+    tx = _Prefill(LAYOUT)
+    job, _, _ = tx.stage("ru", _free_port(), 4)
+    with pytest.raises(SendError) as e:
+        tx.sender.send(job)
+    assert e.value.reason == "connect"
+    assert tx.pool.num_free == 2
+
+
+def test_staging_pool_never_blocks() -> None:
+    pool = StagingPool(2, 1000)
+    a, b = pool.acquire(), pool.acquire()
+    assert pool.acquire() is None
+    a.release()
+    a.release()
+    assert pool.num_free == 1 and pool.acquire() is a
+    assert pool.slot_nbytes % 256 == 0 and b.offset == pool.slot_nbytes
