@@ -22,8 +22,7 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
         if dtype not in DTYPES.values():
             raise ValueError(f"unsupported dtype {dtype}; use one of {list(DTYPES)}")
         return dtype
-    if dtype in ("auto", "half"):
-        dtype = {"auto": "bfloat16", "half": "float16"}[dtype]
+    dtype = {"half": "float16", "float": "float32", "bf16": "bfloat16"}.get(dtype, dtype)
     if dtype not in DTYPES:
         raise ValueError(f"unsupported dtype {dtype!r}; use one of {list(DTYPES)}")
     return DTYPES[dtype]
@@ -85,6 +84,8 @@ class DecodeEngine:
                         device: str | torch.device = "cpu", max_seq_len: int = 4096, attention: str | None = None,
                         compile: bool = False) -> "DecodeEngine":
         config = ModelConfig.from_model_dir(model_dir)
+        if dtype == "auto":  # the checkpoint's own dtype, like vLLM's --dtype auto for these dtypes
+            dtype = config.checkpoint_dtype or "float32"
         torch_dtype, device = parse_dtype(dtype), torch.device(device)
         if max_seq_len < 2:
             raise ValueError(f"max_seq_len must be >= 2, got {max_seq_len}")
