@@ -9,35 +9,15 @@ import time
 
 import httpx
 import pytest
-import uvicorn
 
 from expresslane.engine.decode import DecodeEngine, SamplingParams
 from expresslane.engine.server import LocalKVSource, ServerConfig, create_app
 
+from ._live import LiveServer
 from ._models import VOCAB, build_model
 
 PROMPT = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38]
 MAX_SEQ = 2048
-
-
-class LiveServer:
-    def __init__(self, app) -> None:
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning",
-                                                    lifespan="on"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-
-    def __enter__(self) -> str:
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            assert time.monotonic() < deadline, "server did not start"
-            time.sleep(0.02)
-        port = self.server.servers[0].sockets[0].getsockname()[1]
-        return f"http://127.0.0.1:{port}"
-
-    def __exit__(self, *exc) -> None:
-        self.server.should_exit = True
-        self.thread.join(10)
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ from expresslane.engine.transfer.sender import KVSender, SenderConfig, SendJob  
 from expresslane.engine.transfer.staging import StagingPool  # noqa: E402
 
 from ._models import build_model  # noqa: E402
-from .test_server import LiveServer  # noqa: E402
+from ._live import LiveServer  # noqa: E402
 
 MAX_SEQ = 256
 PROMPT = [11, 22, 33, 44, 55, 66, 77, 88, 99, 100, 101]
