@@ -9,6 +9,7 @@ only, and every native-lane NixlConnector request fails the compatibility-hash c
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -34,10 +35,21 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 
+def _route_logs_to_vllm() -> None:
+    """Send the ``expresslane`` loggers through vLLM's handlers (vLLM only configures ``vllm``)."""
+    ours, theirs = logging.getLogger("expresslane"), logging.getLogger("vllm")
+    if not ours.handlers and theirs.handlers:
+        for handler in theirs.handlers:
+            ours.addHandler(handler)
+        ours.setLevel(logging.INFO)
+        ours.propagate = False
+
+
 class ExpressLaneConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
                  kv_cache_config: "KVCacheConfig | None" = None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        _route_logs_to_vllm()
         if not self._kv_transfer_config.is_kv_producer or self._kv_transfer_config.is_kv_consumer:
             raise ValueError("ExpressLaneConnector is a prefill-side connector: use kv_role=kv_producer")
         self.config = ExpressLaneConnectorConfig.from_extra_config(

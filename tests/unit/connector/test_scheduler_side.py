@@ -1,0 +1,183 @@
+"""Scheduler-side connector logic, driven by vLLM's real Scheduler (and real SchedulerOutput objects)."""
+
+from __future__ import annotations
+
+import pytest
+
+from .conftest import make_request, marker, step
+
+pytest.importorskip("vllm")
+
+
+def _ours(sched):
+    from expresslane.engine.connector import ExpressLaneConnector
+
+    assert isinstance(sched.connector, ExpressLaneConnector)
+    return sched.connector
+
+
+def _run(sched, max_steps: int = 20):
+    metas = []
+    for _ in range(max_steps):
+        if not sched.requests:
+            break
+        metas.append(step(sched).kv_connector_metadata)
+    assert not sched.requests, "requests did not finish"
+    return metas
+
+
+def test_unclaimed_requests_are_a_strict_noop(scheduler) -> None:
+    conn = _ours(scheduler)
+    scheduler.add_request(make_request("plain", 40))
+    scheduler.add_request(make_request("tilert", 40, {"tilert_host": "10.0.0.1", "tilert_ctrl_port": 5556}))
+    scheduler.add_request(make_request("native", 40, {"do_remote_decode": True}))
+    metas = _run(scheduler)
+    assert all(m.ship == [] for m in metas)
+    sched_side = conn.connector_scheduler
+    assert sched_side.totals == {"unclaimed": 3}
+    assert sched_side._tracked == {}
+    # The only thing that reaches the worker is the counter increment, once.
+    assert [m.stats_delta for m in metas if m.stats_delta] == [{"unclaimed": 3}]
+
+
+def test_claimed_ships_once_with_all_blocks_and_never_holds_blocks(scheduler) -> None:
+    conn = _ours(scheduler)
+    scheduler.add_request(make_request("a", 40, marker("rid-a")))
+    metas = _run(scheduler)
+    ships = [s for m in metas for s in m.ship]
+    assert len(ships) == 1
+    ship = ships[0]
+    assert (ship.req_id, ship.claim.rid, ship.claim.port, ship.num_tokens) == ("a", "rid-a", 5556, 40)
+    assert len(ship.block_ids) == 1 and len(ship.block_ids[0]) == 3  # ceil(40 / 16)
+    assert conn.connector_scheduler.totals == {"claimed": 1}
+    assert scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == 100 - 1  # all freed (1 null block)
+
+
+def test_chunked_prefill_ships_once_at_completion(scheduler) -> None:
+    """100-token prompt, 64-token budget: chunk 1 ships nothing, chunk 2 ships all 7 blocks, once."""
+    scheduler.add_request(make_request("long", 100, marker("rid-long")))
+    so1 = step(scheduler)
+    assert so1.num_scheduled_tokens == {"long": 64} and so1.kv_connector_metadata.ship == []
+    so2 = step(scheduler)
+    assert so2.num_scheduled_tokens == {"long": 36}
+    (ship,) = so2.kv_connector_metadata.ship
+    assert ship.num_tokens == 100
+    all_blocks = so1.scheduled_new_reqs[0].block_ids[0] + (so2.scheduled_cached_reqs.new_block_ids[0] or ([],))[0]
+    assert ship.block_ids[0][:7] == all_blocks[:7] and len(ship.block_ids[0]) == 7
+    metas = _run(scheduler)
+    assert all(m.ship == [] for m in metas)
+
+
+def test_abort_before_completion_drops_and_counts(scheduler) -> None:
+    from vllm.v1.request import RequestStatus
+
+    conn = _ours(scheduler)
+    scheduler.add_request(make_request("ab", 100, marker("rid-ab")))
+    step(scheduler)  # first chunk only
+    scheduler.finish_requests("ab", RequestStatus.FINISHED_ABORTED)
+    metas = [step(scheduler).kv_connector_metadata]  # the next step carries the counter to the worker
+    assert all(m.ship == [] for m in metas)
+    assert conn.connector_scheduler.totals == {"claimed": 1, "failure:finished_before_ship": 1}
+    assert {"failure:finished_before_ship": 1} in [m.stats_delta for m in metas]
+
+
+def test_malformed_marker_is_not_claimed_and_counted(scheduler) -> None:
+    conn = _ours(scheduler)
+    scheduler.add_request(make_request("bad", 8, {"expresslane_host": "h", "expresslane_rid": "r"}))
+    metas = _run(scheduler)
+    assert all(m.ship == [] for m in metas)
+    assert conn.connector_scheduler.totals == {"failure:bad_params": 1}
+
+
+def test_mixed_batch_ships_only_the_claimed_one(scheduler) -> None:
+    scheduler.add_request(make_request("u1", 30))
+    scheduler.add_request(make_request("c1", 20, marker("rid-c1")))
+    scheduler.add_request(make_request("u2", 10, {"do_remote_decode": True}))
+    ships = [s for m in _run(scheduler) for s in m.ship]
+    assert [(s.req_id, s.claim.rid, s.num_tokens) for s in ships] == [("c1", "rid-c1", 20)]
+
+
+def test_preemption_and_resume_ship_the_resumed_blocks() -> None:
+    """Preempted mid-prompt: the blocks it had are freed; it ships the block list it resumed with."""
+    from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+
+    from expresslane.engine.connector.scheduler import ExpressLaneScheduler
+
+    sched = ExpressLaneScheduler()
+    req = make_request("p", 100, marker("rid-p"))
+    sched.on_new_request(req)
+
+    def output(new=(), cached=None, scheduled=None, preempted=None):
+        so = SchedulerOutput.make_empty()
+        so.scheduled_new_reqs = list(new)
+        if cached is not None:
+            so.scheduled_cached_reqs = cached
+        so.num_scheduled_tokens = scheduled or {}
+        so.preempted_req_ids = preempted
+        return so
+
+    def cached(block_ids, computed, resumed):
+        return CachedRequestData(req_ids=["p"], resumed_req_ids={"p"} if resumed else set(), new_token_ids=[[]],
+                                 all_token_ids={}, new_block_ids=[block_ids], num_computed_tokens=[computed],
+                                 num_output_tokens=[0])
+
+    new = NewRequestData.from_request(req, ([1, 2, 3, 4],))
+    assert sched.build_connector_meta(output([new], scheduled={"p": 64})).ship == []
+    assert sched.build_connector_meta(output(preempted={"p"})).ship == []
+    # Resumed from scratch with a complete new block list, chunked again.
+    assert sched.build_connector_meta(output(cached=cached(([9, 10, 11, 12],), 0, True),
+                                             scheduled={"p": 64})).ship == []
+    (ship,) = sched.build_connector_meta(output(cached=cached(([13, 14, 15],), 64, False),
+                                                scheduled={"p": 36})).ship
+    assert ship.block_ids == ([9, 10, 11, 12, 13, 14, 15],) and ship.num_tokens == 100
+    # Never twice, and finishing afterwards is not a failure.
+    assert sched.build_connector_meta(output(cached=cached(None, 100, False), scheduled={"p": 1})).ship == []
+    assert sched.request_finished(req) == (False, None)
+    assert sched.totals == {"claimed": 1}
+
+
+def test_producer_contract_and_hma(model_dir) -> None:
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole, SupportsHMA, supports_hma
+    from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiConnector
+
+    from expresslane.engine.connector import ExpressLaneConnector
+
+    from .conftest import make_kv_cache_config, make_vllm_config
+
+    assert supports_hma(ExpressLaneConnector) and issubclass(ExpressLaneConnector, SupportsHMA)
+    vc = make_vllm_config(model_dir)
+    conn = ExpressLaneConnector(vc, KVConnectorRole.SCHEDULER, make_kv_cache_config())
+    req = make_request("x", 10, marker())
+    assert conn.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert conn.requires_kv_delivery is False
+    conn.on_new_request(req)
+    assert conn.request_finished_all_groups(req, ([1],)) == (False, None)  # unshipped -> dropped, never held
+    # As deployed (scripts/launch/prefill.sh): every MultiConnector child supports HMA, so vLLM keeps the
+    # hybrid KV cache manager on and the NixlConnector compatibility hash matches plain NIXL decoders.
+    multi = KVTransferConfig(kv_connector="MultiConnector", kv_role="kv_producer", kv_connector_extra_config={
+        "connectors": [
+            {"kv_connector": "NixlConnector", "kv_role": "kv_producer", "kv_buffer_device": "cpu"},
+            {"kv_connector": "ExpressLaneConnector", "kv_connector_module_path": "expresslane.engine.connector",
+             "kv_role": "kv_producer", "kv_connector_extra_config": {"metrics_port": 9400}},
+        ]})
+    assert MultiConnector.all_children_support_hma(multi)
+
+
+def test_config_is_strict(model_dir) -> None:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from expresslane.engine.connector import ExpressLaneConnector
+
+    from .conftest import make_kv_cache_config, make_vllm_config
+
+    vc = make_vllm_config(model_dir, connector={
+        "kv_connector": "ExpressLaneConnector", "kv_connector_module_path": "expresslane.engine.connector",
+        "kv_role": "kv_producer", "kv_connector_extra_config": {"metrics_prot": 9400}})
+    with pytest.raises(ValueError, match="metrics_prot"):
+        ExpressLaneConnector(vc, KVConnectorRole.SCHEDULER, make_kv_cache_config())
+    vc = make_vllm_config(model_dir, connector={
+        "kv_connector": "ExpressLaneConnector", "kv_connector_module_path": "expresslane.engine.connector",
+        "kv_role": "kv_consumer"})
+    with pytest.raises(ValueError, match="kv_producer"):
+        ExpressLaneConnector(vc, KVConnectorRole.SCHEDULER, make_kv_cache_config())
