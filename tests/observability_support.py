@@ -263,6 +263,7 @@ class QueryResult:
     series: int
     finite: bool
     error: str = ""
+    sample: float | None = None  # the last finite value seen, for the summary
 
     @property
     def ok(self) -> bool:
@@ -277,26 +278,36 @@ class QueryResult:
         return f"{q.dashboard} / {q.panel} [{q.ref}] ({'instant' if q.instant else 'range'}): {why}\n    {self.promql}"
 
 
-def _has_finite(result: list[dict]) -> bool:
+def _last_finite(result: list[dict]) -> float | None:
+    last = None
     for series in result:
         values = series.get("values") or ([series["value"]] if "value" in series else [])
-        if any(math.isfinite(float(v)) for _, v in values):
-            return True
-    return False
+        for _, v in values:
+            if math.isfinite(float(v)):
+                last = float(v)
+    return last
 
 
-def run_panel_queries(prom: Prometheus, start: float, end: float, step_s: float = 1.0) -> list[QueryResult]:
+def summary(results: list[QueryResult]) -> str:
+    lines = [f"{'ok' if r.ok else 'EMPTY':5} {r.series:3} series  last={r.sample!s:24.24} "
+             f"{r.query.dashboard} / {r.query.panel} [{r.query.ref}]" for r in results]
+    return "\n".join(lines)
+
+
+def run_panel_queries(prom: Prometheus, start: float, end: float, step_s: float = 1.0,
+                      queries: list | None = None) -> list[QueryResult]:
     """Every target of every committed dashboard, the way Grafana would run it over [start, end]:
     timeseries as range queries with Grafana's $__rate_interval for this scrape interval and step; stat-like
     panels as instant queries at `end` with $__range covering [start, end]."""
     rate_interval = dashboards.grafana_rate_interval(step_s, prom.scrape_interval_s)
     rng = f"{int(math.ceil(end - start))}s"
     out = []
-    for q in dashboards.iter_queries():
+    for q in (dashboards.iter_queries() if queries is None else queries):
         promql = q.substituted(rate_interval, rng, f"{step_s:g}s")
         try:
             result = prom.instant(promql, at=end) if q.instant else prom.range(promql, start, end, step_s)
-            out.append(QueryResult(q, promql, len(result), _has_finite(result)))
+            last = _last_finite(result)
+            out.append(QueryResult(q, promql, len(result), last is not None, sample=last))
         except PromQLError as e:
             out.append(QueryResult(q, promql, 0, False, str(e)))
     return out

@@ -18,10 +18,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from observability_support import (  # noqa: E402
     EXPRESS_ALIAS,
     NATIVE_ALIAS,
+    dashboards,
     missing_metrics,
     prometheus,  # noqa: F401  (fixture)
     run_panel_queries,
     send_smoke_traffic,
+    summary,
 )
 
 
@@ -52,8 +54,21 @@ def test_every_panel_query_returns_data(prometheus, smoke_traffic):  # noqa: F81
     start = smoke_traffic.started - 2 * prometheus.scrape_interval_s
     results = run_panel_queries(prometheus, start, time.time(), step_s=1.0)
     assert results, "no dashboard queries found"
+    print(f"\n{len(results)} panel queries over {time.time() - start:.0f}s:\n{summary(results)}")
     empty = [r for r in results if not r.ok]
     assert not empty, (
         f"{len(empty)} of {len(results)} panel queries return no data (Grafana would show 'No data'):\n"
         + "\n".join(r.describe() for r in empty)
     )
+
+
+def test_an_empty_panel_would_be_caught(prometheus, smoke_traffic):  # noqa: F811
+    """The detector itself: a misspelt metric and an all-NaN quantile are reported, not passed."""
+    bogus = [
+        dashboards.Query("x", "misspelt", "timeseries", "A",
+                         "sum(rate(expresslane_router_request_total[$__rate_interval]))", False),
+        dashboards.Query("x", "nan", "stat", "A", "histogram_quantile(0.5, sum by (le) "
+                         "(increase(expresslane_decode_handoff_seconds_bucket[1ms])))", True),
+    ]
+    results = run_panel_queries(prometheus, smoke_traffic.started, time.time(), queries=bogus)
+    assert [r.ok for r in results] == [False, False], summary(results)
