@@ -311,3 +311,26 @@ def test_verify_fails_without_a_prometheus_datasource(fake_grafana):
     fake_grafana.datasources = [d for d in fake_grafana.datasources if d["type"] != "prometheus"]
     with pytest.raises(SystemExit, match="no Prometheus data source"):
         dashboards.main(["verify"])
+
+
+def test_compose_mounts_match_provisioning():
+    """compose/compose.yaml (owned elsewhere) mounts what the provisioning files and prometheus.yml expect."""
+    path = REPO / "compose" / "compose.yaml"
+    if not path.exists():
+        pytest.skip("no compose/compose.yaml yet")
+    services = yaml.safe_load(path.read_text())["services"]
+    prom_volumes = services["prometheus"]["volumes"]
+    assert "./prometheus/prometheus.yml:/etc/prometheus/prometheus.yml:ro" in prom_volumes
+    grafana = services["grafana"]
+    assert "grafana" in grafana.get("profiles", [])
+    volumes = grafana["volumes"]
+    assert "../grafana/provisioning:/etc/grafana/provisioning:ro" in volumes
+    assert "../grafana/dashboards:/var/lib/grafana/dashboards:ro" in volumes
+    assert "GF_SECURITY_ADMIN_PASSWORD" in grafana["environment"]
+    home = grafana["environment"].get("GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH")
+    if home:
+        assert Path(home).name in dashboards.BUILDERS, home
+    # every compose service the scrape config names exists
+    for job in dashboards.JOBS:
+        host = job.compose_target.split(":")[0]
+        assert host == "localhost" or host in services, job
