@@ -72,6 +72,9 @@ def test_cpu_backend_roundtrip_through_vllm_cache_write(num_tokens: int) -> None
         _write_through_vllm(layer, k, v, slots)
     k_dense, v_dense = dense_from_paged(layers, layout, block_ids, num_tokens)
     assert k_dense.shape == (2, num_tokens, H, D)
+    blk, off = layout.token_index(block_ids, num_tokens)
+    k0, v0 = layout.gather_layer(layers[0], blk, off)  # the allocating path agrees with the out= path
+    assert torch.equal(k0, k_dense[0]) and torch.equal(v0, v_dense[0])
     assert torch.equal(k_dense, torch.stack(ks))
     assert torch.equal(v_dense, torch.stack(vs))
 

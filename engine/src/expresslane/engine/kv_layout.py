@@ -102,10 +102,10 @@ class PagedKVLayout:
                      out_v: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Dense ``[T, H, D]`` K and V of one layer; written straight into ``out_*`` when given (one copy)."""
         k, v = self.kv_views(layer)
-        idx = [blk, None, off]  # -> [T, H, *dim_shape]
+        idx = [blk, None, off]  # aten.index: None skips the head dim -> [T, H, *dim_shape]
         T, H = blk.shape[0], self.num_kv_heads
         if out_k is None:
-            return k[idx].reshape(T, H, self.head_dim), v[idx].reshape(T, H, self.head_dim)
+            return k[blk, :, off].reshape(T, H, self.head_dim), v[blk, :, off].reshape(T, H, self.head_dim)
         torch.ops.aten.index.Tensor_out(k, idx, out=out_k.view(T, H, *self.k.dim_shape))
         torch.ops.aten.index.Tensor_out(v, idx, out=out_v.view(T, H, *self.v.dim_shape))
         return out_k, out_v
