@@ -253,6 +253,13 @@ class T:
 
     expr: str
     legend: str = ""
+    # True where a healthy smoke run may leave every value at 0 (failure counters, sampled gauges): the live
+    # test then accepts a flat zero; everywhere else it demands a non-zero value (the metric moved).
+    zero_ok: bool = False
+
+
+def Z(expr: str, legend: str = "") -> T:
+    return T(expr, legend, zero_ok=True)
 
 
 @dataclasses.dataclass
@@ -351,7 +358,15 @@ def _panel_json(p: P, pid: int, x: int, y: int) -> dict:
     }
 
 
-def dashboard(uid: str, title: str, description: str, items: list, tags: tuple[str, ...] = ()) -> dict:
+@dataclasses.dataclass(frozen=True)
+class Built:
+    json: dict
+    zero_ok: frozenset[tuple[str, str]]  # (panel title, refId) of targets that may stay at 0
+
+
+def dashboard(uid: str, title: str, description: str, items: list, tags: tuple[str, ...] = ()) -> Built:
+    zero_ok = frozenset((i.title, chr(ord("A") + n)) for i in items if isinstance(i, P)
+                        for n, t in enumerate(i.targets) if t.zero_ok)
     panels, pid, x, y, row_h = [], 1, 0, 0, 0
     for item in items:
         if isinstance(item, Row):
@@ -366,7 +381,7 @@ def dashboard(uid: str, title: str, description: str, items: list, tags: tuple[s
             x += item.w
             row_h = max(row_h, item.h)
         pid += 1
-    return {
+    return Built({
         "uid": uid,
         "title": title,
         "description": description,
@@ -388,7 +403,7 @@ def dashboard(uid: str, title: str, description: str, items: list, tags: tuple[s
             "options": [], "skipUrlSync": False,
         }]},
         "panels": panels,
-    }
+    }, zero_ok)
 
 
 # ================================================================================================
@@ -406,7 +421,7 @@ def _p50_p95(metric: str, by: tuple[str, ...], legend: str, sel: str = "") -> li
             T(quantile(0.95, metric, by, sel=sel), f"{legend} p95")]
 
 
-def lanes_overview() -> dict:
+def lanes_overview() -> Built:
     lane = ("lane",)
     items = [
         Row("At a glance (whole time range)"),
@@ -414,7 +429,7 @@ def lanes_overview() -> dict:
              "Client requests finished per lane over the selected range (lane=none: rejected before routing).",
              w=5),
         stat("Error ratio", "percentunit",
-             [T(f"({or_zero(rate(R + 'requests_total', sel=NON_2XX, window=RANGE))}) / "
+             [Z(f"({or_zero(rate(R + 'requests_total', sel=NON_2XX, window=RANGE))}) / "
                 f"{rate(R + 'requests_total', window=RANGE)}", "non-2xx")],
              "Share of client requests answered with a non-2xx HTTP status over the range.", w=3),
         stat("TTFT p50", "s", [T(quantile(0.5, R + "time_to_first_token_seconds", lane, RANGE), "{{lane}}")],
@@ -444,7 +459,7 @@ def lanes_overview() -> dict:
            [T(rate(R + "requests_total", ("lane", "status")), "{{lane}} {{status}}")],
            "Finished client requests per second by lane and HTTP status.", w=12),
         ts("Non-2xx responses/s", "reqps",
-           [T(or_zero(rate(R + "requests_total", ("lane", "alias", "status"), sel=NON_2XX)),
+           [Z(or_zero(rate(R + "requests_total", ("lane", "alias", "status"), sel=NON_2XX)),
               "{{lane}} {{alias}} {{status}}")],
            "Client requests answered with an error status, per second (0 when there were none).", w=12),
         bars("Errors since process start", "short",
@@ -453,7 +468,7 @@ def lanes_overview() -> dict:
              "Raw non-2xx counters since the router started: a single error is visible here even when rate() "
              "cannot see it (a series created by its first increment).", w=8),
         ts("Upstream errors/s", "reqps",
-           [T(or_zero(rate(R + "upstream_errors_total", ("lane", "stage", "type"))),
+           [Z(or_zero(rate(R + "upstream_errors_total", ("lane", "stage", "type"))),
               "{{lane}} {{stage}} {{type}}")],
            "Failed router-to-upstream calls per second by lane, stage (prefill/decode) and error type.", w=8),
         stat("Scrape targets up", "bool_on_off",
@@ -465,32 +480,32 @@ def lanes_overview() -> dict:
                      items, ("overview",))
 
 
-def express_lane() -> dict:
+def express_lane() -> Built:
     items = [
         Row("Express pool (router)"),
-        ts("Decode node busy", "bool_on_off", [T(f"max by (instance) ({D}busy)", "{{instance}}")],
+        ts("Decode node busy", "bool_on_off", [Z(f"max by (instance) ({D}busy)", "{{instance}}")],
            "1 while the express decode node is serving a request (it serves one at a time).", w=8, max=1),
         ts("In-flight requests per node", "short",
-           [T(f"sum by (pool, node) ({R}inflight_requests)", "{{pool}} {{node}}")],
+           [Z(f"sum by (pool, node) ({R}inflight_requests)", "{{pool}} {{node}}")],
            "Requests the router has in flight per decode node (express nodes admit one).", w=8),
-        ts("Queue depth", "short", [T(f"sum by (pool) ({R}queue_depth)", "{{pool}}")],
+        ts("Queue depth", "short", [Z(f"sum by (pool) ({R}queue_depth)", "{{pool}}")],
            "Express requests waiting for a free node, per pool.", w=8),
         ts("Queue wait", "s", _p50_p95(R + "queue_wait_seconds", (), "wait"),
            "Time express requests waited for a node, p50 and p95.", w=8),
         ts("Rejected/s", "reqps",
-           [T(or_zero(rate(R + "rejected_total", ("pool", "reason"))), "{{pool}} {{reason}}")],
+           [Z(or_zero(rate(R + "rejected_total", ("pool", "reason"))), "{{pool}} {{reason}}")],
            "Express requests refused with 429 per second, by pool and reason (queue_full, queue_timeout, ...).",
            w=8),
         ts("Spillover/s", "reqps",
-           [T(or_zero(rate(R + "spillover_total", ("from_pool", "to_pool"))), "{{from_pool}} -> {{to_pool}}")],
+           [Z(or_zero(rate(R + "spillover_total", ("from_pool", "to_pool"))), "{{from_pool}} -> {{to_pool}}")],
            "Express requests served by their spill pool per second.", w=8),
         Row("Express decode server"),
         stat("Decode requests by status", "short",
              [T(rate(D + "requests_total", ("status",), window=RANGE), "{{status}}")],
              "Requests the decode server finished over the range, by status.", w=6),
         stat("Cancellations / KV timeouts", "short",
-             [T(rate(D + "cancellations_total", window=RANGE), "cancelled"),
-              T(rate(D + "kv_timeouts_total", window=RANGE), "KV timeout")],
+             [Z(rate(D + "cancellations_total", window=RANGE), "cancelled"),
+              Z(rate(D + "kv_timeouts_total", window=RANGE), "KV timeout")],
              "Requests cancelled by the client, and requests whose KV never arrived, over the range.", w=6),
         stat("Handoff p50", "s", [T(quantile(0.5, D + "handoff_seconds", window=RANGE), "handoff")],
              "Median KV handoff time over the range (prefill done to KV resident on the node).", w=6),
@@ -521,7 +536,7 @@ def express_lane() -> dict:
                      items, ("express",))
 
 
-def native_lane() -> dict:
+def native_lane() -> Built:
     by = ("job",)
     sel = VLLM_SEL
     items = [
@@ -535,17 +550,17 @@ def native_lane() -> dict:
              [T(quantile(0.5, "vllm:time_to_first_token_seconds", by, RANGE, sel), "{{job}}")],
              "Median time to first token inside each vLLM server over the range.", w=8),
         stat("Preemptions", "short",
-             [T(rate("vllm:num_preemptions_total", by, sel, RANGE), "{{job}}")],
+             [Z(rate("vllm:num_preemptions_total", by, sel, RANGE), "{{job}}")],
              "Requests preempted (KV cache pressure) over the range.", w=8),
         Row("Load"),
         ts("Running requests", "short",
-           [T(f"sum by (job, instance) (vllm:num_requests_running{sel})", "{{job}} {{instance}}")],
+           [Z(f"sum by (job, instance) (vllm:num_requests_running{sel})", "{{job}} {{instance}}")],
            "Requests in the running batch of each vLLM server.", w=8),
         ts("Waiting requests", "short",
-           [T(f"sum by (job, instance) (vllm:num_requests_waiting{sel})", "{{job}} {{instance}}")],
+           [Z(f"sum by (job, instance) (vllm:num_requests_waiting{sel})", "{{job}} {{instance}}")],
            "Requests queued in each vLLM server's scheduler.", w=8),
         ts("KV cache usage", "percentunit",
-           [T(f"max by (job, instance) (vllm:kv_cache_usage_perc{sel})", "{{job}} {{instance}}")],
+           [Z(f"max by (job, instance) (vllm:kv_cache_usage_perc{sel})", "{{job}} {{instance}}")],
            "Fraction of KV cache blocks in use per server (1 = full).", w=8, max=1),
         ts("Prompt tokens/s", TOKS, [T(rate("vllm:prompt_tokens_total", by, sel), "{{job}}")],
            "Prompt tokens processed per second (the prefill server does the real prefill; a native decode "
@@ -576,7 +591,7 @@ def native_lane() -> dict:
                      items, ("native", "vllm"))
 
 
-def kv_handoff() -> dict:
+def kv_handoff() -> Built:
     nixl_tput = ratio("vllm:nixl_bytes_transferred_sum", "vllm:nixl_xfer_time_seconds_sum")
     express_tput = ratio(D + "handoff_bytes_total", D + "handoff_seconds_sum")
     items = [
@@ -622,7 +637,7 @@ def kv_handoff() -> dict:
            "Connector-side KV bytes per second of send time.", w=6),
         ts("Sends and send failures/s", "reqps",
            [T(rate(C + "sent_requests_total"), "sent"),
-            T(or_zero(rate(C + "send_failures_total", ("reason",))), "failed {{reason}}")],
+            Z(or_zero(rate(C + "send_failures_total", ("reason",))), "failed {{reason}}")],
            "Requests whose KV was sent per second, and failed sends by reason (0 when none).", w=6),
         ts("Free staging slots", "short",
            [T(f"sum by (instance) ({C}staging_slots_free)", "{{instance}}")],
@@ -649,8 +664,8 @@ def kv_handoff() -> dict:
         ts("NIXL throughput", "Bps", [T(nixl_tput, "NIXL")],
            "NIXL bytes per second of transfer time.", w=12),
         stat("NIXL failures / expired KV", "short",
-             [T(rate("vllm:nixl_num_failed_transfers_total", window=RANGE), "failed transfers"),
-              T(rate("vllm:nixl_num_kv_expired_reqs_total", window=RANGE), "KV expired")],
+             [Z(rate("vllm:nixl_num_failed_transfers_total", window=RANGE), "failed transfers"),
+              Z(rate("vllm:nixl_num_kv_expired_reqs_total", window=RANGE), "KV expired")],
              "Failed NIXL transfers (incl. handshakes, notifications) and requests whose KV lease expired "
              "before decode read it, over the range.", w=12, h=8),
     ]
@@ -668,7 +683,16 @@ BUILDERS = {
 
 
 def build_dashboards() -> dict[str, dict]:
-    return {name: fn() for name, fn in BUILDERS.items()}
+    return {name: fn().json for name, fn in BUILDERS.items()}
+
+
+def zero_ok_targets() -> set[tuple[str, str, str]]:
+    """(dashboard uid, panel title, refId) of the queries a healthy smoke run may leave at 0."""
+    out = set()
+    for fn in BUILDERS.values():
+        built = fn()
+        out |= {(built.json["uid"], title, ref) for title, ref in built.zero_ok}
+    return out
 
 
 def dump(obj: dict) -> str:
@@ -692,6 +716,7 @@ class Query:
     ref: str
     expr: str  # as in the dashboard (Grafana variables)
     instant: bool
+    zero_ok: bool = False  # a healthy smoke run may leave it at 0 (see T.zero_ok)
 
     def substituted(self, rate_interval: str, rng: str, interval: str | None = None) -> str:
         return substitute(self.expr, rate_interval=rate_interval, rng=rng, interval=interval or rate_interval)
@@ -706,12 +731,13 @@ def substitute(expr: str, *, rate_interval: str, rng: str, interval: str) -> str
 
 def iter_queries(dashboards: dict[str, dict] | None = None) -> list[Query]:
     dashboards = dashboards if dashboards is not None else load_committed()
+    zero_ok = zero_ok_targets()
     out = []
     for dash in dashboards.values():
         for panel in dash["panels"]:
             for t in panel.get("targets", []):
                 out.append(Query(dash["uid"], panel["title"], panel["type"], t["refId"], t["expr"],
-                                 bool(t.get("instant"))))
+                                 bool(t.get("instant")), (dash["uid"], panel["title"], t["refId"]) in zero_ok))
     return out
 
 

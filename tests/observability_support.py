@@ -263,42 +263,52 @@ class QueryResult:
     series: int
     finite: bool
     error: str = ""
-    sample: float | None = None  # the last finite value seen, for the summary
+    peak: float | None = None  # the largest |value| among finite values
+
+    @property
+    def moved(self) -> bool:
+        return bool(self.peak) or bool(getattr(self.query, "zero_ok", False))
 
     @property
     def ok(self) -> bool:
-        return not self.error and self.series > 0 and self.finite
+        return not self.error and self.series > 0 and self.finite and self.moved
 
     def describe(self) -> str:
         q = self.query
         if self.ok:
             why = f"{self.series} series"
+        elif self.error or not self.series:
+            why = self.error or "no series"
+        elif not self.finite:
+            why = f"{self.series} series, all NaN/Inf"
         else:
-            why = self.error or ("no series" if not self.series else f"{self.series} series, all NaN/Inf")
+            why = f"{self.series} series, every value 0: the metric never moved during the traffic"
         return f"{q.dashboard} / {q.panel} [{q.ref}] ({'instant' if q.instant else 'range'}): {why}\n    {self.promql}"
 
 
-def _last_finite(result: list[dict]) -> float | None:
-    last = None
+def _peak(result: list[dict]) -> float | None:
+    """Largest |value| among the finite values of every series; None if there is none."""
+    peak = None
     for series in result:
         values = series.get("values") or ([series["value"]] if "value" in series else [])
         for _, v in values:
             if math.isfinite(float(v)):
-                last = float(v)
-    return last
+                peak = max(peak or 0.0, abs(float(v)))
+    return peak
 
 
 def summary(results: list[QueryResult]) -> str:
-    lines = [f"{'ok' if r.ok else 'EMPTY':5} {r.series:3} series  last={r.sample!s:24.24} "
+    lines = [f"{'ok' if r.ok else 'EMPTY':5} {r.series:3} series  peak={r.peak!s:24.24} "
              f"{r.query.dashboard} / {r.query.panel} [{r.query.ref}]" for r in results]
     return "\n".join(lines)
 
 
 def run_panel_queries(prom: Prometheus, start: float, end: float, step_s: float = 1.0,
                       queries: list | None = None) -> list[QueryResult]:
-    """Every target of every committed dashboard, the way Grafana would run it over [start, end]:
+    """Every target of every committed dashboard, run the way Grafana would run it over [start, end]:
     timeseries as range queries with Grafana's $__rate_interval for this scrape interval and step; stat-like
-    panels as instant queries at `end` with $__range covering [start, end]."""
+    panels as instant queries at `end` with $__range covering [start, end]. A query passes with at least one
+    finite value, and a non-zero one unless the builder marked it zero_ok."""
     rate_interval = dashboards.grafana_rate_interval(step_s, prom.scrape_interval_s)
     rng = f"{int(math.ceil(end - start))}s"
     out = []
@@ -306,8 +316,8 @@ def run_panel_queries(prom: Prometheus, start: float, end: float, step_s: float 
         promql = q.substituted(rate_interval, rng, f"{step_s:g}s")
         try:
             result = prom.instant(promql, at=end) if q.instant else prom.range(promql, start, end, step_s)
-            last = _last_finite(result)
-            out.append(QueryResult(q, promql, len(result), last is not None, sample=last))
+            peak = _peak(result)
+            out.append(QueryResult(q, promql, len(result), peak is not None, peak=peak))
         except PromQLError as e:
             out.append(QueryResult(q, promql, 0, False, str(e)))
     return out

@@ -51,24 +51,31 @@ def test_every_dashboard_metric_is_exported(prometheus, smoke_traffic):  # noqa:
 
 
 def test_every_panel_query_returns_data(prometheus, smoke_traffic):  # noqa: F811
+    """Each query has a finite value in the traffic window, and a non-zero one unless a healthy system may
+    leave it at zero (failure counters, sampled gauges: T.zero_ok in scripts/dashboards.py)."""
     start = smoke_traffic.started - 2 * prometheus.scrape_interval_s
     results = run_panel_queries(prometheus, start, time.time(), step_s=1.0)
     assert results, "no dashboard queries found"
     print(f"\n{len(results)} panel queries over {time.time() - start:.0f}s:\n{summary(results)}")
     empty = [r for r in results if not r.ok]
     assert not empty, (
-        f"{len(empty)} of {len(results)} panel queries return no data (Grafana would show 'No data'):\n"
+        f"{len(empty)} of {len(results)} panel queries show no data, NaN or a flat zero after traffic:\n"
         + "\n".join(r.describe() for r in empty)
     )
 
 
 def test_an_empty_panel_would_be_caught(prometheus, smoke_traffic):  # noqa: F811
-    """The detector itself: a misspelt metric and an all-NaN quantile are reported, not passed."""
+    """The detector itself: a misspelt metric, an all-NaN quantile and a flat zero are reported, not passed."""
     bogus = [
         dashboards.Query("x", "misspelt", "timeseries", "A",
                          "sum(rate(expresslane_router_request_total[$__rate_interval]))", False),
         dashboards.Query("x", "nan", "stat", "A", "histogram_quantile(0.5, sum by (le) "
-                         "(increase(expresslane_decode_handoff_seconds_bucket[1ms])))", True),
+                         "(rate(expresslane_router_time_to_first_token_seconds_bucket{lane=\"none\"}[$__range])))",
+                         True),
+        dashboards.Query("x", "flat", "timeseries", "A",
+                         "sum(rate(expresslane_decode_kv_timeouts_total[$__rate_interval]))", False),
+        dashboards.Query("x", "flat but allowed", "timeseries", "A",
+                         "sum(rate(expresslane_decode_kv_timeouts_total[$__rate_interval]))", False, zero_ok=True),
     ]
     results = run_panel_queries(prometheus, smoke_traffic.started, time.time(), queries=bogus)
-    assert [r.ok for r in results] == [False, False], summary(results)
+    assert [r.ok for r in results] == [False, False, False, True], summary(results)
