@@ -96,7 +96,6 @@ class ExpressLaneWorker:
             raise NotImplementedError(f"ExpressLaneConnector: several KV caches per layer index ({names}); "
                                       "draft/cross-attention layers are not supported")
         backends = self._backends(names)
-        isa = None
         layouts: dict[tuple, PagedKVLayout] = {}
         for name in names:
             g, spec = group_of[name]
@@ -104,14 +103,9 @@ class ExpressLaneWorker:
                 raise NotImplementedError(f"ExpressLaneConnector ships full-attention KV only; layer {name} has "
                                           f"{type(spec).__name__}")
             tensor = kv_caches[name]
-            key = (backends[name], tuple(tensor.shape), tensor.dtype, spec.block_size)
+            isa = self._cpu_isa(name, tensor, spec.head_size) if backends[name] == "CPU_ATTN" else None
+            key = (backends[name], tuple(tensor.shape), tensor.dtype, spec.block_size, isa)
             if key not in layouts:
-                if backends[name] == "CPU_ATTN" and isa is None:
-                    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
-
-                    # What CPUAttentionMetadataBuilder passes: model dtype, kernel block size, head size.
-                    isa = _get_attn_isa(vc.model_config.dtype, tensor.shape[2], spec.head_size,
-                                        vc.cache_config.cache_dtype)
                 layouts[key] = derive_paged_layout(
                     backends[name], num_kv_heads=spec.num_kv_heads, head_dim=spec.head_size,
                     head_dim_v=spec.head_size_v, dtype=spec.dtype, block_size=spec.block_size, layer=tensor,
@@ -133,6 +127,21 @@ class ExpressLaneWorker:
                     "block %d/kernel %d; staging %d x %d B on %s", len(names), first.backend, first.k, first.v,
                     first.num_kv_heads, first.head_dim, first.dtype, first.block_size, first.kernel_block_size,
                     self.pool.num_slots, self.pool.slot_nbytes, self.pool.buffer.device)
+
+    def _cpu_isa(self, name: str, tensor: torch.Tensor, head_size: int) -> str:
+        """The ISA CPU_ATTN's metadata builder set on the layer (built before register_kv_caches), else the
+        same function called with the builder's arguments (model dtype, kernel block size, head size)."""
+        from vllm.config import get_layers_from_vllm_config
+        from vllm.model_executor.layers.attention import Attention
+
+        layer = get_layers_from_vllm_config(self.vllm_config, Attention, [name]).get(name)
+        isa = getattr(layer, "isa", None)
+        if isa is None:
+            from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+            isa = _get_attn_isa(self.vllm_config.model_config.dtype, tensor.shape[2], head_size,
+                                self.vllm_config.cache_config.cache_dtype)
+        return isa
 
     def _backends(self, names: list[str]) -> dict[str, str]:
         from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
