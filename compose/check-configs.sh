@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Validate every compose combination expresslane ships with `docker compose config` (interpolation, merge tags,
+# schema, dependency graph). Run from anywhere; exit code = number of failing combinations (0 = all pass).
+#
+#   compose/check-configs.sh            # quiet; prints one line per combination
+#   VERBOSE=1 compose/check-configs.sh  # also prints each failure's full error
+set -uo pipefail
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+repo="$(cd "$here/.." && pwd)"
+cd "$repo"
+
+base=compose/compose.yaml
+prod=compose/overlays/production.yaml
+# name | compose args | expected services (space separated, sorted)
+combos=(
+  "default (root .env)|||decode-express decode-native model-init prefill prometheus router"
+  "default + grafana profile||--profile grafana|decode-express decode-native grafana model-init prefill prometheus router"
+  "base file explicitly|-f $base||decode-express decode-native model-init prefill prometheus router"
+  "production, one host|-f $base -f $prod|--profile grafana|decode-express decode-native grafana prefill prometheus router tilert-convert"
+  "production, prefill node|-f $base -f $prod -f compose/roles/prefill-node.yaml|--profile grafana|grafana prefill prometheus router"
+  "production, native decode node|-f $base -f $prod -f compose/roles/decode-node.yaml||decode-native"
+  "production, express node|-f $base -f $prod -f compose/roles/express-node.yaml||decode-express tilert-convert"
+)
+
+failed=0
+for combo in "${combos[@]}"; do
+  IFS='|' read -r name files profiles want <<<"$combo"
+  # shellcheck disable=SC2086  # word splitting of the file/profile lists is intended
+  if out="$(docker compose $files $profiles config 2>&1 >/dev/null)" \
+     && got="$(docker compose $files $profiles config --services 2>/dev/null | sort | tr '\n' ' ' | sed 's/ $//')" \
+     && [[ "$got" == "$want" ]]; then
+    printf 'ok    %s\n' "$name"
+  else
+    failed=$((failed + 1))
+    printf 'FAIL  %s  (docker compose %s %s config)\n' "$name" "$files" "$profiles"
+    [[ -n "${got:-}" && "${got:-}" != "$want" ]] && printf '      services: got [%s], want [%s]\n' "$got" "$want"
+    [[ -n "$out" ]] && printf '%s\n' "$out" | sed 's/^/      /' | { [[ -n "${VERBOSE:-}" ]] && cat || head -3; }
+  fi
+  got=""
+done
+echo "$(( ${#combos[@]} - failed ))/${#combos[@]} compose combinations valid"
+exit "$failed"

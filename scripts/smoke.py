@@ -1,0 +1,257 @@
+#!/usr/bin/env python3
+"""Smoke-test a running expresslane stack through its router: both lanes, every API shape, greedy exactness.
+
+    python scripts/smoke.py http://127.0.0.1:8080 [--native tiny-llama] [--express tiny-llama-express]
+                            [--api-key KEY] [--max-tokens 24] [--timeout 120] [--wait 0]
+
+Checks (one row each in the printed table; exit code 0 only when every row passes):
+  health          GET /health answers 200
+  models          GET /v1/models lists both aliases, each with a "lane" field (native / express)
+  chat            POST /v1/chat/completions, non-streaming, per lane: text and usage come back
+  completions     POST /v1/completions, non-streaming, per lane
+  chat-stream     the same chat request streamed (SSE, ends with [DONE]): the same text as non-streaming
+  compl-stream    the same completion streamed: the same text as non-streaming
+  exact-chat      temperature 0: express text == native text (token-identical greedy decoding)
+  exact-compl     the same for /v1/completions
+  metrics         GET /metrics answers Prometheus text
+
+Dependencies: the standard library and httpx. ROUTER_API_KEY in the environment is used when --api-key is not
+given (the router only checks it when it is configured with one).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+from collections.abc import Callable, Iterator
+
+import httpx
+
+PROMPT_CHAT = [{"role": "user", "content": "Tell me a short story about a lighthouse keeper."}]
+PROMPT_COMPLETION = "The quick brown fox jumps over the lazy dog. Once upon a time"
+
+
+class CheckFailed(Exception):
+    """A check's expectation did not hold; the message says what was seen."""
+
+
+@dataclasses.dataclass
+class Row:
+    check: str
+    lane: str
+    ok: bool
+    detail: str
+    seconds: float
+
+
+@dataclasses.dataclass
+class Smoke:
+    client: httpx.Client
+    native: str
+    express: str
+    max_tokens: int
+    rows: list[Row] = dataclasses.field(default_factory=list)
+    texts: dict[tuple[str, str], str] = dataclasses.field(default_factory=dict)
+
+    # ---- plumbing ---------------------------------------------------------------------------------------
+    def run(self, check: str, lane: str, fn: Callable[[], str]) -> None:
+        t0 = time.monotonic()
+        try:
+            detail, ok = fn(), True
+        except CheckFailed as exc:
+            detail, ok = str(exc), False
+        except httpx.HTTPError as exc:
+            detail, ok = f"{type(exc).__name__}: {exc}", False
+        self.rows.append(Row(check, lane, ok, detail, time.monotonic() - t0))
+
+    def post(self, path: str, body: dict) -> dict:
+        resp = self.client.post(path, json=body)
+        if resp.status_code != 200:
+            raise CheckFailed(f"HTTP {resp.status_code}: {resp.text[:200]}")
+        return resp.json()
+
+    def stream(self, path: str, body: dict) -> Iterator[dict]:
+        with self.client.stream("POST", path, json={**body, "stream": True}) as resp:
+            if resp.status_code != 200:
+                resp.read()
+                raise CheckFailed(f"HTTP {resp.status_code}: {resp.text[:200]}")
+            ctype = resp.headers.get("content-type", "")
+            if not ctype.startswith("text/event-stream"):
+                raise CheckFailed(f"content-type {ctype!r}, expected text/event-stream")
+            done = False
+            for line in resp.iter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[len("data:"):].strip()
+                if data == "[DONE]":
+                    done = True
+                    break
+                event = json.loads(data)
+                if "error" in event:
+                    raise CheckFailed(f"error event: {json.dumps(event['error'])[:200]}")
+                yield event
+            if not done:
+                raise CheckFailed("stream ended without data: [DONE]")
+
+    def chat_body(self, model: str) -> dict:
+        return {"model": model, "messages": PROMPT_CHAT, "max_tokens": self.max_tokens, "temperature": 0}
+
+    def completion_body(self, model: str) -> dict:
+        return {"model": model, "prompt": PROMPT_COMPLETION, "max_tokens": self.max_tokens, "temperature": 0}
+
+    # ---- checks -----------------------------------------------------------------------------------------
+    def health(self) -> str:
+        resp = self.client.get("/health")
+        if resp.status_code != 200:
+            raise CheckFailed(f"HTTP {resp.status_code}: {resp.text[:200]}")
+        return "200"
+
+    def models(self) -> str:
+        resp = self.client.get("/v1/models")
+        if resp.status_code != 200:
+            raise CheckFailed(f"HTTP {resp.status_code}: {resp.text[:200]}")
+        listed = {m.get("id"): m for m in resp.json().get("data", [])}
+        want = {self.native: "native", self.express: "express"}
+        problems = []
+        for alias, lane in want.items():
+            if alias not in listed:
+                problems.append(f"{alias} missing")
+            elif listed[alias].get("lane") != lane:
+                problems.append(f"{alias} lane={listed[alias].get('lane')!r}, expected {lane!r}")
+        if problems:
+            raise CheckFailed("; ".join(problems) + f" (listed: {sorted(listed)})")
+        return ", ".join(f"{a}:{lane}" for a, lane in want.items())
+
+    def chat(self, lane: str, model: str) -> str:
+        out = self.post("/v1/chat/completions", self.chat_body(model))
+        text = _one_choice(out)["message"].get("content") or ""
+        _require_text(text, out)
+        self.texts[("chat", lane)] = text
+        return f"{out.get('usage', {}).get('completion_tokens', '?')} tok: {_clip(text)}"
+
+    def completions(self, lane: str, model: str) -> str:
+        out = self.post("/v1/completions", self.completion_body(model))
+        text = _one_choice(out).get("text") or ""
+        _require_text(text, out)
+        self.texts[("compl", lane)] = text
+        return f"{out.get('usage', {}).get('completion_tokens', '?')} tok: {_clip(text)}"
+
+    def chat_stream(self, lane: str, model: str) -> str:
+        parts = [c["delta"].get("content") or "" for e in self.stream("/v1/chat/completions", self.chat_body(model))
+                 for c in e.get("choices", []) if "delta" in c]
+        return self._same_as_unary("chat", lane, "".join(parts), len(parts))
+
+    def compl_stream(self, lane: str, model: str) -> str:
+        parts = [c.get("text") or "" for e in self.stream("/v1/completions", self.completion_body(model))
+                 for c in e.get("choices", [])]
+        return self._same_as_unary("compl", lane, "".join(parts), len(parts))
+
+    def _same_as_unary(self, kind: str, lane: str, streamed: str, chunks: int) -> str:
+        unary = self.texts.get((kind, lane))
+        if unary is None:
+            raise CheckFailed("no non-streaming text to compare with (that check failed)")
+        if streamed != unary:
+            raise CheckFailed(f"streamed text differs: {_clip(streamed)!r} vs {_clip(unary)!r}")
+        return f"{chunks} chunks, same text"
+
+    def exact(self, kind: str) -> str:
+        native, express = self.texts.get((kind, "native")), self.texts.get((kind, "express"))
+        if native is None or express is None:
+            raise CheckFailed("a lane's text is missing (its check failed)")
+        if native != express:
+            at = next((i for i, (a, b) in enumerate(zip(native, express)) if a != b), min(len(native), len(express)))
+            raise CheckFailed(f"differs at char {at}: native {native[at:at + 24]!r} express {express[at:at + 24]!r}")
+        return f"{len(native)} chars identical"
+
+    def metrics(self) -> str:
+        resp = self.client.get("/metrics")
+        if resp.status_code != 200:
+            raise CheckFailed(f"HTTP {resp.status_code}")
+        families = sum(1 for line in resp.text.splitlines() if line.startswith("# TYPE"))
+        if families == 0:
+            raise CheckFailed("no '# TYPE' lines: not Prometheus text")
+        return f"{families} metric families"
+
+    def all(self) -> None:
+        self.run("health", "-", self.health)
+        self.run("models", "-", self.models)
+        lanes = {"native": self.native, "express": self.express}
+        for lane, model in lanes.items():
+            self.run("chat", lane, lambda lane=lane, model=model: self.chat(lane, model))
+            self.run("completions", lane, lambda lane=lane, model=model: self.completions(lane, model))
+            self.run("chat-stream", lane, lambda lane=lane, model=model: self.chat_stream(lane, model))
+            self.run("compl-stream", lane, lambda lane=lane, model=model: self.compl_stream(lane, model))
+        self.run("exact-chat", "both", lambda: self.exact("chat"))
+        self.run("exact-compl", "both", lambda: self.exact("compl"))
+        self.run("metrics", "-", self.metrics)
+
+
+def _one_choice(out: dict) -> dict:
+    choices = out.get("choices") or []
+    if len(choices) != 1:
+        raise CheckFailed(f"{len(choices)} choices: {json.dumps(out)[:200]}")
+    return choices[0]
+
+
+def _require_text(text: str, out: dict) -> None:
+    if not text.strip():
+        raise CheckFailed(f"empty text: {json.dumps(out)[:200]}")
+
+
+def _clip(text: str, n: int = 40) -> str:
+    text = text.replace("\n", " ")
+    return text if len(text) <= n else text[: n - 3] + "..."
+
+
+def wait_healthy(client: httpx.Client, seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            if client.get("/health").status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(2)
+
+
+def print_table(rows: list[Row]) -> None:
+    headers = ("check", "lane", "result", "time", "detail")
+    cells = [(r.check, r.lane, "PASS" if r.ok else "FAIL", f"{r.seconds:.2f}s", r.detail) for r in rows]
+    widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(headers[:-1])]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths) + "  {}"
+    print(fmt.format(*headers))
+    print(fmt.format(*("-" * w for w in widths), "-" * 6))
+    for c in cells:
+        print(fmt.format(*c))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("router_url", help="e.g. http://127.0.0.1:8080")
+    ap.add_argument("--native", default="tiny-llama", help="native-lane alias (default: %(default)s)")
+    ap.add_argument("--express", default="tiny-llama-express", help="express-lane alias (default: %(default)s)")
+    ap.add_argument("--api-key", default=os.environ.get("ROUTER_API_KEY", ""), help="bearer key (env ROUTER_API_KEY)")
+    ap.add_argument("--max-tokens", type=int, default=24)
+    ap.add_argument("--timeout", type=float, default=120.0, help="per request, seconds")
+    ap.add_argument("--wait", type=float, default=0.0, help="first wait up to this many seconds for /health")
+    args = ap.parse_args(argv)
+
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    timeout = httpx.Timeout(args.timeout, connect=5.0)
+    with httpx.Client(base_url=args.router_url.rstrip("/"), headers=headers, timeout=timeout) as client:
+        if args.wait:
+            wait_healthy(client, args.wait)
+        smoke = Smoke(client, args.native, args.express, args.max_tokens)
+        smoke.all()
+    print_table(smoke.rows)
+    failed = sum(not r.ok for r in smoke.rows)
+    print(f"\n{len(smoke.rows) - failed}/{len(smoke.rows)} passed" + (f", {failed} FAILED" if failed else ""))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
