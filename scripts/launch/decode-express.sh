@@ -7,9 +7,13 @@ EXPRESS_CTRL_PORT="${EXPRESS_CTRL_PORT:-5556}"
 EXPRESS_DEVICE="${EXPRESS_DEVICE:-cpu}"
 # The host the prefill's sender uses to reach this node's NIXL agent / control port.
 EXPRESS_ADVERTISE_HOST="${EXPRESS_ADVERTISE_HOST:-127.0.0.1}"
+# torch intra-op threads on CPU (empty = torch default).
+EXPRESS_THREADS="${EXPRESS_THREADS:-}"
+extra=()
+[[ -n "$EXPRESS_THREADS" ]] && extra+=(--threads "$EXPRESS_THREADS")
 
 exec "$PYTHON" -m expresslane.engine.server \
   --model "$MODEL_DIR" --dtype "$DTYPE" --device "$EXPRESS_DEVICE" \
   --max-seq-len "$MAX_MODEL_LEN" --host "$BIND_HOST" \
   --advertise-host "$EXPRESS_ADVERTISE_HOST" \
-  --ctrl-port "$EXPRESS_CTRL_PORT" --http-port "$EXPRESS_HTTP_PORT" "$@"
+  --ctrl-port "$EXPRESS_CTRL_PORT" --http-port "$EXPRESS_HTTP_PORT" "${extra[@]}" "$@"

@@ -5,6 +5,7 @@ here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 source "$here/common.sh"
 DECODE_NATIVE_PORT="${DECODE_NATIVE_PORT:-8100}"
 KV_BUFFER_DEVICE="${KV_BUFFER_DEVICE:-cpu}"
+export VLLM_CPU_OMP_THREADS_BIND="${DECODE_NATIVE_CPU_BIND:-auto}"
 export VLLM_NIXL_SIDE_CHANNEL_PORT="${DECODE_NATIVE_NIXL_PORT:-5601}"
 export VLLM_NIXL_SIDE_CHANNEL_HOST="${DECODE_NATIVE_NIXL_HOST:-127.0.0.1}"
 kv_config='{"kv_connector":"NixlConnector","kv_role":"kv_consumer","kv_buffer_device":"'"$KV_BUFFER_DEVICE"'"}'

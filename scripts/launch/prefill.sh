@@ -7,6 +7,9 @@ PREFILL_PORT="${PREFILL_PORT:-8000}"
 KV_BUFFER_DEVICE="${KV_BUFFER_DEVICE:-cpu}"
 EXPRESS_CONNECTOR="${EXPRESS_CONNECTOR:-1}"
 CONNECTOR_METRICS_PORT="${CONNECTOR_METRICS_PORT:-9400}"
+# CPU cores for vLLM's OpenMP threads ("auto", "nobind", or a list like "0-3"); on a small host give
+# prefill and native decode disjoint cores so their spinning OpenMP threads do not fight.
+export VLLM_CPU_OMP_THREADS_BIND="${PREFILL_CPU_BIND:-auto}"
 export VLLM_NIXL_SIDE_CHANNEL_PORT="${PREFILL_NIXL_PORT:-5600}"
 export VLLM_NIXL_SIDE_CHANNEL_HOST="${PREFILL_NIXL_HOST:-127.0.0.1}"
 
