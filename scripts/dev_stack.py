@@ -118,6 +118,7 @@ class DevStack:
                 "PYTHONUNBUFFERED": "1",
             }
         )
+        env.update({k: v for k, v in cpu_split().items() if k not in os.environ})
         # The launchers run `$PYTHON -m ...`; make the venv's console scripts visible too.
         env["PATH"] = f"{Path(self.python).parent}{os.pathsep}{env.get('PATH', '')}"
         env.update(self.extra_env)
@@ -206,6 +207,19 @@ class DevStack:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def cpu_split(ncpu: int | None = None) -> dict[str, str]:
+    """Disjoint cores for the two vLLM servers on one host (their OpenMP threads spin: sharing cores
+    slows both badly). Prefill gets the first half, native decode the second; the express engine runs
+    one torch thread per core of the decode half. Any of these set in the environment wins."""
+    ncpu = ncpu or len(os.sched_getaffinity(0))
+    if ncpu < 2:
+        return {}
+    half = ncpu // 2
+    first = "0" if half == 1 else f"0-{half - 1}"
+    second = str(half) if ncpu - half == 1 else f"{half}-{ncpu - 1}"
+    return {"PREFILL_CPU_BIND": first, "DECODE_NATIVE_CPU_BIND": second, "EXPRESS_THREADS": str(ncpu - half)}
 
 
 def _http_ok(url: str) -> bool:
