@@ -7,7 +7,10 @@ prompts whose prefill is chunked are both covered.
 
 from __future__ import annotations
 
+import functools
 import json
+import os
+from pathlib import Path
 
 import httpx
 
@@ -18,12 +21,30 @@ PROMPT_LENGTHS = [1, 2, 37, BLOCK - 1, BLOCK, BLOCK + 1, 2 * BLOCK + 5, 3 * BLOC
 MAX_TOKENS = 24
 NATIVE_ALIAS = "tiny-llama"
 EXPRESS_ALIAS = "tiny-llama-express"
+REPO = Path(__file__).resolve().parents[2]
 
 
-def token_prompt(length: int, vocab: int = 1024, salt: int = 0) -> list[int]:
-    """A deterministic token-id prompt of exactly `length` ids, avoiding the special-token range."""
-    lo, span = 16, vocab - 32
-    return [lo + (i * 7919 + 104729 * (salt + 1) + length * 31) % span for i in range(length)]
+def token_prompt(length: int, salt: int = 0) -> list[int]:
+    """A deterministic token-id prompt of exactly `length` ids: a window of the tokenized corpus the
+    tiny model's tokenizer was trained on (whole UTF-8 characters only: random byte-level ids would
+    make vLLM's own detokenizer leak prompt bytes into the first output text)."""
+    ids = _corpus_ids()
+    start = (salt * 7919) % len(ids)
+    out = []
+    while len(out) < length:
+        out.extend(ids[start:start + length - len(out)])
+        start = 0
+    return out
+
+
+@functools.lru_cache(maxsize=1)
+def _corpus_ids() -> list[int]:
+    from tokenizers import Tokenizer
+
+    model_dir = Path(os.environ.get("EXPRESSLANE_TEST_MODEL_DIR", REPO / "var" / "models" / "tiny-llama"))
+    tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    text = (REPO / "scripts" / "tiny_model_corpus.txt").read_text()
+    return tok.encode(text, add_special_tokens=False).ids
 
 
 def chat_messages(length_words: int, salt: int = 0) -> list[dict]:
