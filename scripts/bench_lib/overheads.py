@@ -1,0 +1,157 @@
+"""The three overhead measurements: our connector on unclaimed prefill traffic, our connector on claimed
+traffic, and the router. Method and caveats: docs/performance.md."""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import time
+
+import httpx
+
+from expresslane.router.lanes.native import decode_body
+from expresslane.router.prefill import native_prefill_body
+
+from .client import timed_post, token_prompt
+from .stats import percentile
+
+__all__ = ["connector_unclaimed", "connector_claimed", "router_overhead", "paired_overhead_pct"]
+
+
+def _r(x: float | None, nd: int = 3) -> float | None:
+    return None if x is None else round(x, nd)
+
+
+async def _prefill_round(url: str, bodies: list[dict], concurrency: int) -> tuple[float, int]:
+    """Closed loop of non-streaming POSTs; (wall seconds, errors)."""
+    errors = 0
+    it = iter(bodies)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(900, connect=10), trust_env=False) as client:
+
+        async def user() -> None:
+            nonlocal errors
+            for body in it:
+                r = await client.post(url, json=body)
+                if r.status_code != 200:
+                    errors += 1
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(user() for _ in range(concurrency)))
+        return time.perf_counter() - t0, errors
+
+
+def paired_overhead_pct(with_tps: list[float], without_tps: list[float]) -> tuple[float | None, float | None]:
+    """(overhead %, noise %) from paired rounds: per round r = without / with - 1 (positive = the connector
+    costs throughput); overhead = median of r; noise = half the range of r (None with one round)."""
+    ratios = [(wo / w - 1.0) * 100 for w, wo in zip(with_tps, without_tps) if w > 0]
+    if not ratios:
+        return None, None
+    noise = (max(ratios) - min(ratios)) / 2 if len(ratios) > 1 else None
+    return statistics.median(ratios), noise
+
+
+def connector_unclaimed(with_url: str, without_url: str, model: str, vocab: int, *, prompt_tokens: int,
+                        concurrency: int, requests: int, rounds: int, nonce: str) -> dict:
+    """Prefill throughput (prompt tokens/s, max_tokens=1, plain requests: unclaimed by every connector) of
+    the stack's prefill (MultiConnector[Nixl, ExpressLane]) vs a prefill without our connector
+    (MultiConnector[Nixl]); rounds alternate which server goes first, prompts are never repeated."""
+    with_tps, without_tps, errors = [], [], 0
+    for rnd in range(rounds + 1):  # round 0 is a warm-up of both servers, not recorded
+        order = [("with", with_url), ("without", without_url)]
+        if rnd % 2:
+            order.reverse()
+        for which, base in order:
+            bodies = [{"model": model, "prompt": token_prompt(prompt_tokens, f"{nonce}/cu/{rnd}/{which}/{i}", vocab),
+                       "max_tokens": 1, "temperature": 0.0}
+                      for i in range(requests if rnd else max(2, concurrency))]
+            wall, err = asyncio.run(_prefill_round(base + "/v1/completions", bodies, concurrency))
+            if rnd == 0:
+                continue
+            errors += err
+            tps = len(bodies) * prompt_tokens / wall
+            (with_tps if which == "with" else without_tps).append(tps)
+    overhead, noise = paired_overhead_pct(with_tps, without_tps)
+    return {"prompt_tokens": prompt_tokens, "concurrency": concurrency, "requests": requests, "rounds": rounds,
+            "with_connector_tok_s": [round(x, 1) for x in with_tps],
+            "without_connector_tok_s": [round(x, 1) for x in without_tps],
+            "with_connector_tok_s_median": _r(statistics.median(with_tps), 1) if with_tps else None,
+            "without_connector_tok_s_median": _r(statistics.median(without_tps), 1) if without_tps else None,
+            "overhead_pct": _r(overhead), "noise_pct": _r(noise), "errors": errors}
+
+
+def connector_claimed(scenarios: list[dict]) -> list[dict]:
+    """Per prompt length at the lowest concurrency: the prefill server's own mean prefill time for the
+    express lane's (claimed) requests vs the native lane's (unclaimed by our connector; NixlConnector's
+    do_remote_decode), and the connector's staging-copy time inside the forward."""
+    if not scenarios:
+        return []
+    c1 = min(s["concurrency"] for s in scenarios)
+    out = []
+    for p in sorted({s["prompt_tokens"] for s in scenarios}):
+        pick = {s["lane"]: s for s in scenarios if s["concurrency"] == c1 and s["prompt_tokens"] == p}
+        e, n = pick.get("express"), pick.get("native")
+        if not e or not n:
+            continue
+        ep, np_ = (e["server"].get("prefill_server") or {}), (n["server"].get("prefill_server") or {})
+        claimed, unclaimed = ep.get("prefill_mean_ms"), np_.get("prefill_mean_ms")
+        conn = e["server"].get("connector") or {}
+        diff = claimed - unclaimed if claimed is not None and unclaimed is not None else None
+        out.append({"prompt_tokens": p, "concurrency": c1, "claimed_prefill_ms": claimed,
+                    "unclaimed_prefill_ms": unclaimed, "overhead_ms": _r(diff),
+                    "overhead_pct": _r(100 * diff / unclaimed) if diff is not None and unclaimed else None,
+                    "claimed_ttft_ms": ep.get("ttft_mean_ms"), "unclaimed_ttft_ms": np_.get("ttft_mean_ms"),
+                    "staging_copy_ms": conn.get("staging_copy_mean_ms")})
+    return out
+
+
+def router_overhead(router_url: str, native_alias: str, prefill_url: str, native_url: str, model: str,
+                    vocab: int, *, prompt_tokens: int, requests: int, nonce: str, warmup: int = 3) -> dict:
+    """Sequential non-streaming max_tokens=1 requests, three paths interleaved request by request:
+      router  POST router /v1/completions (native lane: prefill leg + decode leg)
+      direct  the same two legs sent by this client itself, with the router's own body builders
+      single  one plain request to the prefill server (context only)
+    overhead = p50(router) - p50(direct); also the median of the per-iteration differences (robust to drift)."""
+    lat: dict[str, list[float]] = {"router": [], "direct": [], "single": []}
+    errors: list[str] = []
+    with httpx.Client(timeout=httpx.Timeout(600, connect=10), trust_env=False) as client:
+
+        def one(path: str, key: str) -> tuple[float, str | None]:
+            body = {"model": model, "prompt": token_prompt(prompt_tokens, key, vocab), "max_tokens": 1,
+                    "temperature": 0.0, "ignore_eos": True}
+            if path == "router":
+                dt, _, err = timed_post(client, router_url + "/v1/completions", dict(body, model=native_alias))
+                return dt, err
+            if path == "single":
+                dt, _, err = timed_post(client, prefill_url + "/v1/completions", body)
+                return dt, err
+            t0 = time.perf_counter()
+            _, pre, err = timed_post(client, prefill_url + "/v1/completions", native_prefill_body(body, model))
+            if err is None:
+                kvp = (pre or {}).get("kv_transfer_params")
+                _, _, err = timed_post(client, native_url + "/v1/completions",
+                                       decode_body(body, model, kvp, force_usage=True))
+            return time.perf_counter() - t0, err
+
+        paths = list(lat)
+        paired: list[float] = []
+        for i in range(warmup + requests):
+            rot = paths[i % 3:] + paths[:i % 3]  # rotate the order so no path always runs first
+            got = {}
+            for path in rot:
+                dt, err = one(path, f"{nonce}/router/{path}/{i}")
+                if err:
+                    errors.append(f"{path}: {err}")
+                elif i >= warmup:
+                    lat[path].append(dt)
+                    got[path] = dt
+            if "router" in got and "direct" in got:
+                paired.append(got["router"] - got["direct"])
+    p50 = {k: percentile(v, 50) for k, v in lat.items()}
+    ms = {k: _r(None if v is None else 1e3 * v) for k, v in p50.items()}
+    over = ms["router"] - ms["direct"] if ms["router"] is not None and ms["direct"] is not None else None
+    return {"prompt_tokens": prompt_tokens, "requests": requests, "errors": len(errors),
+            "error_samples": errors[:3], "router_p50_ms": ms["router"], "direct_p50_ms": ms["direct"],
+            "single_p50_ms": ms["single"], "overhead_p50_ms": _r(over),
+            "paired_median_ms": _r(1e3 * percentile(paired, 50)) if paired else None,
+            "router_p90_ms": _r(1e3 * percentile(lat["router"], 90)) if lat["router"] else None,
+            "direct_p90_ms": _r(1e3 * percentile(lat["direct"], 90)) if lat["direct"] else None}
