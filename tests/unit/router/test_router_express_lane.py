@@ -101,7 +101,7 @@ async def test_non_stream_completion_exact_bodies_and_detokenized_text(make_clie
     assert out["choices"][0]["text"] == tokenizer.decode(node.answer[:4])
     assert out["choices"][0]["finish_reason"] == "length"
     assert out["usage"] == {"prompt_tokens": 6, "completion_tokens": 4, "total_tokens": 10,
-                            "prompt_tokens_details": None}
+                            "prompt_tokens_details": None, "completion_tokens_details": None}
     assert node.cancelled == []  # the node finished on its own: nothing to cancel
 
 

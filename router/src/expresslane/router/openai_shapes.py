@@ -123,7 +123,8 @@ def _check_prompt(prompt: Any) -> None:
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
     return {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + completion_tokens,
-            "completion_tokens": completion_tokens, "prompt_tokens_details": None}
+            "completion_tokens": completion_tokens, "prompt_tokens_details": None,
+            "completion_tokens_details": None}
 
 
 def completion_response(rid: str, model: str, text: str, finish_reason: str, stop_reason: Any,
