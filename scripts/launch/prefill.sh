@@ -16,6 +16,9 @@ export VLLM_NIXL_SIDE_CHANNEL_HOST="${PREFILL_NIXL_HOST:-127.0.0.1}"
 nixl='{"kv_connector":"NixlConnector","kv_role":"kv_producer","kv_buffer_device":"'"$KV_BUFFER_DEVICE"'"}'
 express='{"kv_connector":"ExpressLaneConnector","kv_connector_module_path":"expresslane.engine.connector","kv_role":"kv_producer","kv_connector_extra_config":{"metrics_port":'"$CONNECTOR_METRICS_PORT"'}}'
 if [[ "$EXPRESS_CONNECTOR" == "1" ]]; then children="$nixl,$express"; else children="$nixl"; fi
+# More MultiConnector children (comma-separated JSON objects), e.g. TileRT's connector in production.
+EXTRA_KV_CONNECTORS="${EXTRA_KV_CONNECTORS:-}"
+[[ -n "$EXTRA_KV_CONNECTORS" ]] && children="$children,$EXTRA_KV_CONNECTORS"
 kv_config='{"kv_connector":"MultiConnector","kv_role":"kv_producer","kv_connector_extra_config":{"connectors":['"$children"']}}'
 
 exec "$PYTHON" -m vllm.entrypoints.openai.api_server \
