@@ -10,9 +10,4 @@ export VLLM_NIXL_SIDE_CHANNEL_PORT="${DECODE_NATIVE_NIXL_PORT:-5601}"
 export VLLM_NIXL_SIDE_CHANNEL_HOST="${DECODE_NATIVE_NIXL_HOST:-127.0.0.1}"
 kv_config='{"kv_connector":"NixlConnector","kv_role":"kv_consumer","kv_buffer_device":"'"$KV_BUFFER_DEVICE"'"}'
 
-exec "$PYTHON" -m vllm.entrypoints.openai.api_server \
-  --model "$MODEL_DIR" --served-model-name "$SERVED_MODEL_NAME" \
-  --host "$BIND_HOST" --port "$DECODE_NATIVE_PORT" \
-  --dtype "$DTYPE" --max-model-len "$MAX_MODEL_LEN" \
-  --max-num-batched-tokens "$MAX_NUM_BATCHED_TOKENS" --seed "$SEED" \
-  --kv-transfer-config "$kv_config" "$@"
+vllm_serve "$DECODE_NATIVE_PORT" "$kv_config" "$@"

@@ -21,9 +21,4 @@ EXTRA_KV_CONNECTORS="${EXTRA_KV_CONNECTORS:-}"
 [[ -n "$EXTRA_KV_CONNECTORS" ]] && children="$children,$EXTRA_KV_CONNECTORS"
 kv_config='{"kv_connector":"MultiConnector","kv_role":"kv_producer","kv_connector_extra_config":{"connectors":['"$children"']}}'
 
-exec "$PYTHON" -m vllm.entrypoints.openai.api_server \
-  --model "$MODEL_DIR" --served-model-name "$SERVED_MODEL_NAME" \
-  --host "$BIND_HOST" --port "$PREFILL_PORT" \
-  --dtype "$DTYPE" --max-model-len "$MAX_MODEL_LEN" \
-  --max-num-batched-tokens "$MAX_NUM_BATCHED_TOKENS" --seed "$SEED" \
-  --kv-transfer-config "$kv_config" "$@"
+vllm_serve "$PREFILL_PORT" "$kv_config" "$@"

@@ -25,12 +25,6 @@ from exactness import (
 )
 
 
-@pytest.fixture(scope="module")
-def http():
-    with httpx.Client(timeout=httpx.Timeout(300.0, connect=5.0)) as c:
-        yield c
-
-
 def connector_counters(http, stack) -> dict[str, float]:
     """The connector's own counters, scraped from the prefill process's metrics endpoint."""
     text = http.get(f"{stack.connector_metrics_url}/metrics").text

@@ -20,12 +20,6 @@ from exactness import (
 )
 
 
-@pytest.fixture(scope="module")
-def http():
-    with httpx.Client(timeout=httpx.Timeout(300.0, connect=5.0)) as c:
-        yield c
-
-
 def _reference_completion(http, stack, prompt):
     body = {"model": "tiny-llama", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
             "return_token_ids": True}
