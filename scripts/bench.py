@@ -37,7 +37,7 @@ from bench_lib import extract, overheads, report  # noqa: E402
 from bench_lib.client import completion_body, run_closed_loop, token_prompt  # noqa: E402
 from bench_lib.prom import Snapshot, scrape  # noqa: E402
 from bench_lib.servers import (EXPRESS_ALIAS, NATIVE_ALIAS, REPO, BenchRouter, DevStack, Endpoints,  # noqa: E402
-                               model_facts, port_free, wait_http)
+                               model_facts, placement, port_free, wait_http)
 from bench_lib.stats import summarize  # noqa: E402
 
 FULL = {"concurrency": [1, 2, 4, 8], "prompts": [128, 1024, 3800], "output": 256}
@@ -134,6 +134,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--out", type=Path, default=REPO / "var" / "bench", help="artifact directory")
     ap.add_argument("--quick", action="store_true", help="CI size: concurrency 1,2; prompts 128,1024; 64 tokens")
     ap.add_argument("--start-stack", action="store_true", help="start a DevStack on --port-base, stop it after")
+    ap.add_argument("--stack-env", action="append", default=[], metavar="KEY=VALUE",
+                    help="environment for the started stack and baseline prefill, e.g. PREFILL_CPU_BIND=0 (repeatable)")
     ap.add_argument("--port-base", type=int, default=0, help="the stack's port base (dev_stack.py --port-base)")
     ap.add_argument("--model-dir", type=Path, default=REPO / "var" / "models" / "tiny-llama")
     ap.add_argument("--served-model", default="tiny-llama")
@@ -173,8 +175,9 @@ def main(argv: list[str] | None = None) -> int:
 
     # a started stack leaves the shipped router out unless --router asks for one (the bench router serves)
     services = ("prefill", "decode-native", "decode-express") + (("router",) if args.router else ())
+    stack_env = dict(kv.split("=", 1) for kv in args.stack_env)
     stack = DevStack(model_dir=args.model_dir, state_dir=out / "stack", port_base=args.port_base,
-                     services=services)
+                     services=services, extra_env=stack_env)
     max_len = 4096
     if args.start_stack:
         log(f"starting the dev stack on port base {args.port_base} (logs in {stack.state_dir})")
@@ -198,6 +201,9 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"prompt {max(prompts)} + output {output} > max_model_len {max_len}")
         bw = memory_bandwidth()
         log(f"memory bandwidth {bw}")
+        where = placement({name: httpx.URL(url).port for name, url in
+                           (("prefill", ep.prefill), ("native", ep.native), ("express", ep.express))})
+        log("placement: " + "; ".join(f"{k} idle {v['idle_cpu_pct']}% of a core" for k, v in where.items()))
 
         router_cm = None
         if args.router:
@@ -242,10 +248,12 @@ def main(argv: list[str] | None = None) -> int:
             if not base_url:
                 pb = find_baseline_base(args.port_base)
                 baseline = DevStack(model_dir=args.model_dir, state_dir=out / "baseline-prefill", port_base=pb,
-                                    services=("prefill",), extra_env={"EXPRESS_CONNECTOR": "0"})
+                                    services=("prefill",), extra_env={**stack_env, "EXPRESS_CONNECTOR": "0"})
                 log(f"starting the baseline prefill (EXPRESS_CONNECTOR=0) on {baseline.prefill_url}")
                 baseline.start()
                 base_url = baseline.prefill_url
+            base_port = httpx.URL(base_url).port
+            where["baseline_prefill"] = placement({"baseline_prefill": base_port})["baseline_prefill"]
             log("connector overhead on unclaimed traffic")
             ovh["connector_unclaimed"] = overheads.connector_unclaimed(
                 ep.prefill, base_url.rstrip("/"), ep.served_model, vocab, prompt_tokens=1024,
@@ -264,12 +272,13 @@ def main(argv: list[str] | None = None) -> int:
         "command": " ".join(shlex.quote(a) for a in [sys.argv[0], *(sys.argv[1:] if argv is None else argv)]),
         "mode": "quick" if args.quick else "full",
         "host": {"cpus": os.cpu_count(), "loadavg_start": [round(x, 2) for x in load_start],
-                 "loadavg_end": [round(x, 2) for x in os.getloadavg()], **bw},
+                 "loadavg_end": [round(x, 2) for x in os.getloadavg()], **bw, "placement": where},
         "model": model,
         "bound": bound(model, bw, prompts, output),
         "config": {"concurrency": concs, "prompt_tokens": prompts, "output_tokens": output, "lanes": lanes,
                    "requests_per_scenario": {str(c): args.requests or requests_for(c, args.quick) for c in concs},
-                   "nonce": nonce, "max_model_len": max_len,
+                   "nonce": nonce, "max_model_len": max_len, "stack_env": stack_env,
+                   "stack_started": args.start_stack,
                    "express_alias": x_alias, "native_alias": n_alias, "bench_router": not args.router},
         "endpoints": {"router": router_url, "prefill": ep.prefill, "native": ep.native, "express": ep.express,
                       "connector_metrics": ep.connector_metrics},

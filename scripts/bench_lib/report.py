@@ -124,6 +124,19 @@ def _spill(s: dict) -> str:
     return "-" if not r else f"{r['spillover']}/{r['rejected']}"
 
 
+def _placement_lines(where: dict) -> list[str]:
+    if not where:
+        return []
+    lines = ["Placement (CPU affinity of each service's busiest process; CPU it burns with no traffic):", ""]
+    for name, g in where.items():
+        procs = sorted(g["processes"], key=lambda p: -p["idle_cpu_pct"])
+        top = procs[0] if procs else None
+        cpus = ",".join(str(c) for c in top["cpus"]) if top else "?"
+        lines.append(f"* {name}: {top['name'] if top else '?'} on CPUs {cpus}; idle {_f(g['idle_cpu_pct'], 0)} % "
+                     f"of one core")
+    return lines + [""]
+
+
 def markdown(report: dict) -> str:
     cfg, host = report["config"], report["host"]
     lines = [f"# expresslane bench ({report['mode']}), {report['started_at']}", "",
@@ -132,6 +145,7 @@ def markdown(report: dict) -> str:
              f"{host['loadavg_end'][0]:.1f} at end; copy bandwidth {_f(host.get('copy_gb_per_s'))} GB/s "
              f"(read+write), read bandwidth {_f(host.get('read_gb_per_s'))} GB/s. "
              f"Output {cfg['output_tokens']} tokens per request (ignore_eos), token-id prompts.", "",
+             *_placement_lines(host.get("placement") or {}),
              "| lane | conc | prompt | ok/err | TTFT p50 / p90 / p99 ms | ITL p50 / p99 ms | tok/chunk "
              "| user tok/s p50 | server tok/s | aggregate tok/s | queue wait ms | handoff | spill/rej | load |",
              "|---|---:|---:|---:|---|---|---:|---:|---:|---:|---:|---|---:|---:|"]

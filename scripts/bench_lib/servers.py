@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -20,7 +21,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 
 from dev_stack import DevStack  # noqa: E402
 
-__all__ = ["Endpoints", "BenchRouter", "DevStack", "free_port", "port_free", "wait_http", "model_facts"]
+__all__ = ["Endpoints", "BenchRouter", "DevStack", "free_port", "port_free", "wait_http", "model_facts", "placement"]
 
 NATIVE_ALIAS = "bench-native"
 EXPRESS_ALIAS = "bench-express"
@@ -136,6 +137,56 @@ class BenchRouter:
                 self.proc.kill()
                 self.proc.wait()
         self.proc = None
+
+
+def placement(ports: dict[str, int], idle_s: float = 3.0) -> dict:
+    """Where each service runs and what it burns while idle: for the process group listening on each port,
+    every process's name, CPU affinity and threads, and the group's CPU use (% of one core) over `idle_s`
+    seconds with no traffic. On a small host the binding (PREFILL_CPU_BIND, DECODE_NATIVE_CPU_BIND) and idle
+    spinning threads decide more than the code does, so the report records them."""
+    import psutil
+
+    listeners = {}
+    for c in psutil.net_connections(kind="tcp"):
+        if c.status == psutil.CONN_LISTEN and c.pid and c.laddr and c.laddr.port in ports.values():
+            listeners[c.laddr.port] = c.pid
+    groups: dict[str, list[psutil.Process]] = {}
+    for name, port in ports.items():
+        pid = listeners.get(port)
+        if pid is None:
+            continue
+        try:
+            pgid = os.getpgid(pid)
+        except OSError:
+            continue
+        procs = []
+        for p in psutil.process_iter():
+            try:
+                if os.getpgid(p.pid) == pgid:
+                    procs.append(p)
+            except (OSError, psutil.Error):
+                pass
+        groups[name] = procs
+    for procs in groups.values():
+        for p in procs:
+            try:
+                p.cpu_percent(None)
+            except psutil.Error:
+                pass
+    time.sleep(idle_s)
+    out = {}
+    for name, procs in groups.items():
+        rows, idle = [], 0.0
+        for p in procs:
+            try:
+                cpu = p.cpu_percent(None)
+                rows.append({"name": p.name(), "cpus": sorted(p.cpu_affinity()), "threads": p.num_threads(),
+                             "idle_cpu_pct": round(cpu, 1)})
+                idle += cpu
+            except psutil.Error:
+                pass
+        out[name] = {"processes": rows, "idle_cpu_pct": round(idle, 1)}
+    return out
 
 
 def model_facts(model_dir: Path) -> dict:

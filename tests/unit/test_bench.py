@@ -299,7 +299,10 @@ def _fake_report():
     return {"schema": report.SCHEMA, "started_at": "2025-01-01T00:00:00+00:00",
             "finished_at": "2025-01-01T00:10:00+00:00", "command": "scripts/bench.py --quick", "mode": "quick",
             "host": {"cpus": 2, "loadavg_start": [1.0, 1.0, 1.0], "loadavg_end": [2.0, 1.0, 1.0],
-                     "copy_gb_per_s": 10.0, "read_gb_per_s": 12.0},
+                     "copy_gb_per_s": 10.0, "read_gb_per_s": 12.0,
+                     "placement": {"prefill": {"idle_cpu_pct": 95.0, "processes": [
+                         {"name": "python", "cpus": [0, 1], "threads": 11, "idle_cpu_pct": 1.0},
+                         {"name": "VLLM::Worker", "cpus": [1], "threads": 57, "idle_cpu_pct": 94.0}]}}},
             "model": {"weight_bytes": 1}, "bound": {"weight_bytes_read_per_token": 12_658_688,
                                                     "kv_bytes_per_token": 4096, "bandwidth_gb_per_s": 10.0,
                                                     "bandwidth_kind": "copy",
@@ -342,6 +345,7 @@ def test_markdown_renders_every_scenario_and_goal():
     assert len(rows) == len(SCENARIOS)
     for name in report.GOALS:
         assert name in md
+    assert "* prefill: VLLM::Worker on CPUs 1; idle 95 % of one core" in md
 
 
 def test_plot_writes_a_png(tmp_path):
