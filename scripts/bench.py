@@ -24,6 +24,7 @@ import json
 import os
 import secrets
 import shlex
+import signal
 import sys
 import time
 from pathlib import Path
@@ -156,6 +157,49 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
+class Report:
+    """The report being built; written to disk after every scenario (complete=false) and at the end, so a
+    run that is interrupted (or killed) still leaves what it measured."""
+
+    def __init__(self, out: Path, args: argparse.Namespace, argv: list[str] | None, **config):
+        self.out, self.args = out, args
+        self.data = {
+            "schema": report.SCHEMA,
+            "started_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+            "finished_at": None,
+            "complete": False,
+            "command": " ".join(shlex.quote(a) for a in [sys.argv[0], *(sys.argv[1:] if argv is None else argv)]),
+            "mode": "quick" if args.quick else "full",
+            "host": {"cpus": os.cpu_count(), "loadavg_start": [round(x, 2) for x in os.getloadavg()],
+                     "loadavg_end": None, "copy_gb_per_s": None, "read_gb_per_s": None, "placement": {}},
+            "model": None, "bound": None, "config": config, "endpoints": {}, "scenarios": [],
+            "overheads": {"connector_unclaimed": None, "connector_claimed": [], "router": None},
+            "goals": [], "samples": {"ttft_ms": {}},
+        }
+
+    def write(self, complete: bool = False, quiet: bool = True) -> None:
+        d = self.data
+        d["complete"] = complete
+        d["finished_at"] = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+        d["host"]["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
+        d["overheads"]["connector_claimed"] = overheads.connector_claimed(d["scenarios"])
+        d["goals"] = report.goals(d["scenarios"], d["overheads"])
+        (self.out / "bench.json").write_text(json.dumps(d, indent=1) + "\n")
+        md = report.markdown(d)
+        (self.out / "bench.md").write_text(md)
+        if d["scenarios"]:
+            try:
+                report.plot(d, self.out / "bench.png")
+            except ImportError as e:  # matplotlib is in requirements-dev.txt; say so rather than fail the run
+                log(f"no plot: {e}")
+        if not quiet:
+            print(md)
+
+
+def _sigterm(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     preset = QUICK if args.quick else FULL
@@ -169,22 +213,24 @@ def main(argv: list[str] | None = None) -> int:
     nonce = args.seed or secrets.token_hex(4)
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
-    started = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
-    load_start = list(os.getloadavg())
+    signal.signal(signal.SIGTERM, _sigterm)  # stop what we started and keep the partial report
+    stack_env = dict(kv.split("=", 1) for kv in args.stack_env)
+    use_bench_router = not args.router
+    rep = Report(out, args, argv, concurrency=concs, prompt_tokens=prompts, output_tokens=output, lanes=lanes,
+                 requests_per_scenario={str(c): args.requests or requests_for(c, args.quick) for c in concs},
+                 nonce=nonce, max_model_len=None, stack_env=stack_env, stack_started=args.start_stack,
+                 express_alias=EXPRESS_ALIAS if use_bench_router else args.express_alias,
+                 native_alias=NATIVE_ALIAS if use_bench_router else args.native_alias,
+                 bench_router=use_bench_router)
+    D = rep.data
     log(f"out={out} nonce={nonce} lanes={lanes} concurrency={concs} prompts={prompts} output={output}")
 
     # a started stack leaves the shipped router out unless --router asks for one (the bench router serves)
     services = ("prefill", "decode-native", "decode-express") + (("router",) if args.router else ())
-    stack_env = dict(kv.split("=", 1) for kv in args.stack_env)
     stack = DevStack(model_dir=args.model_dir, state_dir=out / "stack", port_base=args.port_base,
                      services=services, extra_env=stack_env)
-    max_len = 4096
-    if args.start_stack:
-        log(f"starting the dev stack on port base {args.port_base} (logs in {stack.state_dir})")
-        stack.start()  # generates the model first (make_tiny_model.py) and stops what it started on failure
-    elif not (args.model_dir / "config.json").exists():
+    if not args.start_stack and not (args.model_dir / "config.json").exists():
         raise SystemExit(f"{args.model_dir}: no config.json (--model-dir must be the stack's model)")
-    model = model_facts(args.model_dir)
     ep = Endpoints.of_stack(stack, args.served_model)
     for name in ("prefill", "native", "express", "connector_metrics"):
         if getattr(args, name):
@@ -192,57 +238,66 @@ def main(argv: list[str] | None = None) -> int:
     if args.express_ctrl_port:
         ep.express_ctrl_port = args.express_ctrl_port
     baseline: DevStack | None = None
+    router_cm: BenchRouter | None = None
     try:
+        if args.start_stack:
+            log(f"starting the dev stack on port base {args.port_base} (logs in {stack.state_dir})")
+            stack.start()  # generates the model first (make_tiny_model.py); stops what it started on failure
+        model = D["model"] = model_facts(args.model_dir)
+        vocab = model["vocab"]
         for name, url in (("prefill", ep.prefill), ("native", ep.native), ("express", ep.express)):
             wait_http(url + "/health", 30)
         r = httpx.get(ep.prefill + "/v1/models", timeout=10, trust_env=False).json()
-        max_len = int(r["data"][0].get("max_model_len") or max_len)
+        max_len = D["config"]["max_model_len"] = int(r["data"][0].get("max_model_len") or 4096)
         if max(prompts) + output > max_len:
             raise SystemExit(f"prompt {max(prompts)} + output {output} > max_model_len {max_len}")
         bw = memory_bandwidth()
+        D["host"].update(bw)
+        D["bound"] = bound(model, bw, prompts, output)
         log(f"memory bandwidth {bw}")
-        where = placement({name: httpx.URL(url).port for name, url in
-                           (("prefill", ep.prefill), ("native", ep.native), ("express", ep.express))})
+        where = D["host"]["placement"] = placement(
+            {name: httpx.URL(url).port for name, url in (("prefill", ep.prefill), ("native", ep.native),
+                                                         ("express", ep.express))})
         log("placement: " + "; ".join(f"{k} idle {v['idle_cpu_pct']}% of a core" for k, v in where.items()))
 
-        router_cm = None
-        if args.router:
-            router_url, x_alias, n_alias = args.router.rstrip("/"), args.express_alias, args.native_alias
-        else:
+        if use_bench_router:
             router_cm = BenchRouter(ep, out, max_len).__enter__()
-            router_url, x_alias, n_alias = router_cm.url, EXPRESS_ALIAS, NATIVE_ALIAS
-        try:
-            scrapers = Scrapers({"router": router_url + "/metrics", "prefill": ep.prefill + "/metrics",
-                                 "native": ep.native + "/metrics", "express": ep.express + "/metrics",
-                                 "connector": (ep.connector_metrics + "/metrics") if ep.connector_metrics else None})
-            targets = {"express": (router_url + "/v1/completions", x_alias, None),
-                       "native": (router_url + "/v1/completions", n_alias, None),
-                       "single": (ep.prefill + "/v1/completions", ep.served_model, None)}
-            targets = {k: v for k, v in targets.items() if k in lanes}
-            vocab = model["vocab"]
-            log("warm-up")
-            warmup(targets, prompts, vocab, nonce)
-            scenarios, samples = [], {}
-            for p in prompts:
-                for c in concs:
-                    for lane, (url, alias, headers) in targets.items():
-                        n = args.requests or requests_for(c, args.quick)
-                        rec, ttfts = run_scenario(lane, url, alias, headers, c, p, output, n, vocab, nonce, scrapers)
-                        scenarios.append(rec)
-                        samples[f"{lane}/{c}/{p}"] = ttfts
-                        log(f"{lane:7s} c={c} prompt={p}: ok {rec['ok']}/{rec['requests']} ttft p50 "
-                            f"{rec['ttft_ms']['p50']} ms, user tok/s p50 {rec['user_tok_s']['p50']}, "
-                            f"aggregate {rec['aggregate_tok_s']}")
-            ovh: dict = {"connector_unclaimed": None, "connector_claimed": overheads.connector_claimed(scenarios),
-                         "router": None}
-            if not args.skip_overheads:
-                log("router overhead")
-                ovh["router"] = overheads.router_overhead(
-                    router_url, n_alias, ep.prefill, ep.native, ep.served_model, vocab, prompt_tokens=128,
-                    requests=15 if args.quick else 60, nonce=nonce)
-        finally:
-            if router_cm is not None:
-                router_cm.__exit__()
+            router_url = router_cm.url
+        else:
+            router_url = args.router.rstrip("/")
+        x_alias, n_alias = D["config"]["express_alias"], D["config"]["native_alias"]
+        D["endpoints"] = {"router": router_url, "prefill": ep.prefill, "native": ep.native, "express": ep.express,
+                          "connector_metrics": ep.connector_metrics}
+        scrapers = Scrapers({"router": router_url + "/metrics", "prefill": ep.prefill + "/metrics",
+                             "native": ep.native + "/metrics", "express": ep.express + "/metrics",
+                             "connector": (ep.connector_metrics + "/metrics") if ep.connector_metrics else None})
+        targets = {"express": (router_url + "/v1/completions", x_alias, None),
+                   "native": (router_url + "/v1/completions", n_alias, None),
+                   "single": (ep.prefill + "/v1/completions", ep.served_model, None)}
+        targets = {k: v for k, v in targets.items() if k in lanes}
+        log("warm-up")
+        warmup(targets, prompts, vocab, nonce)
+        for p in prompts:
+            for c in concs:
+                for lane, (url, alias, headers) in targets.items():
+                    n = args.requests or requests_for(c, args.quick)
+                    rec, ttfts = run_scenario(lane, url, alias, headers, c, p, output, n, vocab, nonce, scrapers)
+                    D["scenarios"].append(rec)
+                    D["samples"]["ttft_ms"][f"{lane}/{c}/{p}"] = ttfts
+                    rep.write()
+                    log(f"{lane:7s} c={c} prompt={p}: ok {rec['ok']}/{rec['requests']} ttft p50 "
+                        f"{rec['ttft_ms']['p50']} ms, user tok/s p50 {rec['user_tok_s']['p50']} "
+                        f"(server {(rec['server'].get('decode') or {}).get('tok_s')}), "
+                        f"aggregate {rec['aggregate_tok_s']}")
+        if not args.skip_overheads:
+            log("router overhead")
+            D["overheads"]["router"] = overheads.router_overhead(
+                router_url, n_alias, ep.prefill, ep.native, ep.served_model, vocab, prompt_tokens=128,
+                requests=15 if args.quick else 60, nonce=nonce)
+            rep.write()
+        if router_cm is not None:
+            router_cm.__exit__()
+            router_cm = None
         if not args.skip_overheads:
             base_url = args.baseline_prefill
             if not base_url:
@@ -252,49 +307,25 @@ def main(argv: list[str] | None = None) -> int:
                 log(f"starting the baseline prefill (EXPRESS_CONNECTOR=0) on {baseline.prefill_url}")
                 baseline.start()
                 base_url = baseline.prefill_url
-            base_port = httpx.URL(base_url).port
-            where["baseline_prefill"] = placement({"baseline_prefill": base_port})["baseline_prefill"]
+            where["baseline_prefill"] = placement({"baseline_prefill": httpx.URL(base_url).port})["baseline_prefill"]
             log("connector overhead on unclaimed traffic")
-            ovh["connector_unclaimed"] = overheads.connector_unclaimed(
+            D["overheads"]["connector_unclaimed"] = overheads.connector_unclaimed(
                 ep.prefill, base_url.rstrip("/"), ep.served_model, vocab, prompt_tokens=1024,
-                concurrency=4, requests=8 if args.quick else 24, rounds=2 if args.quick else 4, nonce=nonce)
+                concurrency=4, requests=8 if args.quick else 24, rounds=2 if args.quick else 4, nonce=nonce,
+                decode_tokens=32 if args.quick else 64)
+        rep.write(complete=True, quiet=False)
+    except KeyboardInterrupt as e:
+        log(f"interrupted ({e}): the partial report stays in {out}")
+        rep.write()
+        return 130
     finally:
+        if router_cm is not None:
+            router_cm.__exit__()
         if baseline is not None:
             baseline.stop()
         if args.start_stack:
             log("stopping the dev stack")
             stack.stop()
-
-    rep = {
-        "schema": report.SCHEMA,
-        "started_at": started,
-        "finished_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join(shlex.quote(a) for a in [sys.argv[0], *(sys.argv[1:] if argv is None else argv)]),
-        "mode": "quick" if args.quick else "full",
-        "host": {"cpus": os.cpu_count(), "loadavg_start": [round(x, 2) for x in load_start],
-                 "loadavg_end": [round(x, 2) for x in os.getloadavg()], **bw, "placement": where},
-        "model": model,
-        "bound": bound(model, bw, prompts, output),
-        "config": {"concurrency": concs, "prompt_tokens": prompts, "output_tokens": output, "lanes": lanes,
-                   "requests_per_scenario": {str(c): args.requests or requests_for(c, args.quick) for c in concs},
-                   "nonce": nonce, "max_model_len": max_len, "stack_env": stack_env,
-                   "stack_started": args.start_stack,
-                   "express_alias": x_alias, "native_alias": n_alias, "bench_router": not args.router},
-        "endpoints": {"router": router_url, "prefill": ep.prefill, "native": ep.native, "express": ep.express,
-                      "connector_metrics": ep.connector_metrics},
-        "scenarios": scenarios,
-        "overheads": ovh,
-        "goals": report.goals(scenarios, ovh),
-        "samples": {"ttft_ms": samples},
-    }
-    (out / "bench.json").write_text(json.dumps(rep, indent=1) + "\n")
-    md = report.markdown(rep)
-    (out / "bench.md").write_text(md)
-    try:
-        report.plot(rep, out / "bench.png")
-    except ImportError as e:  # matplotlib is in requirements-dev.txt; say so rather than fail the run
-        log(f"no plot: {e}")
-    print(md)
     log(f"wrote {out / 'bench.json'}, {out / 'bench.md'}, {out / 'bench.png'}")
     return 0
 

@@ -12,7 +12,7 @@ import httpx
 from expresslane.router.lanes.native import decode_body
 from expresslane.router.prefill import native_prefill_body
 
-from .client import timed_post, token_prompt
+from .client import completion_body, run_closed_loop, timed_post, token_prompt
 from .stats import percentile
 
 __all__ = ["connector_unclaimed", "connector_claimed", "router_overhead", "paired_overhead_pct"]
@@ -50,13 +50,23 @@ def paired_overhead_pct(with_tps: list[float], without_tps: list[float]) -> tupl
     return statistics.median(ratios), noise
 
 
+def _decode_round(url: str, model: str, vocab: int, key: str, tokens: int, n: int = 2) -> tuple[float | None, int]:
+    """Median per-user tok/s of `n` sequential streaming requests (128-token prompts, `tokens` outputs)."""
+    bodies = [completion_body(model, token_prompt(128, f"{key}/{i}", vocab), tokens, stream=True) for i in range(n)]
+    results, _ = asyncio.run(run_closed_loop(url, bodies, 1))
+    speeds = [v for r in results if r.ok and (v := r.user_tok_s) is not None]
+    return (statistics.median(speeds) if speeds else None), sum(1 for r in results if not r.ok)
+
+
 def connector_unclaimed(with_url: str, without_url: str, model: str, vocab: int, *, prompt_tokens: int,
-                        concurrency: int, requests: int, rounds: int, nonce: str) -> dict:
-    """Prefill throughput (prompt tokens/s, max_tokens=1, plain requests: unclaimed by every connector) of
-    the stack's prefill (MultiConnector[Nixl, ExpressLane]) vs a prefill without our connector
-    (MultiConnector[Nixl]); rounds alternate which server goes first, prompts are never repeated."""
-    with_tps, without_tps, errors = [], [], 0
-    for rnd in range(rounds + 1):  # round 0 is a warm-up of both servers, not recorded
+                        concurrency: int, requests: int, rounds: int, nonce: str, decode_tokens: int = 0) -> dict:
+    """The stack's prefill (MultiConnector[Nixl, ExpressLane]) vs a prefill without our connector
+    (MultiConnector[Nixl]) on plain requests, which no connector claims:
+      prefill throughput: prompt tokens/s of `requests` max_tokens=1 requests at `concurrency`
+      decode speed (decode_tokens > 0): per-user tok/s of two streaming 128-token-prompt requests, c=1
+    Rounds alternate which server goes first; round 0 warms both up and is not recorded."""
+    with_tps, without_tps, with_dec, without_dec, errors = [], [], [], [], 0
+    for rnd in range(rounds + 1):
         order = [("with", with_url), ("without", without_url)]
         if rnd % 2:
             order.reverse()
@@ -65,18 +75,30 @@ def connector_unclaimed(with_url: str, without_url: str, model: str, vocab: int,
                        "max_tokens": 1, "temperature": 0.0}
                       for i in range(requests if rnd else max(2, concurrency))]
             wall, err = asyncio.run(_prefill_round(base + "/v1/completions", bodies, concurrency))
+            dec, derr = (None, 0)
+            if decode_tokens:
+                dec, derr = _decode_round(base + "/v1/completions", model, vocab, f"{nonce}/cud/{rnd}/{which}",
+                                          decode_tokens if rnd else 8)
             if rnd == 0:
                 continue
-            errors += err
+            errors += err + derr
             tps = len(bodies) * prompt_tokens / wall
             (with_tps if which == "with" else without_tps).append(tps)
+            if dec is not None:
+                (with_dec if which == "with" else without_dec).append(dec)
     overhead, noise = paired_overhead_pct(with_tps, without_tps)
+    d_over, d_noise = paired_overhead_pct(with_dec, without_dec) if len(with_dec) == len(without_dec) else (None, None)
     return {"prompt_tokens": prompt_tokens, "concurrency": concurrency, "requests": requests, "rounds": rounds,
             "with_connector_tok_s": [round(x, 1) for x in with_tps],
             "without_connector_tok_s": [round(x, 1) for x in without_tps],
             "with_connector_tok_s_median": _r(statistics.median(with_tps), 1) if with_tps else None,
             "without_connector_tok_s_median": _r(statistics.median(without_tps), 1) if without_tps else None,
-            "overhead_pct": _r(overhead), "noise_pct": _r(noise), "errors": errors}
+            "overhead_pct": _r(overhead), "noise_pct": _r(noise),
+            "decode_tokens": decode_tokens,
+            "with_connector_decode_tok_s": [round(x, 1) for x in with_dec],
+            "without_connector_decode_tok_s": [round(x, 1) for x in without_dec],
+            "decode_overhead_pct": _r(d_over), "decode_noise_pct": _r(d_noise),
+            "errors": errors}
 
 
 def connector_claimed(scenarios: list[dict]) -> list[dict]:

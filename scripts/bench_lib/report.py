@@ -8,7 +8,7 @@ from collections.abc import Sequence
 __all__ = ["SCHEMA", "TOP_KEYS", "SCENARIO_KEYS", "GOALS", "goals", "markdown", "plot", "scenario_record"]
 
 SCHEMA = "expresslane-bench/1"
-TOP_KEYS = ("schema", "started_at", "finished_at", "command", "mode", "host", "model", "bound", "config",
+TOP_KEYS = ("schema", "started_at", "finished_at", "complete", "command", "mode", "host", "model", "bound", "config",
             "endpoints", "scenarios", "overheads", "goals", "samples")
 SCENARIO_KEYS = ("lane", "concurrency", "prompt_tokens", "output_tokens", "requests", "ok", "errors",
                  "error_samples", "short_outputs", "completion_tokens", "wall_s", "ttft_ms", "itl_ms",
@@ -139,10 +139,11 @@ def _placement_lines(where: dict) -> list[str]:
 
 def markdown(report: dict) -> str:
     cfg, host = report["config"], report["host"]
-    lines = [f"# expresslane bench ({report['mode']}), {report['started_at']}", "",
+    partial = "" if report.get("complete", True) else " (INCOMPLETE: interrupted or still running)"
+    lines = [f"# expresslane bench ({report['mode']}), {report['started_at']}{partial}", "",
              f"`{report['command']}`", "",
              f"host: {host['cpus']} CPUs, load average (1 min) {host['loadavg_start'][0]:.1f} at start, "
-             f"{host['loadavg_end'][0]:.1f} at end; copy bandwidth {_f(host.get('copy_gb_per_s'))} GB/s "
+             f"{(host.get('loadavg_end') or [float('nan')])[0]:.1f} at end; copy bandwidth {_f(host.get('copy_gb_per_s'))} GB/s "
              f"(read+write), read bandwidth {_f(host.get('read_gb_per_s'))} GB/s. "
              f"Output {cfg['output_tokens']} tokens per request (ignore_eos), token-id prompts.", "",
              *_placement_lines(host.get("placement") or {}),
@@ -165,6 +166,12 @@ def markdown(report: dict) -> str:
                      f"with connector {_f(cu['with_connector_tok_s_median'])} prompt tok/s, without "
                      f"{_f(cu['without_connector_tok_s_median'])}; overhead {_f(cu['overhead_pct'], 2)} % "
                      f"(noise {_f(cu['noise_pct'], 2)} %)")
+        if cu.get("decode_tokens"):
+            lines.append(f"* connector, unclaimed decode steps (the prefill server decoding {cu['decode_tokens']} tokens "
+                         f"itself, 128-token prompts, c=1): per-user tok/s with connector "
+                         f"{cu['with_connector_decode_tok_s']}, without {cu['without_connector_decode_tok_s']} "
+                         f"(per round); overhead {_f(cu['decode_overhead_pct'], 2)} % "
+                         f"(noise {_f(cu['decode_noise_pct'], 2)} %)")
     for c in ov.get("connector_claimed") or ():
         lines.append(f"* connector, claimed traffic, {c['prompt_tokens']}-token prompts at concurrency "
                      f"{c['concurrency']}: vLLM prefill time claimed {_f(c['claimed_prefill_ms'], 2)} ms vs "
@@ -222,7 +229,8 @@ def plot(report: dict, path) -> None:
     a1.set_ylabel("per-user tokens/s (p50)")
     a1.set_title("Per-user decode speed")
     a1.grid(True, alpha=0.3)
-    a1.legend(fontsize=7)
+    if a1.get_legend_handles_labels()[0]:
+        a1.legend(fontsize=7)
     cdf = (report.get("samples") or {}).get("ttft_ms") or {}
     c1 = min((s["concurrency"] for s in scen), default=1)
     for lane in LANES:
@@ -236,7 +244,8 @@ def plot(report: dict, path) -> None:
     a2.set_ylabel("fraction of requests")
     a2.set_title("TTFT CDF")
     a2.grid(True, alpha=0.3)
-    a2.legend(fontsize=7)
+    if a2.get_legend_handles_labels()[0]:
+        a2.legend(fontsize=7)
     fig.suptitle(f"expresslane bench {report['started_at']} ({report['mode']}, load avg "
                  f"{report['host']['loadavg_start'][0]:.1f})", fontsize=9)
     fig.tight_layout()

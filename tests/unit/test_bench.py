@@ -297,7 +297,7 @@ def test_connector_goal_within_noise(overhead, noise, met):
 
 def _fake_report():
     return {"schema": report.SCHEMA, "started_at": "2025-01-01T00:00:00+00:00",
-            "finished_at": "2025-01-01T00:10:00+00:00", "command": "scripts/bench.py --quick", "mode": "quick",
+            "finished_at": "2025-01-01T00:10:00+00:00", "complete": True, "command": "scripts/bench.py --quick", "mode": "quick",
             "host": {"cpus": 2, "loadavg_start": [1.0, 1.0, 1.0], "loadavg_end": [2.0, 1.0, 1.0],
                      "copy_gb_per_s": 10.0, "read_gb_per_s": 12.0,
                      "placement": {"prefill": {"idle_cpu_pct": 95.0, "processes": [
@@ -322,7 +322,7 @@ def test_scenario_record_has_exactly_the_stable_keys_in_order():
 def test_stable_keys_are_frozen():
     """Renaming or dropping a key breaks consumers of bench.json: bump report.SCHEMA and docs/performance.md."""
     assert report.SCHEMA == "expresslane-bench/1"
-    assert report.TOP_KEYS == ("schema", "started_at", "finished_at", "command", "mode", "host", "model", "bound",
+    assert report.TOP_KEYS == ("schema", "started_at", "finished_at", "complete", "command", "mode", "host", "model", "bound",
                                "config", "endpoints", "scenarios", "overheads", "goals", "samples")
     assert report.SCENARIO_KEYS == ("lane", "concurrency", "prompt_tokens", "output_tokens", "requests", "ok",
                                     "errors", "error_samples", "short_outputs", "completion_tokens", "wall_s",
@@ -353,3 +353,20 @@ def test_plot_writes_a_png(tmp_path):
     path = tmp_path / "bench.png"
     report.plot(_fake_report(), path)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_partial_report_written_with_the_stable_keys(tmp_path):
+    """bench.py rewrites bench.json after every scenario; an interrupted run leaves complete=false."""
+    import bench
+
+    args = bench.parse_args(["--quick", "--out", str(tmp_path)])
+    rep = bench.Report(tmp_path, args, ["--quick"], concurrency=[1], prompt_tokens=[128], output_tokens=64)
+    rep.write()
+    data = json.loads((tmp_path / "bench.json").read_text())
+    assert tuple(data) == report.TOP_KEYS and data["complete"] is False
+    assert "INCOMPLETE" in (tmp_path / "bench.md").read_text()
+    rep.data["scenarios"] = list(SCENARIOS)
+    rep.write(complete=True)
+    data = json.loads((tmp_path / "bench.json").read_text())
+    assert data["complete"] is True and len(data["overheads"]["connector_claimed"]) == 2
+    assert [g["name"] for g in data["goals"]] == list(report.GOALS)
