@@ -5,6 +5,7 @@ Definitions (docs/performance.md):
   ITL         gap between consecutive chunks carrying text (one chunk is usually one token; `tokens_per_chunk`
               says when a lane batches several)
   user tok/s  (completion_tokens - 1) / (last text chunk - first text chunk): decode speed one user sees
+  e2e         request sent -> stream finished
   aggregate   sum of completion_tokens / scenario wall time (first request sent -> last request finished)
 """
 
@@ -98,6 +99,7 @@ class ScenarioStats:
     wall_s: float
     ttft_ms: dict
     itl_ms: dict
+    e2e_ms: dict
     tokens_per_chunk: float | None
     user_tok_s: dict
     aggregate_tok_s: float | None
@@ -137,6 +139,8 @@ def summarize(results: Sequence[RequestResult], expected_tokens: int | None = No
         wall_s=round(wall_s, 4),
         ttft_ms=distribution([r.ttft_s for r in ok], (50, 90, 99), scale=1e3),
         itl_ms=distribution(itls, (50, 99), scale=1e3),
+        e2e_ms=distribution([r.finished_at - r.sent_at for r in ok if r.finished_at is not None], (50, 90, 99),
+                            scale=1e3),
         tokens_per_chunk=round(tokens / chunks, 3) if chunks else None,
         user_tok_s=distribution([v for r in ok if (v := r.user_tok_s) is not None], (10, 50, 90), ndigits=2),
         aggregate_tok_s=round(tokens / wall_s, 2) if wall_s > 0 and ok else None,

@@ -237,15 +237,17 @@ def test_paired_overhead_pct():
     assert overheads.paired_overhead_pct([], []) == (None, None)
 
 
-def _scenario(lane, conc, prompt, ttft_p50, tps_p50, prefill_ms=None, copy_ms=None):
+def _scenario(lane, conc, prompt, ttft_p50, tps_p50, prefill_ms=None, copy_ms=None, server_tps=None):
     stats = {"requests": 2, "ok": 2, "errors": 0, "error_samples": [], "short_outputs": 0,
              "completion_tokens": 10, "wall_s": 1.0,
              "ttft_ms": {"p50": ttft_p50, "p90": ttft_p50, "p99": ttft_p50, "mean": ttft_p50, "n": 2},
-             "itl_ms": {"p50": 1.0, "p99": 2.0, "mean": 1.0, "n": 8}, "tokens_per_chunk": 1.0,
+             "itl_ms": {"p50": 1.0, "p99": 2.0, "mean": 1.0, "n": 8},
+             "e2e_ms": {"p50": 90.0, "p90": 90.0, "p99": 90.0, "mean": 90.0, "n": 2}, "tokens_per_chunk": 1.0,
              "user_tok_s": {"p10": tps_p50, "p50": tps_p50, "p90": tps_p50, "mean": tps_p50, "n": 2},
              "aggregate_tok_s": 10.0}
     server = {"queue_wait_ms": None, "router": {"spillover": 0, "rejected": 0, "upstream_errors": 0},
               "handoff": None,
+              "decode": {"source": "x", "n": 2, "tok_s": server_tps} if server_tps is not None else None,
               "connector": {"staging_copy_mean_ms": copy_ms} if copy_ms is not None else None,
               "prefill_server": {"prefill_mean_ms": prefill_ms, "ttft_mean_ms": prefill_ms}}
     return report.scenario_record(lane, conc, prompt, 5, stats, [1.0, 1.0], server)
@@ -275,6 +277,7 @@ def test_goals():
     assert ttft["measured"] == pytest.approx(1.2) and ttft["met"] is False
     assert g["connector_unclaimed_overhead_pct"]["met"] is True
     assert g["router_p50_overhead_ms"]["met"] is False
+    assert tps["basis"] == "client_user_tok_s_p50"  # no server decode speeds in SCENARIOS
     none = {x["name"]: x["met"] for x in report.goals([], {})}
     assert set(none.values()) == {None}
 
@@ -326,7 +329,7 @@ def test_stable_keys_are_frozen():
                                "config", "endpoints", "scenarios", "overheads", "goals", "samples")
     assert report.SCENARIO_KEYS == ("lane", "concurrency", "prompt_tokens", "output_tokens", "requests", "ok",
                                     "errors", "error_samples", "short_outputs", "completion_tokens", "wall_s",
-                                    "ttft_ms", "itl_ms", "tokens_per_chunk", "user_tok_s", "aggregate_tok_s",
+                                    "ttft_ms", "itl_ms", "e2e_ms", "tokens_per_chunk", "user_tok_s", "aggregate_tok_s",
                                     "loadavg", "server")
 
 
@@ -370,3 +373,13 @@ def test_partial_report_written_with_the_stable_keys(tmp_path):
     data = json.loads((tmp_path / "bench.json").read_text())
     assert data["complete"] is True and len(data["overheads"]["connector_claimed"]) == 2
     assert [g["name"] for g in data["goals"]] == list(report.GOALS)
+
+
+def test_speed_goal_prefers_the_decoding_servers_own_speed():
+    """A lane that delivers its tokens in a burst looks fast client-side; the goal uses the servers' tok/s."""
+    sc = [_scenario("express", 1, 128, 10.0, 5000.0, server_tps=180.0),
+          _scenario("native", 1, 128, 11.0, 150.0, server_tps=160.0)]
+    g = report.goals(sc, {})[0]
+    assert g["basis"] == "server_decode_tok_s"
+    assert g["per_prompt_tokens"] == {"128": 1.125} and g["met"] is False
+    assert g["client_per_prompt_tokens"] == {"128": 33.333}
