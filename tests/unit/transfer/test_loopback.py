@@ -198,3 +198,23 @@ def test_staging_pool_never_blocks() -> None:
     a.release()
     assert pool.num_free == 1 and pool.acquire() is a
     assert pool.slot_nbytes % 256 == 0 and b.offset == pool.slot_nbytes
+
+
+def _cpu_seconds_over(wall_s: float) -> float:
+    t0 = time.process_time()
+    time.sleep(wall_s)
+    return time.process_time() - t0
+
+
+async def test_idle_endpoints_do_not_busy_poll(receiver: KVReceiver) -> None:
+    """An idle prefill endpoint and an idle receiver must leave the CPU alone: NIXL's own progress thread
+    busy-polls a whole core, and inside vLLM's pinned worker that slowed every unclaimed decode step 4-15x.
+    After a transfer (so UCX endpoints are wired up), both sides idle again."""
+    tx = _Prefill(LAYOUT)
+    assert await asyncio.to_thread(_cpu_seconds_over, 1.0) < 0.3
+    job, k, _ = tx.stage("idle", receiver.ctrl_port, 8)
+    await asyncio.to_thread(tx.sender.send, job)
+    got = await receiver.wait_for("idle", 5)
+    assert torch.equal(got.k, k)
+    got.release()
+    assert await asyncio.to_thread(_cpu_seconds_over, 1.0) < 0.3

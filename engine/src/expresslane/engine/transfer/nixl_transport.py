@@ -7,6 +7,7 @@ import logging
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -53,7 +54,19 @@ def _descs(addr: int, nbytes: int, dev_id: int) -> list[tuple[int, int, int]]:
 
 
 class NixlEndpoint:
-    """One NIXL agent (UCX by default). All agent calls are serialised by one lock."""
+    """One NIXL agent (UCX by default). All agent calls are serialised by one lock.
+
+    The agent runs WITHOUT NIXL's progress thread: that thread busy-polls (``sched_yield`` with
+    ``pthrDelay=0``) for the agent's whole life, and inside vLLM's worker, which is pinned to its cores,
+    it takes CPU from every forward step, claimed or not. Progress is driven by the calls that need it
+    instead: the writer polls ``check_xfer_state``; ``wait_notif`` polls ``get_new_notifs``; a receiver that
+    must progress while a peer writes into it (UCX over TCP needs the target to progress) runs
+    :meth:`start_progress` with a predicate saying when a write is in flight.
+    """
+
+    #: Poll period while a peer is writing into us, and when idle (keeps UCX wire-up and keepalives served).
+    ACTIVE_POLL_S = 0.0001
+    IDLE_POLL_S = 0.02
 
     def __init__(self, name_prefix: str, backends: tuple[str, ...] = ("UCX",)) -> None:
         try:
@@ -64,11 +77,51 @@ class NixlEndpoint:
             ) from e
         self.name = f"{name_prefix}-{uuid.uuid4().hex[:8]}"
         self.backends = list(backends)
-        self._agent = nixl_agent(self.name, nixl_agent_config(backends=self.backends))
+        self._agent = nixl_agent(self.name, nixl_agent_config(enable_prog_thread=False, backends=self.backends))
         self._lock = threading.Lock()
         self._remotes: dict[str, str] = {}
         self._notifs: set[bytes] = set()
         self._registered: list = []
+        self._progress_thread: threading.Thread | None = None
+        self._progress_stop = threading.Event()
+        self._progress_wake = threading.Event()
+
+    # ------------------------------------------------------------------ progress
+
+    def start_progress(self, active: Callable[[], bool]) -> None:
+        """Drive the agent from a background thread: every ACTIVE_POLL_S while ``active()`` (a peer is
+        writing into this agent), every IDLE_POLL_S otherwise. :meth:`poke` wakes it at once."""
+        if self._progress_thread is not None:
+            return
+        self._progress_stop.clear()
+
+        def run() -> None:
+            while not self._progress_stop.is_set():
+                self._collect_notifs()
+                if active():
+                    time.sleep(self.ACTIVE_POLL_S)
+                else:
+                    self._progress_wake.wait(self.IDLE_POLL_S)
+                    self._progress_wake.clear()
+
+        self._progress_thread = threading.Thread(target=run, name=f"nixl-progress-{self.name}", daemon=True)
+        self._progress_thread.start()
+
+    def poke(self) -> None:
+        """A write into this agent is about to start: leave the idle poll now."""
+        self._progress_wake.set()
+
+    def stop_progress(self) -> None:
+        if self._progress_thread is not None:
+            self._progress_stop.set()
+            self._progress_wake.set()
+            self._progress_thread.join(2.0)
+            self._progress_thread = None
+
+    def _collect_notifs(self) -> None:
+        with self._lock:
+            for msgs in self._agent.get_new_notifs().values():  # also progresses the backend
+                self._notifs.update(msgs)
 
     def register(self, tensor: torch.Tensor) -> Region:
         region = region_of(tensor)
@@ -123,9 +176,8 @@ class NixlEndpoint:
         """Wait until the notification ``msg`` (attached to a WRITE) arrived at this agent."""
         deadline = time.monotonic() + timeout_s
         while True:
+            self._collect_notifs()
             with self._lock:
-                for msgs in self._agent.get_new_notifs().values():
-                    self._notifs.update(msgs)
                 if msg in self._notifs:
                     self._notifs.discard(msg)
                     return True

@@ -146,12 +146,14 @@ class KVReceiver:
         self._stop.clear()
         self._thread = threading.Thread(target=self._serve, name="expresslane-kv-receiver", daemon=True)
         self._thread.start()
+        self._endpoint.start_progress(self._writes_in_flight)
         logger.info("expresslane KV receiver on %s:%d (advertised %s), %d slot(s) of %d B on %s",
                     self.host, self.ctrl_port, self.advertise_host, len(self._slots), self._slots[0].nbytes,
                     self.device)
 
     def stop(self) -> None:
         self._stop.set()
+        self._endpoint.stop_progress()
         if self._thread is not None:
             self._thread.join(5.0)
             self._thread = None
@@ -202,6 +204,10 @@ class KVReceiver:
                 with self._lock:
                     self._remove_waiter(rid, fut)
                 raise
+
+    def _writes_in_flight(self) -> bool:
+        """True while a sender may be writing into a slot (the NIXL agent must then progress promptly)."""
+        return any(e.ranks_open for e in list(self._entries.values()))
 
     # ------------------------------------------------------------------ state (call with self._lock held)
 
@@ -395,6 +401,7 @@ class KVReceiver:
             entry.ranks[rank] = (head_start, heads)
             entry.ranks_open.add(rank)
             self.stats["accepted"] += 1
+            self._endpoint.poke()
             seg = entry.slot.nbytes // world
             return m.accept(rid=rid, rank=rank, generation=entry.generation,
                             dest_offset=entry.slot.offset + rank * seg, nbytes=nbytes,
