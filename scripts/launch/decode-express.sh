@@ -7,10 +7,13 @@ EXPRESS_CTRL_PORT="${EXPRESS_CTRL_PORT:-5556}"
 EXPRESS_DEVICE="${EXPRESS_DEVICE:-cpu}"
 # The host the prefill's sender uses to reach this node's NIXL agent / control port.
 EXPRESS_ADVERTISE_HOST="${EXPRESS_ADVERTISE_HOST:-127.0.0.1}"
-# torch intra-op threads on CPU (empty = torch default).
+# torch intra-op threads on CPU (empty = one per EXPRESS_CPU_BIND CPU, else torch's default).
 EXPRESS_THREADS="${EXPRESS_THREADS:-}"
+# CPUs the node is pinned to, taskset -c syntax (e.g. 1 or 2-3; empty or auto = inherit).
+EXPRESS_CPU_BIND="${EXPRESS_CPU_BIND:-}"
 extra=()
 [[ -n "$EXPRESS_THREADS" ]] && extra+=(--threads "$EXPRESS_THREADS")
+[[ -n "$EXPRESS_CPU_BIND" ]] && extra+=(--cpu-bind "$EXPRESS_CPU_BIND")
 
 exec "$PYTHON" -m expresslane.engine.server \
   --model "$MODEL_DIR" --dtype "$DTYPE" --device "$EXPRESS_DEVICE" \

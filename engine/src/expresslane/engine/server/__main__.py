@@ -1,9 +1,11 @@
 """python -m expresslane.engine.server --model DIR [--dtype float32] [--device cpu] [--max-seq-len 4096]
-    [--host 0.0.0.0] [--advertise-host 127.0.0.1] [--ctrl-port 5556] [--http-port 5557] [--kv-timeout-s 120]"""
+    [--host 0.0.0.0] [--advertise-host 127.0.0.1] [--ctrl-port 5556] [--http-port 5557] [--kv-timeout-s 120]
+    [--threads N] [--cpu-bind LIST]"""
 
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import time
 
@@ -18,9 +20,20 @@ from .receiver import build_receiver
 log = logging.getLogger("expresslane.engine.server")
 
 
+def apply_cpu_placement(config: ServerConfig) -> None:
+    """Pin the process (every thread it starts later inherits it) and size torch's intra-op pool."""
+    if config.cpu_bind is not None:
+        try:
+            os.sched_setaffinity(0, config.cpu_bind)
+        except OSError as e:
+            raise SystemExit(f"--cpu-bind {','.join(map(str, config.cpu_bind))}: {e} "
+                             f"(this process may use CPUs {sorted(os.sched_getaffinity(0))})") from None
+    threads = config.threads or (len(config.cpu_bind) if config.cpu_bind is not None else None)
+    if threads:
+        torch.set_num_threads(threads)
+
+
 def build_engine(config: ServerConfig) -> DecodeEngine:
-    if config.threads:
-        torch.set_num_threads(config.threads)
     t0 = time.perf_counter()
     engine = DecodeEngine.from_pretrained(config.model, dtype=config.dtype, device=config.device,
                                           max_seq_len=config.max_seq_len, attention=config.attention,
@@ -36,6 +49,7 @@ def build_engine(config: ServerConfig) -> DecodeEngine:
 def main(argv: list[str] | None = None) -> None:
     config = parse_args(argv)
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    apply_cpu_placement(config)
     engine = build_engine(config)
     receiver = build_receiver(config, engine)
     app = create_app(config, engine, receiver)

@@ -1,0 +1,54 @@
+"""The express node's command line: CPU placement parsing and its application."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from expresslane.engine.server.config import parse_args, parse_cpu_list
+
+
+@pytest.mark.parametrize("text,cpus", [("0", (0,)), ("1", (1,)), ("0-3", (0, 1, 2, 3)), ("4,0-1", (0, 1, 4)),
+                                       (" 2 , 2-3 ", (2, 3))])
+def test_cpu_list_syntax(text: str, cpus: tuple[int, ...]) -> None:
+    assert parse_cpu_list(text) == cpus
+
+
+@pytest.mark.parametrize("text", ["", ",", "a", "3-1", "1-", "-1", "0-x"])
+def test_bad_cpu_lists_are_refused(text: str) -> None:
+    with pytest.raises(ValueError):
+        parse_cpu_list(text)
+
+
+def test_cli_placement_flags(capsys) -> None:
+    cfg = parse_args(["--model", "m", "--cpu-bind", "0-1", "--threads", "1"])
+    assert cfg.cpu_bind == (0, 1) and cfg.threads == 1
+    assert parse_args(["--model", "m", "--cpu-bind", "auto"]).cpu_bind is None
+    assert parse_args(["--model", "m", "--cpu-bind", ""]).cpu_bind is None
+    with pytest.raises(SystemExit):
+        parse_args(["--model", "m", "--cpu-bind", "1-0"])
+    assert "--cpu-bind" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_args(["--model", "m", "--threads", "0"])
+
+
+def test_placement_pins_the_process_and_sizes_torch() -> None:
+    cpu = min(os.sched_getaffinity(0))
+    code = ("import os, torch\n"
+            "from expresslane.engine.server.__main__ import apply_cpu_placement\n"
+            "from expresslane.engine.server.config import parse_args\n"
+            f"apply_cpu_placement(parse_args(['--model', 'm', '--cpu-bind', '{cpu}']))\n"
+            "print(sorted(os.sched_getaffinity(0)), torch.get_num_threads())\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.split("\n")[-2] == f"[{cpu}] 1"
+
+
+def test_placement_on_a_cpu_we_may_not_use_is_a_clear_exit() -> None:
+    code = ("from expresslane.engine.server.__main__ import apply_cpu_placement\n"
+            "from expresslane.engine.server.config import parse_args\n"
+            "apply_cpu_placement(parse_args(['--model', 'm', '--cpu-bind', '4095']))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and "--cpu-bind 4095" in out.stderr and "Traceback" not in out.stderr
