@@ -211,15 +211,17 @@ class DevStack:
 
 def cpu_split(ncpu: int | None = None) -> dict[str, str]:
     """Disjoint cores for the two vLLM servers on one host (their OpenMP threads spin: sharing cores
-    slows both badly). Prefill gets the first half, native decode the second; the express engine runs
-    one torch thread per core of the decode half. Any of these set in the environment wins."""
+    slows both badly). Prefill gets the first half, native decode the second; the express engine is pinned
+    to the decode half (one torch thread per core): the two decode lanes' idle servers cost each other
+    little, while the prefill works for both. Any of these set in the environment wins."""
     ncpu = ncpu or len(os.sched_getaffinity(0))
     if ncpu < 2:
         return {}
     half = ncpu // 2
     first = "0" if half == 1 else f"0-{half - 1}"
     second = str(half) if ncpu - half == 1 else f"{half}-{ncpu - 1}"
-    return {"PREFILL_CPU_BIND": first, "DECODE_NATIVE_CPU_BIND": second, "EXPRESS_THREADS": str(ncpu - half)}
+    return {"PREFILL_CPU_BIND": first, "DECODE_NATIVE_CPU_BIND": second, "EXPRESS_CPU_BIND": second,
+            "EXPRESS_THREADS": str(ncpu - half)}
 
 
 def _http_ok(url: str) -> bool:

@@ -18,6 +18,8 @@ class ExpressLaneConnectorConfig:
     io_timeout_s: float = 10.0
     write_timeout_s: float = 30.0
     busy_retry_s: float = 10.0
+    # CPU backend: put the forward thread back on its OpenMP core after NixlConnector moved it (cpu_affinity.py)
+    restore_omp_affinity: bool = True
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any] | None) -> "ExpressLaneConnectorConfig":

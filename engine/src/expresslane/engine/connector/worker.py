@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from expresslane.engine.connector.config import ExpressLaneConnectorConfig
+from expresslane.engine.connector.cpu_affinity import restore_forward_affinity
 from expresslane.engine.connector.metadata import ExpressLaneConnectorMetadata, ShipRequest
 from expresslane.engine.connector.metrics import ConnectorMetrics
 from expresslane.engine.kv_layout import PagedKVLayout, UnsupportedKVLayout, derive_paged_layout, layer_index
@@ -79,6 +80,8 @@ class ExpressLaneWorker:
         self.pool: StagingPool | None = None
         self.sender: KVSender | None = None
         self._device_staging = False
+        if config.restore_omp_affinity and vllm_config.device_config.device_type == "cpu":
+            restore_forward_affinity()
 
     # ------------------------------------------------------------------ setup
 
