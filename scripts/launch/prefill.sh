@@ -10,11 +10,15 @@ CONNECTOR_METRICS_PORT="${CONNECTOR_METRICS_PORT:-9400}"
 # CPU cores for vLLM's OpenMP threads ("auto", "nobind", or a list like "0-3"); on a small host give
 # prefill and native decode disjoint cores so their spinning OpenMP threads do not fight.
 export VLLM_CPU_OMP_THREADS_BIND="${PREFILL_CPU_BIND:-auto}"
+# 1: our connector puts the forward thread back on its OpenMP core after NixlConnector moved it to the
+# last core of the NUMA node (connector/cpu_affinity.py); 0: leave vLLM's placement as it is.
+PREFILL_RESTORE_OMP_AFFINITY="${PREFILL_RESTORE_OMP_AFFINITY:-1}"
+[[ "$PREFILL_RESTORE_OMP_AFFINITY" == "0" ]] && restore=false || restore=true
 export VLLM_NIXL_SIDE_CHANNEL_PORT="${PREFILL_NIXL_PORT:-5600}"
 export VLLM_NIXL_SIDE_CHANNEL_HOST="${PREFILL_NIXL_HOST:-127.0.0.1}"
 
 nixl='{"kv_connector":"NixlConnector","kv_role":"kv_producer","kv_buffer_device":"'"$KV_BUFFER_DEVICE"'"}'
-express='{"kv_connector":"ExpressLaneConnector","kv_connector_module_path":"expresslane.engine.connector","kv_role":"kv_producer","kv_connector_extra_config":{"metrics_port":'"$CONNECTOR_METRICS_PORT"'}}'
+express='{"kv_connector":"ExpressLaneConnector","kv_connector_module_path":"expresslane.engine.connector","kv_role":"kv_producer","kv_connector_extra_config":{"metrics_port":'"$CONNECTOR_METRICS_PORT"',"restore_omp_affinity":'"$restore"'}}'
 if [[ "$EXPRESS_CONNECTOR" == "1" ]]; then children="$nixl,$express"; else children="$nixl"; fi
 # More MultiConnector children (comma-separated JSON objects), e.g. TileRT's connector in production.
 EXTRA_KV_CONNECTORS="${EXTRA_KV_CONNECTORS:-}"
