@@ -38,7 +38,7 @@ from bench_lib import extract, overheads, report  # noqa: E402
 from bench_lib.client import completion_body, run_closed_loop, token_prompt  # noqa: E402
 from bench_lib.prom import Snapshot, scrape  # noqa: E402
 from bench_lib.servers import (EXPRESS_ALIAS, NATIVE_ALIAS, REPO, BenchRouter, DevStack, Endpoints,  # noqa: E402
-                               model_facts, placement, port_free, wait_http)
+                               align_forward_thread, model_facts, placement, port_free, wait_http)
 from bench_lib.stats import summarize  # noqa: E402
 
 FULL = {"concurrency": [1, 2, 4, 8], "prompts": [128, 1024, 3800], "output": 256}
@@ -307,7 +307,11 @@ def main(argv: list[str] | None = None) -> int:
                 log(f"starting the baseline prefill (EXPRESS_CONNECTOR=0) on {baseline.prefill_url}")
                 baseline.start()
                 base_url = baseline.prefill_url
+                aligned = align_forward_thread(httpx.URL(ep.prefill).port, httpx.URL(base_url).port)
+                log(f"baseline forward thread placed like the prefill's: {aligned}")
             where["baseline_prefill"] = placement({"baseline_prefill": httpx.URL(base_url).port})["baseline_prefill"]
+            if not args.baseline_prefill:
+                where["baseline_prefill"]["forward_thread"] = aligned
             log("connector overhead on unclaimed traffic")
             D["overheads"]["connector_unclaimed"] = overheads.connector_unclaimed(
                 ep.prefill, base_url.rstrip("/"), ep.served_model, vocab, prompt_tokens=1024,

@@ -212,26 +212,16 @@ class DevStack:
 def cpu_split(ncpu: int | None = None) -> dict[str, str]:
     """CPU placement for the stack on one host. Any of these set in the environment wins.
 
-    What it works around (stock vLLM 0.32 on CPU): every server with NixlConnector runs NIXL's progress
-    thread, which busy-polls a whole core for the server's life and is born on the CPU its worker's main
-    thread has when the connector starts, i.e. the first CPU of VLLM_CPU_OMP_THREADS_BIND. The connector then
-    moves that main thread, which runs every forward, to the last core of the NUMA node. A compute thread
-    that shares a core with a progress thread runs 2-3x slower (measured: express decode 56 vs 150 tok/s).
-
-    * 2 CPUs: both vLLM servers bind to CPU 0, so both progress threads live there; their forwards end on
-      CPU 1 (vLLM moves the native decode's; the prefill's stays there with
-      PREFILL_RESTORE_OMP_AFFINITY=0, like a prefill without our connector, so overhead baselines compare
-      like with like). The express engine is pinned to CPU 1: each decode lane computes on a core without a
-      progress thread.
-    * more CPUs: prefill the first half, native decode and the express engine the second (one torch
-      thread per core of that half).
+    Prefill gets the first half of the CPUs, native decode and the express engine the second (one torch
+    thread per core of that half). Stock vLLM 0.32 with NixlConnector on CPU adds two things (see
+    docs/deployment.md, "CPU placement"): a NIXL progress thread busy-polling the first CPU of each server's
+    binding, and a move of the forward thread to the last core of the NUMA node. Our connector moves the
+    prefill's forward thread back (PREFILL_RESTORE_OMP_AFFINITY=1), so the prefill computes on its half;
+    the native decode's forward already lives on the last core, inside its half.
     """
     ncpu = ncpu or len(os.sched_getaffinity(0))
     if ncpu < 2:
         return {}
-    if ncpu == 2:
-        return {"PREFILL_CPU_BIND": "0", "DECODE_NATIVE_CPU_BIND": "0", "PREFILL_RESTORE_OMP_AFFINITY": "0",
-                "EXPRESS_CPU_BIND": "1", "EXPRESS_THREADS": "1"}
     half = ncpu // 2
     first = "0" if half == 1 else f"0-{half - 1}"
     second = str(half) if ncpu - half == 1 else f"{half}-{ncpu - 1}"

@@ -218,3 +218,36 @@ def model_facts(model_dir: Path) -> dict:
         "weight_bytes_read_per_token": weight_bytes - embed_bytes + hidden * elt,
         "kv_bytes_per_token": 2 * layers * kv_heads * head_dim * elt,
     }
+
+
+def _worker_of(port: int):
+    """The vLLM worker process (``VLLM::Worker``) of the server listening on ``port``; None if not found."""
+    import psutil
+
+    pid = next((c.pid for c in psutil.net_connections(kind="tcp")
+                if c.status == psutil.CONN_LISTEN and c.pid and c.laddr and c.laddr.port == port), None)
+    if pid is None:
+        return None
+    pgid = os.getpgid(pid)
+    for p in psutil.process_iter():
+        try:
+            if os.getpgid(p.pid) == pgid and p.name().startswith("VLLM::Worker"):
+                return p
+        except (OSError, psutil.Error):
+            pass
+    return None
+
+
+def align_forward_thread(reference_port: int, target_port: int) -> dict:
+    """Put the target server's forward thread (its worker's main thread, OpenMP's master) on the CPUs of the
+    reference server's, so that a with/without comparison measures code, not placement: stock NixlConnector
+    moves a connector-less prefill's forward thread to the last core, while ours moves it back to its OpenMP
+    core. Only that thread moves (Linux affinity is per thread; the main thread's id is the pid)."""
+    ref, target = _worker_of(reference_port), _worker_of(target_port)
+    if ref is None or target is None:
+        return {"aligned": False, "reason": "worker process not found"}
+    cpus = sorted(os.sched_getaffinity(ref.pid))
+    before = sorted(os.sched_getaffinity(target.pid))
+    if before != cpus:
+        os.sched_setaffinity(target.pid, cpus)
+    return {"aligned": True, "cpus": cpus, "moved_from": before}
