@@ -31,10 +31,7 @@ export COMPOSE_PROJECT_NAME="${COMPOSE_PROJECT_NAME:-expresslane}"
 # CPU placement as scripts/dev_stack.py's cpu_split (its docstring says why). Values already in the
 # environment win.
 ncpu="$(nproc)"
-if (( ncpu == 2 )); then
-  export PREFILL_CPU_BIND="${PREFILL_CPU_BIND:-0}" DECODE_NATIVE_CPU_BIND="${DECODE_NATIVE_CPU_BIND:-0}"
-  export EXPRESS_CPU_BIND="${EXPRESS_CPU_BIND:-1}" EXPRESS_THREADS="${EXPRESS_THREADS:-1}"
-elif (( ncpu > 2 )); then
+if (( ncpu >= 2 )); then
   half=$((ncpu / 2))
   if (( half == 1 )); then first=0; else first="0-$((half - 1))"; fi
   if (( ncpu - half == 1 )); then second="$half"; else second="$half-$((ncpu - 1))"; fi

@@ -210,25 +210,13 @@ class DevStack:
 
 
 def cpu_split(ncpu: int | None = None) -> dict[str, str]:
-    """CPU placement for the stack on one host. Any of these set in the environment wins.
-
-    Stock vLLM 0.32 with NixlConnector on CPU (docs/deployment.md, "CPU placement") runs a NIXL progress
-    thread that busy-polls the first CPU of each server's binding, and moves the server's forward thread to
-    the last core of the NUMA node; our connector moves the prefill's forward back to its OpenMP core.
-    Whatever computes next to a progress thread runs 2-20x slower, so:
-
-    * 2 CPUs: both vLLM servers bind to CPU 0, so both progress threads live there with the prefill's
-      forward; the native decode's forward (moved by vLLM) and the express engine compute on CPU 1, which
-      no progress thread shares (measured: express decode 127 vs 7.5 tok/s, native 73 vs 36).
-    * more CPUs: prefill the first half, native decode and the express engine the second (one torch thread
-      per core of that half).
-    """
+    """CPU placement for the stack on one host: prefill the first half of the CPUs, native decode and the
+    express engine the second (one torch thread per core of that half). Any of these set in the environment
+    wins. docs/deployment.md ("CPU placement") has what stock vLLM's NixlConnector does to placement on CPU
+    and what other layouts measured on 2 CPUs."""
     ncpu = ncpu or len(os.sched_getaffinity(0))
     if ncpu < 2:
         return {}
-    if ncpu == 2:
-        return {"PREFILL_CPU_BIND": "0", "DECODE_NATIVE_CPU_BIND": "0", "EXPRESS_CPU_BIND": "1",
-                "EXPRESS_THREADS": "1"}
     half = ncpu // 2
     first = "0" if half == 1 else f"0-{half - 1}"
     second = str(half) if ncpu - half == 1 else f"{half}-{ncpu - 1}"
