@@ -36,7 +36,7 @@ if (( ncpu >= 2 )); then
   if (( half == 1 )); then first=0; else first="0-$((half - 1))"; fi
   if (( ncpu - half == 1 )); then second="$half"; else second="$half-$((ncpu - 1))"; fi
   export PREFILL_CPU_BIND="${PREFILL_CPU_BIND:-$first}" DECODE_NATIVE_CPU_BIND="${DECODE_NATIVE_CPU_BIND:-$second}"
-  export EXPRESS_THREADS="${EXPRESS_THREADS:-$((ncpu - half))}" EXPRESS_CPU_BIND="${EXPRESS_CPU_BIND:-$second}"
+  export EXPRESS_THREADS="${EXPRESS_THREADS:-$((ncpu - half))}"
 fi
 
 timings=()

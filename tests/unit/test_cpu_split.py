@@ -10,8 +10,9 @@ from dev_stack import cpu_split
                                                        (3, "0", "1-2", "2"), (8, "0-3", "4-7", "4")])
 def test_prefill_first_half_decode_lanes_second(ncpu: int, first: str, second: str, threads: str) -> None:
     env = cpu_split(ncpu)
-    assert (env["PREFILL_CPU_BIND"], env["DECODE_NATIVE_CPU_BIND"], env["EXPRESS_CPU_BIND"]) == (first, second, second)
+    assert (env["PREFILL_CPU_BIND"], env["DECODE_NATIVE_CPU_BIND"]) == (first, second)
     assert env["EXPRESS_THREADS"] == threads
+    assert "EXPRESS_CPU_BIND" not in env  # pinned next to a NIXL progress thread it decoded 10x slower
 
 
 def test_one_cpu_leaves_placement_to_vllm() -> None:
