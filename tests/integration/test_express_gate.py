@@ -87,14 +87,23 @@ class Holder(threading.Thread):
     def __init__(self, url: str):
         super().__init__(daemon=True)
         self.url, self.status, self.text = url, None, ""
+        self.client = httpx.Client(timeout=300)
 
     def run(self):
         body = {"model": "x-wait", "prompt": token_prompt(8, salt=77), "max_tokens": HOLD_TOKENS,
                 "temperature": 0, "ignore_eos": True, "stream": True}
-        with httpx.Client(timeout=300) as c, c.stream("POST", f"{self.url}/v1/completions", json=body) as r:
-            self.status = r.status_code
-            for _ in r.iter_lines():
-                pass
+        try:
+            with self.client.stream("POST", f"{self.url}/v1/completions", json=body) as r:
+                self.status = r.status_code
+                for _ in r.iter_lines():
+                    pass
+        except httpx.HTTPError:
+            pass  # stop() closed the connection
+
+    def stop(self):
+        """Disconnect (the router cancels the request and frees the node), so a failed test does not leave the
+        node busy for the tests after it."""
+        self.client.close()
 
 
 def _metric(url: str, name: str, **labels) -> float:
@@ -110,6 +119,14 @@ def test_busy_node_waits_spills_or_rejects_as_configured(live_stack, gate_router
     _wait_state(live_stack, "idle", 30)
     holder = Holder(gate_router)
     holder.start()
+    try:
+        _check_policies(live_stack, gate_router, holder)
+    finally:
+        if holder.is_alive():
+            holder.stop()
+
+
+def _check_policies(live_stack, gate_router, holder: Holder) -> None:
     _wait_state(live_stack, "busy", 60)
     small = {"prompt": token_prompt(20, salt=78), "max_tokens": 6, "temperature": 0}
 
