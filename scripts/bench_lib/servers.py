@@ -146,27 +146,7 @@ def placement(ports: dict[str, int], idle_s: float = 3.0) -> dict:
     spinning threads decide more than the code does, so the report records them."""
     import psutil
 
-    listeners = {}
-    for c in psutil.net_connections(kind="tcp"):
-        if c.status == psutil.CONN_LISTEN and c.pid and c.laddr and c.laddr.port in ports.values():
-            listeners[c.laddr.port] = c.pid
-    groups: dict[str, list[psutil.Process]] = {}
-    for name, port in ports.items():
-        pid = listeners.get(port)
-        if pid is None:
-            continue
-        try:
-            pgid = os.getpgid(pid)
-        except OSError:
-            continue
-        procs = []
-        for p in psutil.process_iter():
-            try:
-                if os.getpgid(p.pid) == pgid:
-                    procs.append(p)
-            except (OSError, psutil.Error):
-                pass
-        groups[name] = procs
+    groups = {name: procs for name, port in ports.items() if (procs := _process_group(port))}
     for procs in groups.values():
         for p in procs:
             try:
@@ -220,20 +200,37 @@ def model_facts(model_dir: Path) -> dict:
     }
 
 
-def _worker_of(port: int):
-    """The vLLM worker process (``VLLM::Worker``) of the server listening on ``port``; None if not found."""
+def _process_group(port: int) -> list:
+    """Every process of the process group whose member listens on ``port`` (a launch script's service)."""
     import psutil
 
     pid = next((c.pid for c in psutil.net_connections(kind="tcp")
                 if c.status == psutil.CONN_LISTEN and c.pid and c.laddr and c.laddr.port == port), None)
     if pid is None:
-        return None
-    pgid = os.getpgid(pid)
+        return []
+    try:
+        pgid = os.getpgid(pid)
+    except OSError:
+        return []
+    procs = []
     for p in psutil.process_iter():
         try:
-            if os.getpgid(p.pid) == pgid and p.name().startswith("VLLM::Worker"):
-                return p
+            if os.getpgid(p.pid) == pgid:
+                procs.append(p)
         except (OSError, psutil.Error):
+            pass
+    return procs
+
+
+def _worker_of(port: int):
+    """The vLLM worker process (``VLLM::Worker``) of the server listening on ``port``; None if not found."""
+    import psutil
+
+    for p in _process_group(port):
+        try:
+            if p.name().startswith("VLLM::Worker"):
+                return p
+        except psutil.Error:
             pass
     return None
 
