@@ -38,7 +38,8 @@ from bench_lib import extract, overheads, report  # noqa: E402
 from bench_lib.client import completion_body, run_closed_loop, token_prompt  # noqa: E402
 from bench_lib.prom import Snapshot, scrape  # noqa: E402
 from bench_lib.servers import (EXPRESS_ALIAS, NATIVE_ALIAS, REPO, BenchRouter, DevStack, Endpoints,  # noqa: E402
-                               align_forward_thread, model_facts, placement, port_free, wait_http)
+                               align_forward_thread, isolated_baseline_cpus, model_facts, place_forward_thread,
+                               placement, port_free, wait_http)
 from bench_lib.stats import summarize  # noqa: E402
 
 FULL = {"concurrency": [1, 2, 4, 8], "prompts": [128, 1024, 3800], "output": 256}
@@ -299,16 +300,31 @@ def main(argv: list[str] | None = None) -> int:
             router_cm.__exit__()
             router_cm = None
         if not args.skip_overheads:
-            base_url = args.baseline_prefill
+            base_url, halves = args.baseline_prefill, None
             if not base_url:
                 pb = find_baseline_base(args.port_base)
+                base_env = {**stack_env, "EXPRESS_CONNECTOR": "0"}
+                # A started stack in the halves layout: the decode servers are done with; stop them and give
+                # the baseline their CPUs, so each prefill server has the same CPUs to itself (each with its
+                # own stock NIXL progress thread) instead of the two sharing the prefill's.
+                halves = isolated_baseline_cpus(stack.env()) if args.start_stack else None
+                if halves:
+                    log("stopping the decode servers; the baseline prefill takes their CPUs "
+                        f"{','.join(map(str, halves[1]))}")
+                    stack.stop(("decode-native", "decode-express"))
+                    base_env["PREFILL_CPU_BIND"] = ",".join(map(str, halves[1]))
                 baseline = DevStack(model_dir=args.model_dir, state_dir=out / "baseline-prefill", port_base=pb,
-                                    services=("prefill",), extra_env={**stack_env, "EXPRESS_CONNECTOR": "0"})
+                                    services=("prefill",), extra_env=base_env)
                 log(f"starting the baseline prefill (EXPRESS_CONNECTOR=0) on {baseline.prefill_url}")
                 baseline.start()
                 base_url = baseline.prefill_url
-                aligned = align_forward_thread(httpx.URL(ep.prefill).port, httpx.URL(base_url).port)
-                log(f"baseline forward thread placed like the prefill's: {aligned}")
+                # Stock NixlConnector moves a server's forward thread to the last core; ours moves the
+                # prefill's back to its OpenMP core (its first bound CPU). Do the same for the baseline.
+                if halves:
+                    aligned = place_forward_thread(httpx.URL(base_url).port, [halves[1][0]])
+                else:
+                    aligned = align_forward_thread(httpx.URL(ep.prefill).port, httpx.URL(base_url).port)
+                log(f"baseline forward thread placed: {aligned}")
             where["baseline_prefill"] = placement({"baseline_prefill": httpx.URL(base_url).port})["baseline_prefill"]
             if not args.baseline_prefill:
                 where["baseline_prefill"]["forward_thread"] = aligned
@@ -317,6 +333,9 @@ def main(argv: list[str] | None = None) -> int:
                 ep.prefill, base_url.rstrip("/"), ep.served_model, vocab, prompt_tokens=1024,
                 concurrency=4, requests=8 if args.quick else 24, rounds=2 if args.quick else 4, nonce=nonce,
                 decode_tokens=32 if args.quick else 64)
+            D["overheads"]["connector_unclaimed"]["baseline_cpus"] = (
+                "given" if args.baseline_prefill else "own (the decode servers' CPUs)" if halves
+                else "shared with the prefill")
         rep.write(complete=True, quiet=False)
     except KeyboardInterrupt as e:
         log(f"interrupted ({e}): the partial report stays in {out}")

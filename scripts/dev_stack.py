@@ -179,8 +179,9 @@ class DevStack:
             return "(no log)"
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
 
-    def stop(self) -> None:
-        for name in reversed(list(self.services)):
+    def stop(self, names: tuple[str, ...] | None = None) -> None:
+        """Stop every service, or only `names`."""
+        for name in reversed([n for n in self.services if names is None or n in names]):
             pid_file = self.state_dir / f"{name}.pid"
             proc = self.procs.pop(name, None)
             pid = proc.pid if proc else (int(pid_file.read_text()) if pid_file.exists() else None)

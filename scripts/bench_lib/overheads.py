@@ -59,12 +59,15 @@ def _decode_round(url: str, model: str, vocab: int, key: str, tokens: int, n: in
 
 
 def connector_unclaimed(with_url: str, without_url: str, model: str, vocab: int, *, prompt_tokens: int,
-                        concurrency: int, requests: int, rounds: int, nonce: str, decode_tokens: int = 0) -> dict:
+                        concurrency: int, requests: int, rounds: int, nonce: str, decode_tokens: int = 0,
+                        settle_s: float = 2.0) -> dict:
     """The stack's prefill (MultiConnector[Nixl, ExpressLane]) vs a prefill without our connector
     (MultiConnector[Nixl]) on plain requests, which no connector claims:
       prefill throughput: prompt tokens/s of `requests` max_tokens=1 requests at `concurrency`
       decode speed (decode_tokens > 0): per-user tok/s of two streaming 128-token-prompt requests, c=1
-    Rounds alternate which server goes first; round 0 warms both up and is not recorded."""
+    Rounds alternate which server goes first; round 0 warms both up and is not recorded. Each measurement
+    starts `settle_s` after the previous one ended: a vLLM worker keeps busy-polling its message queue for
+    about a second after its last step, and on a small host that would slow whichever server goes second."""
     with_tps, without_tps, with_dec, without_dec, errors = [], [], [], [], 0
     for rnd in range(rounds + 1):
         order = [("with", with_url), ("without", without_url)]
@@ -74,9 +77,11 @@ def connector_unclaimed(with_url: str, without_url: str, model: str, vocab: int,
             bodies = [{"model": model, "prompt": token_prompt(prompt_tokens, f"{nonce}/cu/{rnd}/{which}/{i}", vocab),
                        "max_tokens": 1, "temperature": 0.0}
                       for i in range(requests if rnd else max(2, concurrency))]
+            time.sleep(settle_s)
             wall, err = asyncio.run(_prefill_round(base + "/v1/completions", bodies, concurrency))
             dec, derr = (None, 0)
             if decode_tokens:
+                time.sleep(settle_s)
                 dec, derr = _decode_round(base + "/v1/completions", model, vocab, f"{nonce}/cud/{rnd}/{which}",
                                           decode_tokens if rnd else 8)
             if rnd == 0:
@@ -93,7 +98,7 @@ def connector_unclaimed(with_url: str, without_url: str, model: str, vocab: int,
             "without_connector_tok_s": [round(x, 1) for x in without_tps],
             "with_connector_tok_s_median": _r(statistics.median(with_tps), 1) if with_tps else None,
             "without_connector_tok_s_median": _r(statistics.median(without_tps), 1) if without_tps else None,
-            "overhead_pct": _r(overhead), "noise_pct": _r(noise),
+            "overhead_pct": _r(overhead), "noise_pct": _r(noise), "settle_s": settle_s,
             "decode_tokens": decode_tokens,
             "with_connector_decode_tok_s": [round(x, 1) for x in with_dec],
             "without_connector_decode_tok_s": [round(x, 1) for x in without_dec],

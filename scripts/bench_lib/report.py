@@ -178,7 +178,7 @@ def markdown(report: dict) -> str:
                      f"concurrency {cu['concurrency']}, {cu['rounds']} alternating rounds of {cu['requests']}): "
                      f"with connector {_f(cu['with_connector_tok_s_median'])} prompt tok/s, without "
                      f"{_f(cu['without_connector_tok_s_median'])}; overhead {_f(cu['overhead_pct'], 2)} % "
-                     f"(noise {_f(cu['noise_pct'], 2)} %)")
+                     f"(noise {_f(cu['noise_pct'], 2)} %); baseline CPUs: {cu.get('baseline_cpus', '-')}")
         if cu.get("decode_tokens"):
             lines.append(f"* connector, unclaimed decode steps (the prefill server decoding {cu['decode_tokens']} tokens "
                          f"itself, 128-token prompts, c=1): per-user tok/s with connector "

@@ -235,16 +235,40 @@ def _worker_of(port: int):
     return None
 
 
+def isolated_baseline_cpus(stack_env: dict[str, str]) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """(prefill CPUs, native decode CPUs) when the stack binds the two to disjoint CPU sets of one size (the
+    halves layout): the baseline prefill can then take the native decode's CPUs once the decode servers are
+    stopped, and each prefill server has as many CPUs to itself. None otherwise."""
+    from expresslane.engine.server.config import parse_cpu_list
+
+    try:
+        prefill = parse_cpu_list(stack_env.get("PREFILL_CPU_BIND", ""))
+        native = parse_cpu_list(stack_env.get("DECODE_NATIVE_CPU_BIND", ""))
+    except ValueError:  # unset, "auto" or not a list
+        return None
+    if set(prefill) & set(native) or len(prefill) != len(native):
+        return None
+    return prefill, native
+
+
+def place_forward_thread(port: int, cpus: list[int]) -> dict:
+    """Put the forward thread (the vLLM worker's main thread, OpenMP's master) of the server on `port` on
+    `cpus`. Only that thread moves (Linux affinity is per thread; the main thread's id is the pid)."""
+    target = _worker_of(port)
+    if target is None:
+        return {"aligned": False, "reason": "worker process not found"}
+    before = sorted(os.sched_getaffinity(target.pid))
+    if before != sorted(cpus):
+        os.sched_setaffinity(target.pid, cpus)
+    return {"aligned": True, "cpus": sorted(cpus), "moved_from": before}
+
+
 def align_forward_thread(reference_port: int, target_port: int) -> dict:
     """Put the target server's forward thread (its worker's main thread, OpenMP's master) on the CPUs of the
     reference server's, so that a with/without comparison measures code, not placement: stock NixlConnector
     moves a connector-less prefill's forward thread to the last core, while ours moves it back to its OpenMP
     core. Only that thread moves (Linux affinity is per thread; the main thread's id is the pid)."""
-    ref, target = _worker_of(reference_port), _worker_of(target_port)
-    if ref is None or target is None:
+    ref = _worker_of(reference_port)
+    if ref is None:
         return {"aligned": False, "reason": "worker process not found"}
-    cpus = sorted(os.sched_getaffinity(ref.pid))
-    before = sorted(os.sched_getaffinity(target.pid))
-    if before != cpus:
-        os.sched_setaffinity(target.pid, cpus)
-    return {"aligned": True, "cpus": cpus, "moved_from": before}
+    return place_forward_thread(target_port, sorted(os.sched_getaffinity(ref.pid)))

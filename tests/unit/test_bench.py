@@ -383,3 +383,17 @@ def test_speed_goal_prefers_the_decoding_servers_own_speed():
     assert g["basis"] == "server_decode_tok_s"
     assert g["per_prompt_tokens"] == {"128": 1.125} and g["met"] is False
     assert g["client_per_prompt_tokens"] == {"128": 33.333}
+
+
+@pytest.mark.parametrize("env, expected", [
+    ({"PREFILL_CPU_BIND": "0", "DECODE_NATIVE_CPU_BIND": "1"}, ((0,), (1,))),
+    ({"PREFILL_CPU_BIND": "0-1", "DECODE_NATIVE_CPU_BIND": "2,3"}, ((0, 1), (2, 3))),
+    ({"PREFILL_CPU_BIND": "0", "DECODE_NATIVE_CPU_BIND": "0"}, None),  # shared: nothing to give the baseline
+    ({"PREFILL_CPU_BIND": "0", "DECODE_NATIVE_CPU_BIND": "1-2"}, None),  # unequal: not a like-for-like pair
+    ({"PREFILL_CPU_BIND": "auto", "DECODE_NATIVE_CPU_BIND": "1"}, None),
+    ({}, None),
+])
+def test_baseline_gets_the_decode_servers_cpus_only_in_a_halves_layout(env, expected):
+    from bench_lib.servers import isolated_baseline_cpus
+
+    assert isolated_baseline_cpus(env) == expected

@@ -1,7 +1,7 @@
 """Batch-1 decode micro benchmark: tokens/s and achieved weight bandwidth.
 
     python -m expresslane.engine.decode.bench --model DIR [--dtype float32] [--device cpu] [--prompt-len 128]
-        [--tokens 256] [--attention sliced|masked] [--compile] [--threads N]
+        [--tokens 256] [--attention sliced|masked] [--compile] [--cuda-graph auto|on|off] [--threads N]
 
 GB/s = weight bytes (read once per token) / step time; "bound" is a device copy's bytes/s (read + write)
 over the weight bytes, the same calibration FACTS.md uses.
@@ -64,6 +64,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--attention", choices=["sliced", "masked"], default=None)
     ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--cuda-graph", choices=["auto", "on", "off"], default="auto",
+                    help="replay each decode step as one CUDA graph (auto: on for cuda with masked attention)")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--no-bound", action="store_true", help="skip the copy-bandwidth calibration")
@@ -73,11 +75,12 @@ def main(argv: list[str] | None = None) -> None:
     t0 = time.perf_counter()
     engine = DecodeEngine.from_pretrained(args.model, dtype=args.dtype, device=args.device,
                                           max_seq_len=args.max_seq_len, attention=args.attention,
-                                          compile=args.compile)
+                                          compile=args.compile,
+                                          cuda_graph={"auto": None, "on": True, "off": False}[args.cuda_graph])
     load_s = time.perf_counter() - t0
     r = run(engine, args.prompt_len, args.tokens, args.repeats)
     print(f"model={args.model} type={engine.config.model_type} dtype={args.dtype} device={args.device} "
-          f"attention={engine.attention} compile={args.compile} threads={torch.get_num_threads()} "
+          f"attention={engine.attention} compile={args.compile} cuda_graph={engine.cuda_graph} threads={torch.get_num_threads()} "
           f"load_s={load_s:.2f}")
     print(f"batch=1 prompt={args.prompt_len} decoded={r['tokens']} tok/s={r['tok_per_s']:.1f} (median {r['median_tok_per_s']:.1f}) "
           f"ms/token={r['ms_per_token']:.3f} weights={r['weight_gb']:.4f}GB achieved={r['achieved_gb_per_s']:.2f}GB/s")

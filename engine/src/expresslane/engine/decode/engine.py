@@ -58,9 +58,15 @@ class Generation:
 
 class DecodeEngine:
     def __init__(self, model: Transformer, config: ModelConfig, *, dtype: torch.dtype, device: torch.device,
-                 max_seq_len: int, attention: str = "sliced", compile: bool = False) -> None:
+                 max_seq_len: int, attention: str = "sliced", compile: bool = False,
+                 cuda_graph: bool | None = None) -> None:
         if attention not in ATTENTION_MODES:
             raise ValueError(f"attention must be one of {ATTENTION_MODES}, got {attention!r}")
+        if cuda_graph is None:  # auto: on wherever the step has fixed shapes and runs on a GPU
+            cuda_graph = device.type == "cuda" and attention == "masked"
+        if cuda_graph and (device.type != "cuda" or attention != "masked"):
+            raise ValueError(f"cuda_graph needs device cuda and attention 'masked' (fixed shapes), "
+                             f"got device {device} and attention {attention!r}")
         self.model = model
         self.config = config
         self.dtype = dtype
@@ -75,14 +81,23 @@ class DecodeEngine:
         # Step buffers reused every decode step.
         self._pos = torch.zeros(1, dtype=torch.long, device=device)
         self._arange = torch.arange(max_seq_len, device=device)
-        # sliced attention has a growing kv_len: compile it with a symbolic length instead of recompiling.
-        self._step = (torch.compile(self._decode_step, dynamic=attention == "sliced") if compile
-                      else self._decode_step)
+        # The step launched kernel by kernel (compiled or not). Sliced attention has a growing kv_len: compile
+        # it with a symbolic length instead of recompiling.
+        self._direct_step = (torch.compile(self._decode_step, dynamic=attention == "sliced") if compile
+                             else self._decode_step)
+        # CUDA graph of one decode step (masked attention: every shape fixed, position read from self._pos on
+        # the device). Replaying it costs one launch instead of one per kernel, which is what bounds batch-1
+        # decode of a small model on a fast GPU. Captured on first use (warmup() does it at start).
+        self.cuda_graph = cuda_graph
+        self._graph: torch.cuda.CUDAGraph | None = None
+        self._graph_token = torch.zeros(1, dtype=torch.long, device=device)
+        self._graph_logits: torch.Tensor | None = None
+        self._step = self._graph_step if cuda_graph else self._direct_step
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, *, dtype: str | torch.dtype = "float32",
                         device: str | torch.device = "cpu", max_seq_len: int = 4096, attention: str | None = None,
-                        compile: bool = False) -> "DecodeEngine":
+                        compile: bool = False, cuda_graph: bool | None = None) -> "DecodeEngine":
         config = ModelConfig.from_model_dir(model_dir)
         if dtype == "auto":  # the checkpoint's own dtype, like vLLM's --dtype auto for these dtypes
             dtype = config.checkpoint_dtype or "float32"
@@ -93,7 +108,7 @@ class DecodeEngine:
         if attention is None:
             attention = "masked" if device.type == "cuda" else "sliced"
         return cls(model, config, dtype=torch_dtype, device=device, max_seq_len=max_seq_len,
-                   attention=attention, compile=compile)
+                   attention=attention, compile=compile, cuda_graph=cuda_graph)
 
     # ------------------------------------------------------------------ introspection
     @property
@@ -167,6 +182,30 @@ class DecodeEngine:
             return self.model(token, pos, cos, sin, self.cache.k_layers, self.cache.v_layers,
                               kv_len=self.max_seq_len, attn_mask=mask)
         return self.model(token, pos, cos, sin, self.cache.k_layers, self.cache.v_layers, kv_len=kv_len)
+
+    def _graph_step(self, token: torch.Tensor, pos: torch.Tensor, kv_len: int) -> torch.Tensor:
+        """One decode step by CUDA-graph replay. `pos` must be self._pos (the graph reads that buffer); the
+        returned logits live in the graph's output buffer until the next step."""
+        self._graph_token.copy_(token)
+        if self._graph is None:
+            self._capture_graph()
+        self._graph.replay()
+        return self._graph_logits
+
+    def _capture_graph(self) -> None:
+        # Warm-up runs on a side stream first (cuBLAS workspaces, torch.compile), as capture requires. They and
+        # the replay that follows compute the same step for the same token and position, so the cache rows they
+        # write are the ones the step writes anyway.
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(3):
+                self._direct_step(self._graph_token, self._pos, self.max_seq_len)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            self._graph_logits = self._direct_step(self._graph_token, self._pos, self.max_seq_len)
+        self._graph = graph
 
     def cancel(self) -> None:
         """Stop the running generation between steps (thread-safe)."""

@@ -37,12 +37,12 @@ def build_engine(config: ServerConfig) -> DecodeEngine:
     t0 = time.perf_counter()
     engine = DecodeEngine.from_pretrained(config.model, dtype=config.dtype, device=config.device,
                                           max_seq_len=config.max_seq_len, attention=config.attention,
-                                          compile=config.compile)
+                                          compile=config.compile, cuda_graph=config.cuda_graph)
     if config.warmup:
         engine.warmup()
-    log.info("engine ready in %.1fs: %s %s on %s, max_seq_len=%d, %.1f MB of weights, attention=%s",
+    log.info("engine ready in %.1fs: %s %s on %s, max_seq_len=%d, %.1f MB of weights, attention=%s, cuda_graph=%s",
              time.perf_counter() - t0, engine.config.model_type, config.dtype, config.device, config.max_seq_len,
-             engine.weight_bytes() / 1e6, engine.attention)
+             engine.weight_bytes() / 1e6, engine.attention, engine.cuda_graph)
     return engine
 
 

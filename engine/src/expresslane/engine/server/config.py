@@ -21,6 +21,7 @@ class ServerConfig:
     max_timeout_s: float = 3600.0  # a request's timeout_s above this is refused (400)
     attention: str | None = None  # None: engine default for the device
     compile: bool = False
+    cuda_graph: bool | None = None  # None: on for cuda with masked attention (the engine's default)
     threads: int | None = None  # torch intra-op threads on CPU; None = one per bound CPU, else torch default
     cpu_bind: tuple[int, ...] | None = None  # pin the whole process to these CPUs; None = inherit
     warmup: bool = True
@@ -66,6 +67,8 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
     ap.add_argument("--kv-timeout-s", type=float, default=120.0, help="default wait for a request's KV")
     ap.add_argument("--attention", choices=["sliced", "masked"], default=None)
     ap.add_argument("--compile", action="store_true", help="torch.compile the decode step")
+    ap.add_argument("--cuda-graph", choices=["auto", "on", "off"], default="auto",
+                    help="replay the decode step as one CUDA graph (auto: on for cuda with masked attention)")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch CPU threads (default: one per --cpu-bind CPU, else torch's default)")
     ap.add_argument("--cpu-bind", default=None, metavar="LIST",
@@ -83,11 +86,15 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
             cpu_bind = parse_cpu_list(a.cpu_bind)
         except ValueError as e:
             ap.error(f"--cpu-bind: {e}")
+    cuda_graph = {"auto": None, "on": True, "off": False}[a.cuda_graph]
+    if cuda_graph and (not a.device.startswith("cuda") or a.attention == "sliced"):
+        ap.error("--cuda-graph on needs --device cuda and masked attention")
     if a.threads is not None and a.threads < 1:
         ap.error("--threads must be >= 1")
     return ServerConfig(
         model=a.model, dtype=a.dtype, device=a.device, max_seq_len=a.max_seq_len, host=a.host,
         advertise_host=a.advertise_host, ctrl_port=a.ctrl_port, http_port=a.http_port,
-        kv_timeout_s=a.kv_timeout_s, attention=a.attention, compile=a.compile, threads=a.threads,
+        kv_timeout_s=a.kv_timeout_s, attention=a.attention, compile=a.compile, cuda_graph=cuda_graph,
+        threads=a.threads,
         cpu_bind=cpu_bind, warmup=a.warmup, log_level=a.log_level,
     )
