@@ -39,7 +39,7 @@ from bench_lib.client import completion_body, run_closed_loop, token_prompt  # n
 from bench_lib.prom import Snapshot, scrape  # noqa: E402
 from bench_lib.servers import (EXPRESS_ALIAS, NATIVE_ALIAS, REPO, BenchRouter, DevStack, Endpoints,  # noqa: E402
                                align_forward_thread, isolated_baseline_cpus, model_facts, place_forward_thread,
-                               placement, port_free, wait_http)
+                               placement, port_free, process_pids, wait_http)
 from bench_lib.stats import summarize  # noqa: E402
 
 FULL = {"concurrency": [1, 2, 4, 8], "prompts": [128, 1024, 3800], "output": 256}
@@ -294,7 +294,8 @@ def main(argv: list[str] | None = None) -> int:
             log("router overhead")
             D["overheads"]["router"] = overheads.router_overhead(
                 router_url, n_alias, ep.prefill, ep.native, ep.served_model, vocab, prompt_tokens=128,
-                requests=15 if args.quick else 60, nonce=nonce)
+                requests=15 if args.quick else 60, nonce=nonce,
+                router_pids=process_pids(router_cm.port) if router_cm is not None else None)
             rep.write()
         if router_cm is not None:
             router_cm.__exit__()

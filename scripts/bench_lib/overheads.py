@@ -132,14 +132,18 @@ def connector_claimed(scenarios: list[dict]) -> list[dict]:
 
 
 def router_overhead(router_url: str, native_alias: str, prefill_url: str, native_url: str, model: str,
-                    vocab: int, *, prompt_tokens: int, requests: int, nonce: str, warmup: int = 3) -> dict:
+                    vocab: int, *, prompt_tokens: int, requests: int, nonce: str, warmup: int = 3,
+                    router_pids: list[int] | None = None) -> dict:
     """Sequential non-streaming max_tokens=1 requests, three paths interleaved request by request:
       router  POST router /v1/completions (native lane: prefill leg + decode leg)
       direct  the same two legs sent by this client itself, with the router's own body builders
       single  one plain request to the prefill server (context only)
-    overhead = p50(router) - p50(direct); also the median of the per-iteration differences (robust to drift)."""
+    overhead = p50(router) - p50(direct); also the median of the per-iteration differences (robust to drift).
+    With `router_pids`, the router processes' CPU time over the run / the requests sent through it: the work
+    the router adds, which no wait for a shared core inflates."""
     lat: dict[str, list[float]] = {"router": [], "direct": [], "single": []}
     errors: list[str] = []
+    cpu0 = _cpu_seconds(router_pids)
     with httpx.Client(timeout=httpx.Timeout(600, connect=10), trust_env=False) as client:
 
         def one(path: str, key: str) -> tuple[float, str | None]:
@@ -173,6 +177,8 @@ def router_overhead(router_url: str, native_alias: str, prefill_url: str, native
                     got[path] = dt
             if "router" in got and "direct" in got:
                 paired.append(got["router"] - got["direct"])
+    cpu1 = _cpu_seconds(router_pids)
+    router_cpu_ms = _r(1e3 * (cpu1 - cpu0) / (warmup + requests)) if cpu0 is not None and cpu1 is not None else None
     p50 = {k: percentile(v, 50) for k, v in lat.items()}
     ms = {k: _r(None if v is None else 1e3 * v) for k, v in p50.items()}
     over = ms["router"] - ms["direct"] if ms["router"] is not None and ms["direct"] is not None else None
@@ -181,4 +187,17 @@ def router_overhead(router_url: str, native_alias: str, prefill_url: str, native
             "single_p50_ms": ms["single"], "overhead_p50_ms": _r(over),
             "paired_median_ms": _r(1e3 * percentile(paired, 50)) if paired else None,
             "router_p90_ms": _r(1e3 * percentile(lat["router"], 90)) if lat["router"] else None,
-            "direct_p90_ms": _r(1e3 * percentile(lat["direct"], 90)) if lat["direct"] else None}
+            "direct_p90_ms": _r(1e3 * percentile(lat["direct"], 90)) if lat["direct"] else None,
+            "router_cpu_ms_per_request": router_cpu_ms}
+
+
+def _cpu_seconds(pids: list[int] | None) -> float | None:
+    """User + system CPU seconds of these processes so far; None without pids or when one is gone."""
+    if not pids:
+        return None
+    import psutil
+
+    try:
+        return sum(sum(psutil.Process(pid).cpu_times()[:2]) for pid in pids)
+    except psutil.Error:
+        return None

@@ -222,6 +222,11 @@ def _process_group(port: int) -> list:
     return procs
 
 
+def process_pids(port: int) -> list[int]:
+    """Pids of the process group listening on `port` (a local server); empty when none is found."""
+    return [p.pid for p in _process_group(port)]
+
+
 def _worker_of(port: int):
     """The vLLM worker process (``VLLM::Worker``) of the server listening on ``port``; None if not found."""
     import psutil

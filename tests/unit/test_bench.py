@@ -397,3 +397,16 @@ def test_baseline_gets_the_decode_servers_cpus_only_in_a_halves_layout(env, expe
     from bench_lib.servers import isolated_baseline_cpus
 
     assert isolated_baseline_cpus(env) == expected
+
+
+def test_router_cpu_seconds_of_live_processes_only():
+    import os
+    import subprocess
+
+    assert overheads._cpu_seconds(None) is None and overheads._cpu_seconds([]) is None
+    spent = overheads._cpu_seconds([os.getpid()])
+    sum(i * i for i in range(300_000))  # burn a little CPU in this process
+    assert overheads._cpu_seconds([os.getpid()]) > spent > 0
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    assert overheads._cpu_seconds([os.getpid(), gone.pid]) is None
