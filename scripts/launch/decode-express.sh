@@ -11,9 +11,10 @@ EXPRESS_ADVERTISE_HOST="${EXPRESS_ADVERTISE_HOST:-127.0.0.1}"
 EXPRESS_THREADS="${EXPRESS_THREADS:-}"
 # CPUs the node is pinned to, taskset -c syntax (e.g. 1 or 2-3; empty or auto = inherit).
 EXPRESS_CPU_BIND="${EXPRESS_CPU_BIND:-}"
-# 1 = torch.compile the decode step (CPU: needs a C compiler, adds about a minute to the start; 1.5x on the
-# tiny model, docs/performance.md). On CUDA the step is replayed as one CUDA graph either way.
-EXPRESS_COMPILE="${EXPRESS_COMPILE:-0}"
+# 1 = torch.compile the decode step: 1.6-2.1x decode speed in the 2-CPU stack (docs/performance.md); needs a C
+# compiler (the runtime image has g++), adds about 10 s to the start, and falls back to the plain step with a
+# warning if compiling fails. 0 = the plain step. On CUDA the step is replayed as one CUDA graph either way.
+EXPRESS_COMPILE="${EXPRESS_COMPILE:-1}"
 extra=()
 [[ "$EXPRESS_COMPILE" == 1 ]] && extra+=(--compile)
 [[ -n "$EXPRESS_THREADS" ]] && extra+=(--threads "$EXPRESS_THREADS")

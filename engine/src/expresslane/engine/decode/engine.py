@@ -83,6 +83,7 @@ class DecodeEngine:
         self._arange = torch.arange(max_seq_len, device=device)
         # The step launched kernel by kernel (compiled or not). Sliced attention has a growing kv_len: compile
         # it with a symbolic length instead of recompiling.
+        self.compile = compile
         self._direct_step = (torch.compile(self._decode_step, dynamic=attention == "sliced") if compile
                              else self._decode_step)
         # CUDA graph of one decode step (masked attention: every shape fixed, position read from self._pos on
@@ -147,6 +148,13 @@ class DecodeEngine:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # the caller may reuse k/v's buffer as soon as we return
         self.cached_tokens = num_tokens
+
+    def disable_compile(self) -> None:
+        """Decode with the plain (eager) step from now on, e.g. when torch.compile fails on this host."""
+        self.compile = False
+        self._direct_step = self._decode_step
+        self._graph = self._graph_logits = None
+        self._step = self._graph_step if self.cuda_graph else self._direct_step
 
     def warmup(self, steps: int = 4) -> None:
         """Run a short prefill + decode so the first request does not pay one-time costs (allocator,

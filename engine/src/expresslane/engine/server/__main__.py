@@ -39,10 +39,18 @@ def build_engine(config: ServerConfig) -> DecodeEngine:
                                           max_seq_len=config.max_seq_len, attention=config.attention,
                                           compile=config.compile, cuda_graph=config.cuda_graph)
     if config.warmup:
-        engine.warmup()
-    log.info("engine ready in %.1fs: %s %s on %s, max_seq_len=%d, %.1f MB of weights, attention=%s, cuda_graph=%s",
+        try:
+            engine.warmup()  # compiles the decode step when --compile is on
+        except Exception as e:  # noqa: BLE001 - torch.compile fails in many ways (no C compiler, inductor bugs)
+            if not engine.compile:
+                raise
+            log.warning("torch.compile of the decode step failed, decoding without it: %s: %s",
+                        type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+            engine.disable_compile()
+            engine.warmup()
+    log.info("engine ready in %.1fs: %s %s on %s, max_seq_len=%d, %.1f MB of weights, attention=%s, compile=%s, cuda_graph=%s",
              time.perf_counter() - t0, engine.config.model_type, config.dtype, config.device, config.max_seq_len,
-             engine.weight_bytes() / 1e6, engine.attention, engine.cuda_graph)
+             engine.weight_bytes() / 1e6, engine.attention, engine.compile, engine.cuda_graph)
     return engine
 
 
