@@ -39,7 +39,8 @@ the next input stay on the device, step buffers are reused.
 """
 
 from .cache import KVGeometry, StaticKVCache
-from .engine import DecodeEngine, Generation, parse_dtype
+from .engine import (CUDA_GRAPH_CHOICES, DecodeEngine, Generation, default_attention, parse_dtype,
+                     resolve_cuda_graph)
 from .sampling import HONOURED_SAMPLING_OPTIONS, SamplingParams
 
 __all__ = [
@@ -50,4 +51,7 @@ __all__ = [
     "SamplingParams",
     "StaticKVCache",
     "parse_dtype",
+    "CUDA_GRAPH_CHOICES",
+    "default_attention",
+    "resolve_cuda_graph",
 ]

@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from .engine import DecodeEngine
+from .engine import CUDA_GRAPH_CHOICES, DecodeEngine
 from .sampling import SamplingParams
 
 
@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> None:
     engine = DecodeEngine.from_pretrained(args.model, dtype=args.dtype, device=args.device,
                                           max_seq_len=args.max_seq_len, attention=args.attention,
                                           compile=args.compile,
-                                          cuda_graph={"auto": None, "on": True, "off": False}[args.cuda_graph])
+                                          cuda_graph=CUDA_GRAPH_CHOICES[args.cuda_graph])
     load_s = time.perf_counter() - t0
     r = run(engine, args.prompt_len, args.tokens, args.repeats)
     print(f"model={args.model} type={engine.config.model_type} dtype={args.dtype} device={args.device} "

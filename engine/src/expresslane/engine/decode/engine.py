@@ -28,6 +28,26 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return DTYPES[dtype]
 
 
+# --cuda-graph on the command lines (server, decode bench) -> DecodeEngine(cuda_graph=...)
+CUDA_GRAPH_CHOICES = {"auto": None, "on": True, "off": False}
+
+
+def default_attention(device_type: str) -> str:
+    """Fixed-shape masked attention on a GPU (CUDA-graph friendly), sliced to the live length elsewhere."""
+    return "masked" if device_type == "cuda" else "sliced"
+
+
+def resolve_cuda_graph(cuda_graph: bool | None, device_type: str, attention: str) -> bool:
+    """Whether to replay the decode step as a CUDA graph. None (auto): wherever the step has fixed shapes
+    (masked attention) and runs on a GPU. True where that does not hold is a ValueError."""
+    if cuda_graph is None:
+        return device_type == "cuda" and attention == "masked"
+    if cuda_graph and (device_type != "cuda" or attention != "masked"):
+        raise ValueError(f"cuda_graph needs device cuda and attention 'masked' (fixed shapes), "
+                         f"got device {device_type} and attention {attention!r}")
+    return cuda_graph
+
+
 class Generation:
     """Iterator over token ids of one request. `finish_reason` is set when iteration ends:
     "stop" (eos / stop_token_ids), "length" (max_tokens or max_seq_len) or "abort" (cancelled)."""
@@ -62,11 +82,7 @@ class DecodeEngine:
                  cuda_graph: bool | None = None) -> None:
         if attention not in ATTENTION_MODES:
             raise ValueError(f"attention must be one of {ATTENTION_MODES}, got {attention!r}")
-        if cuda_graph is None:  # auto: on wherever the step has fixed shapes and runs on a GPU
-            cuda_graph = device.type == "cuda" and attention == "masked"
-        if cuda_graph and (device.type != "cuda" or attention != "masked"):
-            raise ValueError(f"cuda_graph needs device cuda and attention 'masked' (fixed shapes), "
-                             f"got device {device} and attention {attention!r}")
+        cuda_graph = resolve_cuda_graph(cuda_graph, device.type, attention)
         self.model = model
         self.config = config
         self.dtype = dtype
@@ -107,7 +123,7 @@ class DecodeEngine:
             raise ValueError(f"max_seq_len must be >= 2, got {max_seq_len}")
         model = load_model(model_dir, config, torch_dtype, device)
         if attention is None:
-            attention = "masked" if device.type == "cuda" else "sliced"
+            attention = default_attention(device.type)
         return cls(model, config, dtype=torch_dtype, device=device, max_seq_len=max_seq_len,
                    attention=attention, compile=compile, cuda_graph=cuda_graph)
 

@@ -86,9 +86,14 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
             cpu_bind = parse_cpu_list(a.cpu_bind)
         except ValueError as e:
             ap.error(f"--cpu-bind: {e}")
-    cuda_graph = {"auto": None, "on": True, "off": False}[a.cuda_graph]
-    if cuda_graph and (not a.device.startswith("cuda") or a.attention == "sliced"):
-        ap.error("--cuda-graph on needs --device cuda and masked attention")
+    from ..decode import CUDA_GRAPH_CHOICES, default_attention, resolve_cuda_graph
+
+    cuda_graph = CUDA_GRAPH_CHOICES[a.cuda_graph]
+    device_type = a.device.split(":")[0]
+    try:
+        resolve_cuda_graph(cuda_graph, device_type, a.attention or default_attention(device_type))
+    except ValueError as e:
+        ap.error(f"--cuda-graph {a.cuda_graph}: {e}")
     if a.threads is not None and a.threads < 1:
         ap.error("--threads must be >= 1")
     return ServerConfig(
