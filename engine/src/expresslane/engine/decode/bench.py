@@ -73,10 +73,13 @@ def main(argv: list[str] | None = None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
-    engine = DecodeEngine.from_pretrained(args.model, dtype=args.dtype, device=args.device,
-                                          max_seq_len=args.max_seq_len, attention=args.attention,
-                                          compile=args.compile,
-                                          cuda_graph=CUDA_GRAPH_CHOICES[args.cuda_graph])
+    try:
+        engine = DecodeEngine.from_pretrained(args.model, dtype=args.dtype, device=args.device,
+                                              max_seq_len=args.max_seq_len, attention=args.attention,
+                                              compile=args.compile,
+                                              cuda_graph=CUDA_GRAPH_CHOICES[args.cuda_graph])
+    except (OSError, ValueError) as e:  # missing checkpoint, unsupported model, bad option combination
+        ap.error(str(e))
     load_s = time.perf_counter() - t0
     r = run(engine, args.prompt_len, args.tokens, args.repeats)
     print(f"model={args.model} type={engine.config.model_type} dtype={args.dtype} device={args.device} "
