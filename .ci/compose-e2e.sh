@@ -86,6 +86,10 @@ base_images() {
     scripts/build-offline-base.sh || return 1
     export PYTHON_BASE_IMAGE="${OFFLINE_PYTHON_IMAGE:-expresslane/python:3.11-bookworm}"
     export DEBIAN_BASE_IMAGE="${OFFLINE_DEBIAN_IMAGE:-expresslane/debian:bookworm}"
+    export COMPOSE_FILE="compose/compose.yaml:compose/overlays/offline.yaml"
+    log "OFFLINE_BASE=1: no image registry, so compose/overlays/offline.yaml: Prometheus from Debian's package," \
+        "and Grafana SKIPPED (grafana/grafana exists only in registries; every dashboard query is still checked" \
+        "against a live Prometheus by tests/integration/test_dashboards_live.py)"
   fi
   images/vllm-cpu/stage-wheels.sh || return 1
   # The wheel is in the build context now: no need to reach the PyTorch index.
@@ -107,6 +111,38 @@ smoke() {  # a new venv with nothing in it (not even pip): the smoke check needs
   return $rc
 }
 
+images() {  # the images hold the code and run unprivileged: inspect the built images and the running containers
+  local runtime="${RUNTIME_IMAGE:-expresslane/runtime-cpu:0.1.0-vllm0.32.0}" router="${ROUTER_IMAGE:-expresslane/router:0.1.0}"
+  local bad=0 img user uid
+  for img in "$runtime" "$router"; do
+    user="$(docker image inspect -f '{{.Config.User}}' "$img")" || return 1
+    [[ -n "$user" && "$user" != root && "$user" != 0 ]] || { echo "$img: runs as root (User=$user)"; bad=1; }
+    echo "$img: User=$user, version label $(docker image inspect -f '{{index .Config.Labels "org.opencontainers.image.version"}}' "$img")"
+  done
+  docker run --rm --entrypoint python3 "$runtime" -c \
+    'import os, expresslane.engine.connector as c, expresslane.engine.server as s; assert "site-packages" in c.__file__, c.__file__; assert os.getuid() != 0; assert os.path.isfile("/opt/expresslane/scripts/launch/prefill.sh"); print("runtime image: code at", os.path.dirname(c.__file__), "uid", os.getuid())' || bad=1
+  docker run --rm --entrypoint python3 "$router" -c \
+    'import os, expresslane.router.app as a; assert "site-packages" in a.__file__, a.__file__; assert os.getuid() != 0; assert os.path.isfile("/opt/expresslane/compose/config/router.yaml"); print("router image: code at", os.path.dirname(a.__file__), "uid", os.getuid())' || bad=1
+  for svc in router prefill decode-native decode-express prometheus; do
+    uid="$(docker compose exec -T "$svc" id -u 2>/dev/null)" || { echo "$svc: id -u failed"; bad=1; continue; }
+    echo "$svc: running as uid $uid"
+    [[ "$uid" != 0 ]] || bad=1
+  done
+  docker compose config --format json | "$PYTHON" -c '
+import json, sys
+services = json.load(sys.stdin)["services"]
+for name, svc in services.items():
+    for v in svc.get("volumes", []):
+        if v.get("type") == "bind" and v["source"].rstrip("/").endswith(("/engine/src", "/router/src", "/scripts")):
+            sys.exit(f"{name}: source bind mount {v[\"source\"]} outside the dev overlay")
+print("no source bind mounts")' || bad=1
+  return $bad
+}
+
+compose_smoke() {  # the same check as a compose service, from inside the stack's network
+  docker compose run --rm smoke
+}
+
 down() {
   if [[ "$KEEP_STACK" == "1" ]]; then log "KEEP_STACK=1: leaving the stack up (docker compose down -v to remove)"; return 0; fi
   docker compose down -v --remove-orphans
@@ -117,7 +153,8 @@ if ! step "docker + compose" ensure_docker; then report; exit 1; fi
 step "offline base images" base_images || rc=1
 [[ $rc == 0 ]] && { step "compose configs" compose/check-configs.sh || rc=1; }
 if [[ $rc == 0 ]]; then
-  if step "build + up --wait" up && step "smoke" smoke; then
+  if step "build + up --wait" up && step "smoke (bare venv)" smoke && step "smoke (compose run)" compose_smoke \
+     && step "images: code, non-root" images; then
     :
   else
     rc=1
