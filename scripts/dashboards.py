@@ -57,7 +57,7 @@ JOBS: tuple[Job, ...] = (
     Job("connector", "prefill:9400", 9400, "ExpressLaneConnector inside the prefill process"),
     Job("decode-native", "decode-native:8100", 8100, "stock vLLM native-lane decode server"),
     Job("decode-express", "decode-express:5557", 5557, "express-lane decode server"),
-    Job("prometheus", "localhost:9090", 9090, "Prometheus itself"),
+    Job("prometheus", "prometheus:9090", 9090, "Prometheus itself (by service name: production binds it to the node address)"),
 )
 JOB_NAMES = tuple(j.name for j in JOBS)
 

@@ -126,7 +126,7 @@ def test_prometheus_config_jobs():
     assert jobs == {
         "router": ["router:8080"], "prefill": ["prefill:8000"], "connector": ["prefill:9400"],
         "decode-native": ["decode-native:8100"], "decode-express": ["decode-express:5557"],
-        "prometheus": ["localhost:9090"],
+        "prometheus": ["prometheus:9090"],
     }
     assert cfg["global"]["scrape_interval"] == "5s"
     # every job a dashboard filters on is scraped
