@@ -72,9 +72,10 @@ def _target(value: str) -> tuple[str, str, str]:
 
 
 def prometheus_config(targets: dict[str, str], scrape_interval: str = "5s",
-                      rule_files: tuple[str, ...] = ()) -> dict:
+                      rule_files: tuple[str, ...] = (), extra_jobs: dict[str, list[str]] | None = None) -> dict:
     """The scrape config as a dict. `targets` maps job name -> 'host:port' or a base URL; `rule_files` are
-    alert/recording rule globs (compose: the mounted compose/prometheus/rules/)."""
+    alert/recording rule globs (compose: the mounted compose/prometheus/rules/); `extra_jobs` are exporters outside
+    the metric contract (DCGM in the GPU overlays): job name -> host:port targets."""
     unknown = set(targets) - set(JOB_NAMES)
     if unknown:
         raise ValueError(f"unknown jobs {sorted(unknown)}; jobs are {list(JOB_NAMES)}")
@@ -94,6 +95,8 @@ def prometheus_config(targets: dict[str, str], scrape_interval: str = "5s",
         "global": {"scrape_interval": scrape_interval, "evaluation_interval": scrape_interval,
                    "scrape_timeout": scrape_interval},
     }
+    for name, hostports in (extra_jobs or {}).items():
+        scrape_configs.append({"job_name": name, "static_configs": [{"targets": list(hostports)}]})
     if rule_files:
         config["rule_files"] = list(rule_files)
     config["scrape_configs"] = scrape_configs
@@ -101,10 +104,10 @@ def prometheus_config(targets: dict[str, str], scrape_interval: str = "5s",
 
 
 def render_prometheus(targets: dict[str, str], scrape_interval: str = "5s", header: str = "",
-                      rule_files: tuple[str, ...] = ()) -> str:
+                      rule_files: tuple[str, ...] = (), extra_jobs: dict[str, list[str]] | None = None) -> str:
     import yaml
 
-    body = yaml.safe_dump(prometheus_config(targets, scrape_interval, rule_files), sort_keys=False,
+    body = yaml.safe_dump(prometheus_config(targets, scrape_interval, rule_files, extra_jobs), sort_keys=False,
                           default_flow_style=False)
     return header + body
 
@@ -116,6 +119,12 @@ def compose_targets() -> dict[str, str]:
 def dev_targets(port_base: int = 0, host: str = "127.0.0.1") -> dict[str, str]:
     return {j.name: f"{host}:{j.dev_port + port_base}" for j in JOBS}
 
+
+# GPU overlays: the same jobs plus NVIDIA's DCGM exporter (GPU metrics; port 9401, the connector has 9400).
+PROMETHEUS_GPU_YML = REPO / "compose" / "prometheus" / "prometheus-gpu.yml"  # production: one per GPU node
+PROMETHEUS_GPU_SINGLE_YML = REPO / "compose" / "prometheus" / "prometheus-gpu-single.yml"
+DCGM_JOBS_PRODUCTION = {"dcgm": ["prefill:9401", "decode-native:9401", "decode-express:9401"]}
+DCGM_JOBS_SINGLE = {"dcgm": ["dcgm-exporter:9401"]}
 
 # Where compose mounts compose/prometheus/rules/ (alert and recording rules, tested with promtool).
 COMPOSE_RULE_FILES = ("/etc/prometheus/rules/*.yml",)
@@ -970,6 +979,10 @@ def generated_files() -> dict[Path, str]:
     dashboards = build_dashboards()
     files = {DASHBOARD_DIR / name: dump(d) for name, d in dashboards.items()}
     files[PROMETHEUS_YML] = render_prometheus(compose_targets(), "5s", COMPOSE_HEADER, COMPOSE_RULE_FILES)
+    files[PROMETHEUS_GPU_YML] = render_prometheus(compose_targets(), "5s", COMPOSE_HEADER, COMPOSE_RULE_FILES,
+                                                  DCGM_JOBS_PRODUCTION)
+    files[PROMETHEUS_GPU_SINGLE_YML] = render_prometheus(compose_targets(), "5s", COMPOSE_HEADER, COMPOSE_RULE_FILES,
+                                                         DCGM_JOBS_SINGLE)
     if DOCS.exists():
         files[DOCS] = render_docs(DOCS.read_text(), dashboards)
     return files

@@ -22,7 +22,8 @@ BASE = "compose/compose.yaml"
 PROD = "compose/overlays/production.yaml"
 ROLES = {"one host": [], "prefill node": ["compose/roles/prefill-node.yaml"],
          "decode node": ["compose/roles/decode-node.yaml"], "express node": ["compose/roles/express-node.yaml"]}
-NODES = {"PREFILL_NODE_ADDR": "10.20.0.1", "DECODE_NODE_ADDR": "10.20.0.2", "EXPRESS_NODE_ADDR": "10.20.0.3"}
+NODES = {"PREFILL_NODE_ADDR": "10.20.0.1", "DECODE_NODE_ADDR": "10.20.0.2", "EXPRESS_NODE_ADDR": "10.20.0.3",
+         "NODE_ADDR": "10.20.0.1"}  # NODE_ADDR: this host's address (per-node exporters)
 PRIVATE = set(NODES.values())
 # Each service's listen address as the rendered config sets it (env var, or a flag in its command).
 LISTEN_ENV = ("BIND_HOST", "GF_SERVER_HTTP_ADDR")
@@ -59,7 +60,10 @@ def production(role: str) -> dict:
 
 
 def listen_addresses(svc: dict) -> list[str]:
-    found = [svc.get("environment", {}).get(k) for k in LISTEN_ENV]
+    env = svc.get("environment", {})
+    found = [env.get(k) for k in LISTEN_ENV]
+    if "DCGM_EXPORTER_LISTEN" in env:
+        found.append(env["DCGM_EXPORTER_LISTEN"].rsplit(":", 1)[0] or "0.0.0.0")
     cmd = svc.get("command") or []
     for i, arg in enumerate(cmd):
         if arg.startswith("--web.listen-address="):
@@ -140,6 +144,22 @@ def test_the_cpu_default_publishes_on_localhost_only():
         assert "GF_SECURITY_ADMIN_PASSWORD" not in svc.get("environment", {}), name
     assert not any(v.get("type") == "bind" and v["source"].endswith(("/src", "/scripts"))
                    for svc in config["services"].values() for v in svc.get("volumes", [])), "source bind mount"
+
+
+def test_the_single_gpu_overlay_binds_localhost_and_uses_the_host_checkpoint():
+    config = render([BASE, "compose/overlays/gpu-single.yaml"], {"MODELS_HOST_DIR": "/data/ckpt", "MODEL_NAME": "Qwen3-1.7B"})
+    services = config["services"]
+    assert "model-init" not in services and "dcgm-exporter" in services
+    for name, svc in services.items():
+        assert set(listen_addresses(svc)) <= {"127.0.0.1"}, (name, listen_addresses(svc))
+    for name in ("prefill", "decode-native", "decode-express"):
+        svc = services[name]
+        assert svc["image"].startswith("expresslane/runtime-gpu:") and svc["pull_policy"] == "build", name
+        assert svc["build"]["args"]["BASE_IMAGE"].startswith("vllm/vllm-openai:"), name
+        assert svc["environment"]["MODEL_DIR"] == "/models/Qwen3-1.7B", name
+        assert svc["deploy"]["resources"]["reservations"]["devices"][0]["capabilities"] == ["gpu"], name
+    assert services["decode-express"]["environment"]["EXPRESS_DEVICE"] == "cuda"
+    assert config["volumes"]["models"]["driver_opts"]["device"] == "/data/ckpt"
 
 
 def test_images_we_build_are_never_pulled():
