@@ -14,7 +14,7 @@ if [ -n "${GF_SECURITY_ADMIN_PASSWORD__FILE:-}" ]; then
 elif [ -n "${GRAFANA_ADMIN_PASSWORD:-}" ]; then
   export GF_SECURITY_ADMIN_PASSWORD="$GRAFANA_ADMIN_PASSWORD"
 elif [ "${GRAFANA_REQUIRE_ADMIN_PASSWORD:-0}" = "1" ]; then
-  echo "grafana: no admin password (set GRAFANA_ADMIN_PASSWORD_FILE or GRAFANA_ADMIN_PASSWORD); refusing to start" >&2
+  echo "grafana: no admin password (mount the grafana_admin_password secret: GF_SECURITY_ADMIN_PASSWORD__FILE, or set GRAFANA_ADMIN_PASSWORD); refusing to start" >&2
   exit 78
 else
   generated=/var/lib/grafana/admin-password

@@ -11,7 +11,8 @@
     python scripts/dashboards.py verify [--datasource UID|NAME] [--require-data]
 
 Grafana connection (push / verify), read here and nowhere else: GRAFANA_URL (default http://localhost:3000),
-GRAFANA_TOKEN (a service-account token) or GRAFANA_USER + GRAFANA_PASSWORD (default admin / admin).
+GRAFANA_TOKEN (a service-account token) or GRAFANA_USER (default admin) + GRAFANA_PASSWORD (required: there is no
+default password; the compose stack's is in the grafana container at /var/lib/grafana/admin-password).
 
 Everything below is the ONE source for: the Prometheus job list (compose and local dev stacks), the metric
 contract the dashboards may reference, and every panel (its PromQL, unit and meaning). The JSON under
@@ -1007,7 +1008,10 @@ def grafana_api():
 
     url = os.environ.get("GRAFANA_URL", "http://localhost:3000")
     token = os.environ.get("GRAFANA_TOKEN")
-    cred = token if token else (os.environ.get("GRAFANA_USER", "admin"), os.environ.get("GRAFANA_PASSWORD", "admin"))
+    password = os.environ.get("GRAFANA_PASSWORD")
+    if not token and not password:
+        raise SystemExit("dashboards: set GRAFANA_TOKEN, or GRAFANA_PASSWORD (and GRAFANA_USER); there is no default")
+    cred = token if token else (os.environ.get("GRAFANA_USER", "admin"), password)
     api = GrafanaApi.from_url(url=url, credential=cred, timeout=30.0)
     api.connect()
     return api

@@ -128,6 +128,13 @@ def test_no_default_passwords_and_secrets_only_as_files(role):
         assert env["GF_AUTH_ANONYMOUS_ENABLED"] == "false"
 
 
+@pytest.mark.parametrize("role", list(ROLES))
+def test_secrets_in_the_shell_environment_never_reach_a_production_container(role):
+    leaked = {name: f"leak-{name.lower()}" for name in SECRET_NAMES}
+    text = json.dumps(render([BASE, PROD, *ROLES[role]], {**NODES, **leaked})["services"])  # x-* anchors aside
+    assert "leak-" not in text, [v for v in leaked.values() if v in text]
+
+
 @pytest.mark.parametrize("files", [[BASE], [BASE, PROD], [BASE, "compose/overlays/offline.yaml"]])
 def test_prometheus_lifecycle_api_is_off(files):
     config = render(files, NODES)
@@ -160,6 +167,19 @@ def test_the_single_gpu_overlay_binds_localhost_and_uses_the_host_checkpoint():
         assert svc["deploy"]["resources"]["reservations"]["devices"][0]["capabilities"] == ["gpu"], name
     assert services["decode-express"]["environment"]["EXPRESS_DEVICE"] == "cuda"
     assert config["volumes"]["models"]["driver_opts"]["device"] == "/data/ckpt"
+
+
+@pytest.mark.parametrize("files", [[BASE], [BASE, PROD], [BASE, PROD, "compose/roles/express-node.yaml"],
+                                   [BASE, "compose/overlays/gpu-single.yaml"], [BASE, "compose/overlays/offline.yaml"]])
+def test_code_comes_from_the_images_not_bind_mounts(files):
+    for name, svc in render(files, NODES)["services"].items():
+        for v in svc.get("volumes", []):
+            if v.get("type") == "bind":
+                rel = Path(v["source"]).relative_to(REPO) if Path(v["source"]).is_relative_to(REPO) else None
+                assert rel is None or rel.parts[0] in ("compose", "grafana"), (name, v["source"])
+                assert rel is None or "src" not in rel.parts, (name, v["source"])
+        if "build" in svc:
+            assert svc.get("pull_policy") == "build", name
 
 
 def test_images_we_build_are_never_pulled():
