@@ -66,7 +66,12 @@ ensure_docker() {
   fi
   if ! docker info >/dev/null 2>&1; then
     log "starting dockerd (log: $DOCKERD_LOG)"
-    nohup dockerd >"$DOCKERD_LOG" 2>&1 &
+    # dockerd outlives this script: it must not inherit our open descriptors (a caller's flock(1) lock among
+    # them would stay held for as long as dockerd runs).
+    (
+      for fd in /proc/self/fd/*; do n="${fd##*/}"; (( n > 2 )) && eval "exec $n>&-" 2>/dev/null; done
+      exec nohup dockerd >"$DOCKERD_LOG" 2>&1 </dev/null
+    ) &
     for _ in $(seq 60); do docker info >/dev/null 2>&1 && break; sleep 1; done
     docker info >/dev/null 2>&1 || { tail -20 "$DOCKERD_LOG"; return 1; }
   fi
