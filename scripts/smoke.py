@@ -15,8 +15,9 @@ Checks (one row each in the printed table; exit code 0 only when every row passe
   exact-compl     the same for /v1/completions
   metrics         GET /metrics answers Prometheus text
 
-Dependencies: the standard library and httpx. ROUTER_API_KEY in the environment is used when --api-key is not
-given (the router only checks it when it is configured with one).
+Dependencies: the Python standard library only (urllib, json), so a bare `python3` runs it on any machine, and
+so does `docker compose run --rm smoke` (the compose service of the same name). ROUTER_API_KEY in the
+environment is used when --api-key is not given (the router only checks it when it is configured with one).
 """
 
 from __future__ import annotations
@@ -27,9 +28,9 @@ import json
 import os
 import sys
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Callable, Iterator
-
-import httpx
 
 PROMPT_CHAT = [{"role": "user", "content": "Tell me a short story about a lighthouse keeper."}]
 PROMPT_COMPLETION = "The quick brown fox jumps over the lazy dog. Once upon a time"
@@ -37,6 +38,76 @@ PROMPT_COMPLETION = "The quick brown fox jumps over the lazy dog. Once upon a ti
 
 class CheckFailed(Exception):
     """A check's expectation did not hold; the message says what was seen."""
+
+
+class TransportError(Exception):
+    """The router could not be reached or the connection broke (refused, reset, timed out)."""
+
+
+@dataclasses.dataclass
+class Response:
+    status: int
+    headers: dict[str, str]
+    text: str
+
+    def json(self) -> dict:
+        try:
+            return json.loads(self.text)
+        except json.JSONDecodeError as exc:
+            raise CheckFailed(f"not JSON ({exc}): {self.text[:200]!r}") from None
+
+
+@dataclasses.dataclass
+class Client:
+    """A few HTTP calls on urllib: one base URL, fixed headers, one per-request timeout (connect and each read)."""
+
+    base_url: str
+    headers: dict[str, str]
+    timeout_s: float
+
+    def _request(self, method: str, path: str, body: dict | None):
+        data = None if body is None else json.dumps(body).encode()
+        headers = dict(self.headers)
+        if data is not None:
+            headers["Content-Type"] = "application/json"
+        req = urllib.request.Request(self.base_url + path, data=data, headers=headers, method=method)
+        try:
+            return urllib.request.urlopen(req, timeout=self.timeout_s)
+        except urllib.error.HTTPError as exc:  # a status >= 400: an answer, not a transport failure
+            return exc
+        except (urllib.error.URLError, OSError) as exc:
+            raise TransportError(f"{method} {path}: {getattr(exc, 'reason', exc)}") from None
+
+    def call(self, method: str, path: str, body: dict | None = None) -> Response:
+        resp = self._request(method, path, body)
+        with resp:
+            try:
+                raw = resp.read()
+            except OSError as exc:
+                raise TransportError(f"{method} {path}: reading the body: {exc}") from None
+            return Response(resp.status, {k.lower(): v for k, v in resp.headers.items()},
+                            raw.decode("utf-8", "replace"))
+
+    def get(self, path: str) -> Response:
+        return self.call("GET", path)
+
+    def post(self, path: str, body: dict) -> Response:
+        return self.call("POST", path, body)
+
+    def stream_lines(self, path: str, body: dict) -> Iterator[str]:
+        """POST and yield the response's lines as they arrive; a status other than 200 raises CheckFailed."""
+        resp = self._request("POST", path, body)
+        with resp:
+            if resp.status != 200:
+                raise CheckFailed(f"HTTP {resp.status}: {resp.read().decode('utf-8', 'replace')[:200]}")
+            ctype = resp.headers.get("content-type", "")
+            if not ctype.startswith("text/event-stream"):
+                raise CheckFailed(f"content-type {ctype!r}, expected text/event-stream")
+            try:
+                for raw in resp:
+                    yield raw.decode("utf-8", "replace").rstrip("\r\n")
+            except OSError as exc:
+                raise TransportError(f"POST {path}: stream broke: {exc}") from None
 
 
 @dataclasses.dataclass
@@ -50,7 +121,7 @@ class Row:
 
 @dataclasses.dataclass
 class Smoke:
-    client: httpx.Client
+    client: Client
     native: str
     express: str
     max_tokens: int
@@ -64,38 +135,34 @@ class Smoke:
             detail, ok = fn(), True
         except CheckFailed as exc:
             detail, ok = str(exc), False
-        except httpx.HTTPError as exc:
+        except TransportError as exc:
             detail, ok = f"{type(exc).__name__}: {exc}", False
         self.rows.append(Row(check, lane, ok, detail, time.monotonic() - t0))
 
     def post(self, path: str, body: dict) -> dict:
-        resp = self.client.post(path, json=body)
-        if resp.status_code != 200:
-            raise CheckFailed(f"HTTP {resp.status_code}: {resp.text[:200]}")
+        resp = self.client.post(path, body)
+        if resp.status != 200:
+            raise CheckFailed(f"HTTP {resp.status}: {resp.text[:200]}")
         return resp.json()
 
     def stream(self, path: str, body: dict) -> Iterator[dict]:
-        with self.client.stream("POST", path, json={**body, "stream": True}) as resp:
-            if resp.status_code != 200:
-                resp.read()
-                raise CheckFailed(f"HTTP {resp.status_code}: {resp.text[:200]}")
-            ctype = resp.headers.get("content-type", "")
-            if not ctype.startswith("text/event-stream"):
-                raise CheckFailed(f"content-type {ctype!r}, expected text/event-stream")
-            done = False
-            for line in resp.iter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[len("data:"):].strip()
-                if data == "[DONE]":
-                    done = True
-                    break
+        done = False
+        for line in self.client.stream_lines(path, {**body, "stream": True}):
+            if not line.startswith("data:"):
+                continue
+            data = line[len("data:"):].strip()
+            if data == "[DONE]":
+                done = True
+                break
+            try:
                 event = json.loads(data)
-                if "error" in event:
-                    raise CheckFailed(f"error event: {json.dumps(event['error'])[:200]}")
-                yield event
-            if not done:
-                raise CheckFailed("stream ended without data: [DONE]")
+            except json.JSONDecodeError:
+                raise CheckFailed(f"event is not JSON: {data[:200]!r}") from None
+            if "error" in event:
+                raise CheckFailed(f"error event: {json.dumps(event['error'])[:200]}")
+            yield event
+        if not done:
+            raise CheckFailed("stream ended without data: [DONE]")
 
     def chat_body(self, model: str) -> dict:
         return {"model": model, "messages": PROMPT_CHAT, "max_tokens": self.max_tokens, "temperature": 0}
@@ -106,14 +173,14 @@ class Smoke:
     # ---- checks -----------------------------------------------------------------------------------------
     def health(self) -> str:
         resp = self.client.get("/health")
-        if resp.status_code != 200:
-            raise CheckFailed(f"HTTP {resp.status_code}: {resp.text[:200]}")
+        if resp.status != 200:
+            raise CheckFailed(f"HTTP {resp.status}: {resp.text[:200]}")
         return "200"
 
     def models(self) -> str:
         resp = self.client.get("/v1/models")
-        if resp.status_code != 200:
-            raise CheckFailed(f"HTTP {resp.status_code}: {resp.text[:200]}")
+        if resp.status != 200:
+            raise CheckFailed(f"HTTP {resp.status}: {resp.text[:200]}")
         listed = {m.get("id"): m for m in resp.json().get("data", [])}
         want = {self.native: "native", self.express: "express"}
         problems = []
@@ -169,8 +236,8 @@ class Smoke:
 
     def metrics(self) -> str:
         resp = self.client.get("/metrics")
-        if resp.status_code != 200:
-            raise CheckFailed(f"HTTP {resp.status_code}")
+        if resp.status != 200:
+            raise CheckFailed(f"HTTP {resp.status}")
         families = sum(1 for line in resp.text.splitlines() if line.startswith("# TYPE"))
         if families == 0:
             raise CheckFailed("no '# TYPE' lines: not Prometheus text")
@@ -207,13 +274,13 @@ def _clip(text: str, n: int = 40) -> str:
     return text if len(text) <= n else text[: n - 3] + "..."
 
 
-def wait_healthy(client: httpx.Client, seconds: float) -> None:
+def wait_healthy(client: Client, seconds: float) -> None:
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         try:
-            if client.get("/health").status_code == 200:
+            if client.get("/health").status == 200:
                 return
-        except httpx.HTTPError:
+        except TransportError:
             pass
         time.sleep(2)
 
@@ -241,12 +308,11 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    timeout = httpx.Timeout(args.timeout, connect=5.0)
-    with httpx.Client(base_url=args.router_url.rstrip("/"), headers=headers, timeout=timeout) as client:
-        if args.wait:
-            wait_healthy(client, args.wait)
-        smoke = Smoke(client, args.native, args.express, args.max_tokens)
-        smoke.all()
+    client = Client(args.router_url.rstrip("/"), headers, args.timeout)
+    if args.wait:
+        wait_healthy(client, args.wait)
+    smoke = Smoke(client, args.native, args.express, args.max_tokens)
+    smoke.all()
     print_table(smoke.rows)
     failed = sum(not r.ok for r in smoke.rows)
     print(f"\n{len(smoke.rows) - failed}/{len(smoke.rows)} passed" + (f", {failed} FAILED" if failed else ""))

@@ -13,6 +13,33 @@ SEED="${SEED:-0}"
 # vLLM on CPU: KV cache size in GiB (1 is plenty for the tiny model).
 export VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-1}"
 
+# A secret: NAME_FILE (a file, e.g. a compose secret under /run/secrets; trailing newline dropped) wins over NAME.
+# Usage: read_secret NAME -> prints the value (empty when neither is set); fails loudly on an unreadable file.
+read_secret() {
+  local name="$1" file_var="${1}_FILE"
+  local file="${!file_var:-}"
+  if [[ -n "$file" ]]; then
+    [[ -r "$file" ]] || { echo "launch: $file_var=$file is not readable" >&2; return 1; }
+    local value
+    value="$(<"$file")"
+    printf '%s' "${value%$'\n'}"
+  else
+    printf '%s' "${!name:-}"
+  fi
+}
+
+# vLLM's API key (VLLM_API_KEY or VLLM_API_KEY_FILE): the router sends it upstream, so the router stays the only
+# open door. It reaches vLLM as the VLLM_API_KEY environment variable, vLLM's own equivalent of --api-key (one
+# key), not on the command line, where every local user could read it in the process list. Empty = no auth.
+VLLM_API_KEY="$(read_secret VLLM_API_KEY)"
+unset VLLM_API_KEY_FILE
+if [[ -n "$VLLM_API_KEY" ]]; then export VLLM_API_KEY; else unset VLLM_API_KEY; fi
+# Tool calling on every vLLM server: VLLM_TOOL_CALL_PARSER (default hermes; empty = off) ->
+# --enable-auto-tool-choice --tool-call-parser NAME.
+VLLM_TOOL_CALL_PARSER="${VLLM_TOOL_CALL_PARSER-hermes}"
+VLLM_TOOL_ARGS=()
+[[ -n "$VLLM_TOOL_CALL_PARSER" ]] && VLLM_TOOL_ARGS=(--enable-auto-tool-choice --tool-call-parser "$VLLM_TOOL_CALL_PARSER")
+
 # Stock vLLM's OpenAI server with the flags every vLLM service of the stack shares.
 # Usage: vllm_serve PORT KV_TRANSFER_CONFIG [extra vLLM flags...]
 vllm_serve() {
@@ -23,5 +50,5 @@ vllm_serve() {
     --host "$BIND_HOST" --port "$port" \
     --dtype "$DTYPE" --max-model-len "$MAX_MODEL_LEN" \
     --max-num-batched-tokens "$MAX_NUM_BATCHED_TOKENS" --seed "$SEED" \
-    --kv-transfer-config "$kv_config" "$@"
+    --kv-transfer-config "$kv_config" "${VLLM_TOOL_ARGS[@]}" "$@"
 }

@@ -7,6 +7,8 @@ PREFILL_PORT="${PREFILL_PORT:-8000}"
 KV_BUFFER_DEVICE="${KV_BUFFER_DEVICE:-cpu}"
 EXPRESS_CONNECTOR="${EXPRESS_CONNECTOR:-1}"
 CONNECTOR_METRICS_PORT="${CONNECTOR_METRICS_PORT:-9400}"
+# Where the connector's metrics endpoint listens (default: where vLLM listens, BIND_HOST).
+CONNECTOR_METRICS_HOST="${CONNECTOR_METRICS_HOST:-$BIND_HOST}"
 # CPU cores for vLLM's OpenMP threads ("auto", "nobind", or a list like "0-3"); on a small host give
 # prefill and native decode disjoint cores so their spinning OpenMP threads do not fight.
 export VLLM_CPU_OMP_THREADS_BIND="${PREFILL_CPU_BIND:-auto}"
@@ -18,7 +20,7 @@ export VLLM_NIXL_SIDE_CHANNEL_PORT="${PREFILL_NIXL_PORT:-5600}"
 export VLLM_NIXL_SIDE_CHANNEL_HOST="${PREFILL_NIXL_HOST:-127.0.0.1}"
 
 nixl='{"kv_connector":"NixlConnector","kv_role":"kv_producer","kv_buffer_device":"'"$KV_BUFFER_DEVICE"'"}'
-express='{"kv_connector":"ExpressLaneConnector","kv_connector_module_path":"expresslane.engine.connector","kv_role":"kv_producer","kv_connector_extra_config":{"metrics_port":'"$CONNECTOR_METRICS_PORT"',"restore_omp_affinity":'"$restore"'}}'
+express='{"kv_connector":"ExpressLaneConnector","kv_connector_module_path":"expresslane.engine.connector","kv_role":"kv_producer","kv_connector_extra_config":{"metrics_port":'"$CONNECTOR_METRICS_PORT"',"metrics_host":"'"$CONNECTOR_METRICS_HOST"'","restore_omp_affinity":'"$restore"'}}'
 if [[ "$EXPRESS_CONNECTOR" == "1" ]]; then children="$nixl,$express"; else children="$nixl"; fi
 # More MultiConnector children (comma-separated JSON objects), e.g. TileRT's connector in production.
 EXTRA_KV_CONNECTORS="${EXTRA_KV_CONNECTORS:-}"

@@ -126,7 +126,7 @@ def test_prometheus_config_jobs():
     assert jobs == {
         "router": ["router:8080"], "prefill": ["prefill:8000"], "connector": ["prefill:9400"],
         "decode-native": ["decode-native:8100"], "decode-express": ["decode-express:5557"],
-        "prometheus": ["localhost:9090"],
+        "prometheus": ["prometheus:9090"],
     }
     assert cfg["global"]["scrape_interval"] == "5s"
     # every job a dashboard filters on is scraped
@@ -314,19 +314,25 @@ def test_verify_fails_without_a_prometheus_datasource(fake_grafana):
 
 
 def test_compose_mounts_match_provisioning():
-    """compose/compose.yaml (owned elsewhere) mounts what the provisioning files and prometheus.yml expect."""
+    """compose/compose.yaml mounts what the provisioning files and prometheus.yml expect; Grafana is on by default
+    (no profile) and takes its admin password from the environment (grafana/entrypoint.sh), never a default."""
     path = REPO / "compose" / "compose.yaml"
     if not path.exists():
         pytest.skip("no compose/compose.yaml yet")
     services = yaml.safe_load(path.read_text())["services"]
     prom_volumes = services["prometheus"]["volumes"]
     assert "./prometheus/prometheus.yml:/etc/prometheus/prometheus.yml:ro" in prom_volumes
+    assert "./prometheus/rules:/etc/prometheus/rules:ro" in prom_volumes
+    rule_dir = yaml.safe_load((REPO / "compose" / "prometheus" / "prometheus.yml").read_text())["rule_files"]
+    assert rule_dir == ["/etc/prometheus/rules/*.yml"]
     grafana = services["grafana"]
-    assert "grafana" in grafana.get("profiles", [])
+    assert "profiles" not in grafana
     volumes = grafana["volumes"]
     assert "../grafana/provisioning:/etc/grafana/provisioning:ro" in volumes
     assert "../grafana/dashboards:/var/lib/grafana/dashboards:ro" in volumes
-    assert "GF_SECURITY_ADMIN_PASSWORD" in grafana["environment"]
+    assert "GF_SECURITY_ADMIN_PASSWORD" not in grafana["environment"]  # only through grafana/entrypoint.sh
+    assert "GRAFANA_ADMIN_PASSWORD" in grafana["environment"]
+    assert "../grafana/entrypoint.sh:/etc/grafana/expresslane-entrypoint.sh:ro" in volumes
     home = grafana["environment"].get("GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH")
     if home:
         assert Path(home).name in dashboards.BUILDERS, home
