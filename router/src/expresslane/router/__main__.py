@@ -2,6 +2,8 @@
 
 The YAML config is interpolated with `os.environ` (`${VAR:-default}`), validated into one typed
 `RouterConfig`, and served with uvicorn on `listen.host:listen.port` (`--host/--port` override).
+Secrets never pass through the YAML: `RouterSecrets.from_env(os.environ)` reads ROUTER_API_KEYS(_FILE),
+ROUTER_API_KEY(_FILE), VLLM_API_KEY(_FILE) and EXPRESS_NODE_TOKEN(_FILE) (docs/security.md).
 """
 
 from __future__ import annotations
@@ -11,7 +13,9 @@ import logging
 import os
 import sys
 
+from .auth import AuthConfigError, parse_api_keys
 from .config import ConfigError, load_config
+from .secrets import RouterSecrets, SecretError
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -30,17 +34,20 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per upstream call is noise
     try:
         config = load_config(args.config, os.environ)
-    except ConfigError as e:
+        secrets = RouterSecrets.from_env(os.environ)
+        n_keys = len(parse_api_keys(secrets.api_keys_text))
+    except (ConfigError, SecretError, AuthConfigError) as e:
         print(f"expresslane.router: {e}", file=sys.stderr)
         return 2
     if args.check:
-        print(config.model_dump_json(indent=2, exclude={"api_key"}))
+        print(config.model_dump_json(indent=2))
+        print(f"# {secrets!r}; {n_keys} client API key(s) parsed", file=sys.stderr)
         return 0
     import uvicorn
 
     from .app import create_app
 
-    uvicorn.run(create_app(config), host=args.host or config.listen.host, port=args.port or config.listen.port,
+    uvicorn.run(create_app(config, secrets=secrets), host=args.host or config.listen.host, port=args.port or config.listen.port,
                 log_level=args.log_level.lower(), access_log=False)
     return 0
 

@@ -1,0 +1,74 @@
+"""Bounds on client input, applied in the one place a request body is read and parsed.
+
+- Body size: a `Content-Length` above `limits.max_body_bytes` is refused (413) before one byte is read; a body
+  without a length (chunked) is read chunk by chunk and refused as soon as it passes the limit, so a 64 MiB body
+  is never held whole.
+- JSON nesting depth: measured on the raw bytes before `json.loads` (strings removed, then innermost `[]`/`{}`
+  pairs removed one level per pass, all in C), so a deeply nested body is a 400 naming the limit, never a
+  RecursionError / 500. Depth 1 is `{"a": 1}`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from starlette.requests import ClientDisconnect, Request
+
+from .errors import BadRequest, ClientGone, PayloadTooLarge
+
+__all__ = ["json_depth_exceeds", "loads_object", "read_body"]
+
+_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+_NOT_BRACKET = bytes(b for b in range(256) if b not in b"[]{}")
+_INNERMOST = re.compile(rb"\[\]|\{\}")
+
+
+async def read_body(request: Request, max_bytes: int) -> bytes:
+    """The request body, or PayloadTooLarge (413) as soon as it is known to exceed `max_bytes`."""
+    length = request.headers.get("content-length")
+    if length is not None:
+        if not length.strip().isdigit():
+            raise BadRequest("Content-Length must be a non-negative integer", param="Content-Length")
+        if int(length) > max_bytes:
+            raise PayloadTooLarge(f"request body of {int(length)} bytes is larger than the limit of "
+                                  f"{max_bytes} bytes")
+    chunks: list[bytes] = []
+    size = 0
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > max_bytes:
+                raise PayloadTooLarge(f"request body is larger than the limit of {max_bytes} bytes")
+            chunks.append(chunk)
+    except ClientDisconnect:
+        raise ClientGone("client disconnected while sending the body") from None
+    return b"".join(chunks)
+
+
+def json_depth_exceeds(raw: bytes, max_depth: int) -> bool:
+    """True when the JSON text nests arrays/objects deeper than `max_depth` (malformed text -> False: the
+    parser reports it)."""
+    brackets = _STRING.sub(b"", raw).translate(None, _NOT_BRACKET)
+    for _ in range(max_depth):
+        if not brackets:
+            return False
+        reduced = _INNERMOST.sub(b"", brackets)
+        if reduced == brackets:
+            return False  # unbalanced: not JSON, json.loads will say so
+        brackets = reduced
+    return bool(brackets) and _INNERMOST.search(brackets) is not None
+
+
+def loads_object(raw: bytes, max_depth: int) -> dict[str, Any]:
+    """Parse a client body that must be one JSON object, within the depth limit (400 otherwise)."""
+    if json_depth_exceeds(raw, max_depth):
+        raise BadRequest(f"request body nests JSON deeper than the limit of {max_depth} levels")
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
+        raise BadRequest(f"request body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise BadRequest("request body must be a JSON object")
+    return body
