@@ -164,6 +164,7 @@ def create_app(config: RouterConfig, *, secrets: RouterSecrets | None = None,
             app.state.lanes = None
 
     app = FastAPI(title="expresslane router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.router.redirect_slashes = False  # "/v1/completions/" is an unknown path (404 JSON), not a 307
     app.state.config = config
     app.state.metrics = metrics
     metrics_app = make_asgi_app(registry=metrics.registry)

