@@ -15,6 +15,7 @@ import sys
 
 from .auth import AuthConfigError, parse_api_keys
 from .config import ConfigError, load_config
+from .requestlog import JsonFormatter, RequestIdFilter
 from .secrets import RouterSecrets, SecretError
 
 
@@ -24,14 +25,27 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--host", help="override listen.host")
     ap.add_argument("--port", type=int, help="override listen.port")
     ap.add_argument("--log-level", default=os.environ.get("LOG_LEVEL", "info"))
+    ap.add_argument("--log-format", choices=("text", "json"), default=os.environ.get("LOG_FORMAT", "text"),
+                    help="text lines, or one JSON object per line (env LOG_FORMAT)")
+    ap.add_argument("--no-access-log", action="store_true",
+                    help="no access line per request (method, path, status, lane, duration, request id)")
     ap.add_argument("--check", action="store_true", help="validate the config, print it, and exit")
     return ap
 
 
+def setup_logging(level: str, fmt: str) -> None:
+    handler = logging.StreamHandler()
+    handler.addFilter(RequestIdFilter())
+    handler.setFormatter(JsonFormatter() if fmt == "json" else logging.Formatter(
+        "%(asctime)s %(levelname)s %(name)s [%(request_id)s] %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per upstream call is noise
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per upstream call is noise
     try:
         config = load_config(args.config, os.environ)
         secrets = RouterSecrets.from_env(os.environ)
@@ -43,12 +57,14 @@ def main(argv: list[str] | None = None) -> int:
         print(config.model_dump_json(indent=2))
         print(f"# {secrets!r}; {n_keys} client API key(s) parsed", file=sys.stderr)
         return 0
+    setup_logging(args.log_level, args.log_format)
     import uvicorn
 
     from .app import create_app
 
-    uvicorn.run(create_app(config, secrets=secrets), host=args.host or config.listen.host, port=args.port or config.listen.port,
-                log_level=args.log_level.lower(), access_log=False)
+    app = create_app(config, secrets=secrets, access_log=not args.no_access_log)
+    uvicorn.run(app, host=args.host or config.listen.host, port=args.port or config.listen.port,
+                log_level=args.log_level.lower(), access_log=False, log_config=None)  # our handlers, not uvicorn's
     return 0
 
 

@@ -49,6 +49,7 @@ from .lanes.native import NativeLane
 from .limits import loads_object, read_body
 from .metrics import RequestRecord, RouterMetrics
 from .openai_shapes import ClientRequest, Kind, parse_request
+from .requestlog import RequestIdMiddleware, upstream_request_id_hook
 from .secrets import RouterSecrets
 
 __all__ = ["create_app", "Lanes", "resolve_lane"]
@@ -133,7 +134,7 @@ class _AsgiEndpoint:
 def create_app(config: RouterConfig, *, secrets: RouterSecrets | None = None,
                transport: httpx.AsyncBaseTransport | None = None,
                registry: CollectorRegistry | None = None, model_text: ModelText | None = None,
-               clock: Callable[[], float] = time.monotonic) -> FastAPI:
+               clock: Callable[[], float] = time.monotonic, access_log: bool = False) -> FastAPI:
     secrets = secrets if secrets is not None else RouterSecrets()
     keys = ApiKeys.from_text(secrets.api_keys_text, clock)  # AuthConfigError names the bad line, never a key
     metrics = RouterMetrics(config, registry)
@@ -150,7 +151,8 @@ def create_app(config: RouterConfig, *, secrets: RouterSecrets | None = None,
         async with httpx.AsyncClient(
                 transport=transport, trust_env=False,
                 timeout=httpx.Timeout(t.decode_s, connect=t.connect_s),
-                limits=httpx.Limits(max_connections=512, max_keepalive_connections=64)) as client:
+                limits=httpx.Limits(max_connections=512, max_keepalive_connections=64),
+                event_hooks={"request": [upstream_request_id_hook]}) as client:  # X-Request-Id on both legs
             ctx = LaneContext(config=config, client=client, metrics=metrics, clock=clock)
             native = NativeLane(ctx, {n: p for n, p in config.pools.items() if isinstance(p, NativePool)})
             express = ExpressLane(ctx, {n: p for n, p in config.pools.items() if isinstance(p, ExpressPool)},
@@ -165,6 +167,7 @@ def create_app(config: RouterConfig, *, secrets: RouterSecrets | None = None,
 
     app = FastAPI(title="expresslane router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.router.redirect_slashes = False  # "/v1/completions/" is an unknown path (404 JSON), not a 307
+    app.add_middleware(RequestIdMiddleware, access_log=access_log)  # X-Request-Id in and out, access log
     app.state.config = config
     app.state.metrics = metrics
     metrics_app = make_asgi_app(registry=metrics.registry)
