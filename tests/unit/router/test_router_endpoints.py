@@ -131,3 +131,4 @@ async def test_responses_api_is_a_clear_openai_error(make_client, upstreams):
             err = r.json()["error"]
             assert err["code"] == "unsupported_endpoint" and "/v1/chat/completions" in err["message"]
     assert upstreams.calls == []
+

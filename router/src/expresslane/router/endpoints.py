@@ -7,8 +7,9 @@
   GET  /version              the prefill's vLLM version, plus the router's own
   *    /v1/responses[/...]   400 unsupported_endpoint: the Responses API is not served (use chat completions)
 
-Upstream calls carry `RouterSecrets.upstream_headers("vllm")` (the vLLM servers' --api-key) and are bounded by
-`timeouts.connect_s` for connect and `timeouts.prefill_s` for the reply.
+Upstream calls carry `RouterSecrets.upstream_headers("vllm")` (the vLLM servers' --api-key) and are bounded:
+`timeouts.connect_s` to connect, and for the reply `timeouts.connect_s` (GET /v1/models, /version: metadata) or
+`timeouts.prefill_s` (/tokenize, /detokenize: a long prompt takes a while).
 """
 
 from __future__ import annotations
@@ -60,8 +61,10 @@ class Endpoints:
 
     async def _get(self, path: str) -> httpx.Response:
         url = self.config.prefill.url + path
+        t = self.config.timeouts.connect_s
         try:
-            resp = await self.client.get(url, headers=self.secrets.upstream_headers("vllm"), timeout=self._timeout())
+            resp = await self.client.get(url, headers=self.secrets.upstream_headers("vllm"),
+                                         timeout=httpx.Timeout(t, connect=t))
         except httpx.HTTPError as e:
             raise map_transport_error(e, stage="prefill", url=url) from None
         await check_status(resp, stage="prefill")
