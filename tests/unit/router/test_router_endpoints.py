@@ -132,3 +132,31 @@ async def test_responses_api_is_a_clear_openai_error(make_client, upstreams):
             assert err["code"] == "unsupported_endpoint" and "/v1/chat/completions" in err["message"]
     assert upstreams.calls == []
 
+
+
+async def test_a_silent_prefill_costs_a_model_card_the_connect_budget_not_prefill_s(model_text):
+    """A real socket that accepts and never answers: the card fails with a typed 504 after timeouts.connect_s."""
+    import socket
+    import time
+
+    from prometheus_client import CollectorRegistry
+
+    from expresslane.router.app import create_app
+
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)
+    port = silent.getsockname()[1]
+    try:
+        cfg = make_config(prefill={"url": f"http://127.0.0.1:{port}", "model": "served"},
+                          timeouts={"connect_s": 0.3, "prefill_s": 60, "decode_s": 60, "kv_wait_s": 3, "cancel_s": 1})
+        app = create_app(cfg, registry=CollectorRegistry(), model_text=model_text)
+        async with app.router.lifespan_context(app):
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router") as c:
+                t = time.monotonic()
+                r = await c.get("/v1/models/tiny", timeout=30)
+                took = time.monotonic() - t
+    finally:
+        silent.close()
+    assert r.status_code == 504 and r.json()["error"]["type"] == "timeout", r.text
+    assert took < 20  # bounded by connect_s (0.3 s), far from prefill_s (60 s)
