@@ -77,16 +77,18 @@ _body = st.one_of(
         lambda t: json.dumps(t[0]).encode()[:-1] + b', "z": ' + b"[" * t[1] + b"]" * t[1] + b"}" if t[0] else b"{}"),
     st.integers(0, 30).map(lambda n: b'{"model": "tiny", "prompt": "' + b"\\u" * n + b'"}'),
 )
-_paths = st.sampled_from(["/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/models/tiny",
-                          "/v1/models/nope/x", "/tokenize", "/detokenize", "/version", "/v1/responses",
-                          "/v1/responses/r1", "/health", "/metrics", "/", "/v1", "/v1/completions/",
-                          "//v1//completions", "/v1/embeddings"]) | st.text(
+_known_paths = st.sampled_from(["/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/models/tiny",
+                                "/v1/models/nope/x", "/tokenize", "/detokenize", "/version", "/v1/responses",
+                                "/v1/responses/r1", "/health", "/metrics", "/", "/v1", "/v1/completions/",
+                                "//v1//completions", "/v1/embeddings"])
+_paths = st.one_of(_known_paths, _known_paths, _known_paths, st.text(
     alphabet=st.characters(min_codepoint=33, max_codepoint=126, exclude_characters="?#"), max_size=30).map(
-    lambda p: "/" + p)
-_methods = st.sampled_from(["GET", "POST", "PUT", "DELETE", "PATCH", "OPTIONS", "HEAD"])
+    lambda p: "/" + p))
+_methods = st.sampled_from(["POST", "POST", "GET", "GET", "PUT", "DELETE", "PATCH", "OPTIONS", "HEAD"])
 _header_value = st.text(alphabet=st.characters(min_codepoint=32, max_codepoint=126), max_size=40)
-_headers = st.fixed_dictionaries({}, optional={
-    "authorization": st.sampled_from([f"Bearer {KEY}", "Bearer", "bearer  " + KEY, "Basic x", ""]) | _header_value,
+_auth = st.one_of(st.just(f"Bearer {KEY}"), st.just(f"Bearer {KEY}"), st.sampled_from(
+    ["Bearer", "bearer  " + KEY, "Basic x", "", f"Bearer {KEY}x"]), _header_value)
+_headers = st.fixed_dictionaries({"authorization": _auth}, optional={
     "content-type": st.sampled_from(["application/json", "text/plain", "multipart/form-data; boundary=x"])
     | _header_value,
     "x-lane": st.sampled_from(["native", "express", "EXPRESS ", "fast", ""]) | _header_value,
@@ -159,6 +161,17 @@ def _check(r: httpx.Response, method: str) -> None:
 def test_random_requests_never_get_a_5xx_or_hang(method, path, headers, body):
     r = harness().request(method, path, headers, body)
     _check(r, method)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.sampled_from(["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"]), _body,
+       st.sampled_from([None, "native", "express", "bogus"]))
+def test_random_bodies_with_a_valid_key_never_get_a_5xx(path, body, x_lane):
+    headers = {"authorization": f"Bearer {KEY}"}
+    if x_lane:
+        headers["x-lane"] = x_lane
+    r = harness().request("POST", path, headers, body)
+    _check(r, "POST")
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -130,7 +130,8 @@ async def test_unknown_paths_and_methods_are_openai_errors(make_client, vllm, me
 
 async def test_bad_json_and_non_object_bodies_are_400(make_client, vllm):  # noqa: F811
     async with make_client() as (c, _):
-        for raw in (b"", b"{", b"[1]", b'"s"', b"\xff\xfe", b"null", b"NaN]"):
+        for raw in (b"", b"{", b"[1]", b'"s"', b"\xff\xfe", b"null", b"NaN]", b'{"model": "tiny", "prompt": "x", '
+                    b'"temperature": NaN}', b'{"model": "tiny", "prompt": "x", "top_p": -Infinity}'):
             r = await c.post("/v1/completions", content=raw)
             assert r.status_code == 400, raw
             assert r.json()["error"]["type"] == "invalid_request_error"

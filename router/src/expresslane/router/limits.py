@@ -66,12 +66,17 @@ def json_depth_exceeds(raw: bytes, max_depth: int) -> bool:
     return True
 
 
+def _no_constants(name: str) -> Any:
+    # Python's json accepts NaN / Infinity / -Infinity; JSON does not, and no upstream could be sent them.
+    raise ValueError(f"{name} is not a JSON value")
+
+
 def loads_object(raw: bytes, max_depth: int) -> dict[str, Any]:
     """Parse a client body that must be one JSON object, within the depth limit (400 otherwise)."""
     if json_depth_exceeds(raw, max_depth):
         raise BadRequest(f"request body nests JSON deeper than the limit of {max_depth} levels")
     try:
-        body = json.loads(raw)
+        body = json.loads(raw, parse_constant=_no_constants)
     except (ValueError, UnicodeDecodeError, RecursionError) as e:
         raise BadRequest(f"request body is not valid JSON: {e}") from None
     if not isinstance(body, dict):
