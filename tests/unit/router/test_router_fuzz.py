@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 
 import httpx
 from hypothesis import HealthCheck, given, settings
@@ -20,6 +21,7 @@ from expresslane.router.secrets import RouterSecrets
 from ._kit import EXPRESS, NATIVE, PREFILL, make_config, ndjson
 
 KEY = "sk-fuzz-0123456789"
+SCALE = float(os.environ.get("EXPRESSLANE_FUZZ_SCALE", "1"))  # e.g. 10 for a deeper run: more examples each
 KVP = {"do_remote_prefill": True, "remote_engine_id": "e1", "remote_block_ids": [1], "remote_host": "p",
        "remote_port": 5600}
 
@@ -156,14 +158,14 @@ def _check(r: httpx.Response, method: str) -> None:
         assert "detail" not in body
 
 
-@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=int(400 * SCALE), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(_methods, _paths, _headers, _body)
 def test_random_requests_never_get_a_5xx_or_hang(method, path, headers, body):
     r = harness().request(method, path, headers, body)
     _check(r, method)
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=int(300 * SCALE), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.sampled_from(["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"]), _body,
        st.sampled_from([None, "native", "express", "bogus"]))
 def test_random_bodies_with_a_valid_key_never_get_a_5xx(path, body, x_lane):
@@ -174,7 +176,7 @@ def test_random_bodies_with_a_valid_key_never_get_a_5xx(path, body, x_lane):
     _check(r, "POST")
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=int(300 * SCALE), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.sampled_from(["/v1/completions", "/v1/chat/completions"]), _request_dict,
        st.sampled_from([None, "native", "express"]), st.booleans())
 def test_random_completion_requests_with_a_valid_key_never_get_a_5xx(path, body, x_lane, chat_shape):
