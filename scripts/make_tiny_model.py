@@ -11,6 +11,7 @@ OUTDIR receives a directory that transformers (AutoModelForCausalLM/AutoTokenize
   generation_config.json     bos/eos ids
   tokenizer.json             byte-level BPE (any text tokenizes), trained on scripts/tiny_model_corpus.txt,
   tokenizer_config.json      vocab exactly 1024 including the special tokens; ChatML chat_template
+                             that also renders `tools` (hermes <tool_call> format, as Qwen2.5)
   expresslane_tiny_model.json  marker: generator version, seed, dtype, corpus hash, file hashes
 
 Same arguments (and the same corpus) give byte-identical model.safetensors and tokenizer.json. When OUTDIR
@@ -73,11 +74,48 @@ PAD = "<|pad|>"
 SPECIAL_TOKENS = [BOS, EOS, IM_START, IM_END, PAD]  # ids 0..4, in this order
 BOS_ID, EOS_ID, IM_START_ID, IM_END_ID, PAD_ID = range(len(SPECIAL_TOKENS))
 
-# ChatML; bos_token first because chat prompts are tokenized without add_special_tokens.
+# ChatML; bos_token first because chat prompts are tokenized without add_special_tokens. With `tools`, the
+# hermes format Qwen2.5's template uses (what vLLM's `--tool-call-parser hermes` parses): the tool signatures in
+# a <tools></tools> system block, assistant tool calls as <tool_call>{"name", "arguments"}</tool_call>, tool results
+# as <tool_response> blocks in a user turn. Without tools and tool messages the rendering is plain ChatML, as before.
+_TOOLS_SYSTEM = (
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
+)
+_TOOLS_FORMAT = (
+    "\n</tools>\n\nFor each function call, return a json object with function name and arguments within "
+    "<tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": "
+    "<args-json-object>}\n</tool_call><|im_end|>\n"
+)
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
+    "{% if tools %}"
+    "{{ '<|im_start|>system\n' }}"
+    "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] + '\n\n' }}{% endif %}"
+    "{{ '" + _TOOLS_SYSTEM + "' }}"
+    "{% for tool in tools %}{{ '\n' }}{{ tool | tojson }}{% endfor %}"
+    "{{ '" + _TOOLS_FORMAT.replace("'", "\\'") + "' }}"
+    "{% endif %}"
     "{% for message in messages %}"
+    "{% if tools and loop.first and message['role'] == 'system' %}"
+    "{% elif message['role'] == 'assistant' and message['tool_calls'] is defined and message['tool_calls'] %}"
+    "{{ '<|im_start|>assistant' }}"
+    "{% if message['content'] %}{{ '\n' + message['content'] }}{% endif %}"
+    "{% for tool_call in message['tool_calls'] %}"
+    "{% if tool_call['function'] is defined %}{% set tool_call = tool_call['function'] %}{% endif %}"
+    "{{ '\n<tool_call>\n{\"name\": \"' + tool_call['name'] + '\", \"arguments\": ' }}"
+    "{% if tool_call['arguments'] is string %}{{ tool_call['arguments'] }}"
+    "{% else %}{{ tool_call['arguments'] | tojson }}{% endif %}"
+    "{{ '}\n</tool_call>' }}"
+    "{% endfor %}"
+    "{{ '<|im_end|>\n' }}"
+    "{% elif message['role'] == 'tool' %}"
+    "{% if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}{{ '<|im_start|>user' }}{% endif %}"
+    "{{ '\n<tool_response>\n' + message['content'] + '\n</tool_response>' }}"
+    "{% if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}{{ '<|im_end|>\n' }}{% endif %}"
+    "{% else %}"
     "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )

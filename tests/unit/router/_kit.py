@@ -61,7 +61,10 @@ def config_dict(**over: Any) -> dict:
         },
         "aliases": {
             "tiny": {"pool": "native"},
-            "tiny-x": {"pool": "express", "queue": {"max_waiting": 2, "max_wait_s": 0.3, "when_full": "reject"}},
+            # unsupported: refuse keeps the lane tests about the express lane itself (capability routing to
+            # native, the default, is tested in test_router_capabilities.py).
+            "tiny-x": {"pool": "express", "queue": {"max_waiting": 2, "max_wait_s": 0.3, "when_full": "reject"},
+                       "unsupported": "refuse"},
             "tiny-xs": {"pool": "express", "queue": {"max_waiting": 0, "max_wait_s": 0, "when_full": "spill",
                                                      "spill_to": "native"}},
         },

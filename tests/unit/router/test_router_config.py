@@ -50,19 +50,22 @@ def test_shipped_router_yaml_loads_with_defaults_and_types():
     assert cfg.pools[cfg.aliases["tiny-llama-express"].pool].lane == "express"
     q = cfg.queue_for("tiny-llama-express", "express")
     assert (q.when_full, q.spill_to, q.max_waiting) == ("spill", "native", 16)
-    assert cfg.api_key == "" and cfg.max_model_len is None
+    assert cfg.max_model_len is None
+    assert cfg.limits.max_body_bytes == 16 * 1024 * 1024 and cfg.limits.max_json_depth == 64
+    assert cfg.aliases["tiny-llama-express"].unsupported == "native"
 
 
 def test_shipped_router_yaml_takes_the_environment():
     env = {"ROUTER_PORT": "9999", "PREFILL_HOST": "prefill", "EXPRESS_CTRL_PORT": "7000",
            "EXPRESS_ADVERTISE_HOST": "10.1.2.3", "SERVED_MODEL_NAME": "glm", "ROUTER_API_KEY": "sk-1",
-           "MAX_MODEL_LEN": "2048", "MODEL_DIR": "/m"}
+           "MAX_MODEL_LEN": "2048", "MODEL_DIR": "/m", "ROUTER_MAX_BODY_BYTES": "4096"}
     cfg = load_config(SHIPPED, env)
     assert cfg.listen.port == 9999
     assert cfg.prefill.url == "http://prefill:8000" and cfg.prefill.model == "glm"
     node = cfg.pools["express"].nodes[0]
     assert (node.ctrl_host, node.ctrl_port) == ("10.1.2.3", 7000)
-    assert cfg.api_key == "sk-1" and cfg.max_model_len == 2048 and cfg.tokenizer_dir == "/m"
+    assert cfg.max_model_len == 2048 and cfg.tokenizer_dir == "/m" and cfg.limits.max_body_bytes == 4096
+    assert "sk-1" not in cfg.model_dump_json()  # the key never enters the config (RouterSecrets reads it)
 
 
 @pytest.mark.parametrize(
@@ -114,3 +117,50 @@ def test_entrypoint_reports_config_errors_with_exit_2(tmp_path, capsys):
     p.write_text("prefill: {url: 'http://x:1', model: m}\npools: {}\naliases: {}\n")
     assert main(["--config", str(p)]) == 2
     assert "invalid router config" in capsys.readouterr().err
+
+
+def test_an_api_key_in_the_yaml_is_refused_with_the_way_out(tmp_path):
+    # The key used to be pasted into the YAML text: a quote or backslash changed it, a YAML error echoed it.
+    p = tmp_path / "r.yaml"
+    p.write_text(SHIPPED.read_text() + '\napi_key: "sk-secret-value"\n')
+    with pytest.raises(ConfigError) as e:
+        load_config(p, {})
+    assert "ROUTER_API_KEYS" in str(e.value) and "sk-secret-value" not in str(e.value)
+
+
+def test_shipped_yaml_does_not_interpolate_any_secret():
+    text = SHIPPED.read_text() + (SHIPPED.parent / "router.production.yaml").read_text()
+    for name in ("ROUTER_API_KEY", "VLLM_API_KEY", "EXPRESS_NODE_TOKEN", "EXPRESSLANE_PEER_SECRET"):
+        assert "${" + name not in text
+
+
+def test_production_yaml_loads():
+    cfg = load_config(SHIPPED.parent / "router.production.yaml", {"EXPRESS_ADVERTISE_HOST": "10.0.0.5"})
+    assert cfg.pools["express"].kind == "tilert"
+    assert cfg.aliases["glm-5.1-express"].unsupported == "native"
+
+
+@pytest.mark.parametrize(
+    "change,needle",
+    [
+        (lambda d: d["aliases"]["tiny-x"].update(unsupported="maybe"), "aliases.tiny-x.unsupported"),
+        (lambda d: d.update(limits={"max_body_bytes": 10}), "limits.max_body_bytes"),
+        (lambda d: d.update(limits={"max_json_depth": 1}), "limits.max_json_depth"),
+        (lambda d: d.update(capabilities={"refresh_s": 0}), "capabilities.refresh_s"),
+        (lambda d: (d["pools"].pop("native"), d["aliases"].pop("tiny"), d["aliases"].pop("tiny-xs"),
+                    d["aliases"]["tiny-x"].update(unsupported="native")), "unsupported: native needs a native pool"),
+    ],
+)
+def test_front_door_sections_are_validated(change, needle):
+    d = config_dict()
+    change(d)
+    with pytest.raises(ConfigError) as e:
+        parse_config(d, source="x.yaml")
+    assert needle in str(e.value)
+
+
+def test_an_express_only_config_is_valid_with_unsupported_refuse():
+    d = config_dict()
+    d["pools"].pop("native")
+    d["aliases"] = {"tiny-x": {"pool": "express", "unsupported": "refuse"}}
+    assert parse_config(d).aliases["tiny-x"].unsupported == "refuse"

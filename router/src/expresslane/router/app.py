@@ -4,19 +4,24 @@
     async with app.router.lifespan_context(app):   # (uvicorn runs the lifespan itself)
         ...  httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router") ...
 
+`secrets` (RouterSecrets.from_env(os.environ), built at the entrypoint): the client API keys (auth.py) and
+the headers for upstream calls. None = no secrets (auth off; dev / tests).
 Keyword arguments for tests: `transport` (an httpx transport for every upstream call, e.g.
 httpx.MockTransport), `registry` (a prometheus CollectorRegistry), `model_text` (a ready tokenizer
 bundle instead of loading `tokenizer_dir`), `clock`.
 
-Lane per request: the alias's pool decides; an `X-Lane: native|express` header overrides it with the
-other lane's default pool (config `lanes`, else that lane's first pool).
+Per request (serve): API key (401 / 429 per key) -> body read within limits.max_body_bytes (413) -> parsed
+within limits.max_json_depth (400) -> lane: the alias's pool, or an `X-Lane: native|express` header overrides
+it with the other lane's default pool (config `lanes`, else that lane's first pool) -> capability routing
+(capabilities.py: native or 400 when the express pool cannot honour a field) -> the key's lane permission
+(403) -> the lane. The reply says which lane served it: `X-Expresslane-Lane` (+ `X-Expresslane-Reroute`).
+Every unknown path or method is an OpenAI-shaped 404 / 405.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -25,18 +30,27 @@ from dataclasses import dataclass
 import anyio
 import httpx
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from prometheus_client import CollectorRegistry, make_asgi_app
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from .auth import ApiKey, ApiKeys
+from .capabilities import CapabilityRouter, reroute_counter
 from .config import LANES, ExpressPool, NativePool, RouterConfig
 from .detokenizer import ModelText, load_model_text
-from .errors import BadRequest, ClientGone, ModelNotFound, RouterError, Unauthorized, error_body
+from .endpoints import RESPONSES_API_ERROR, Endpoints
+from .errors import (BadRequest, ClientGone, MethodNotAllowed, ModelNotFound, NotFound, RouterError,
+                     error_body)
 from .lanes.base import LaneContext
-from .lanes.express import ExpressLane
+from .lanes.express import ExpressLane, check_express_supported
 from .lanes.native import NativeLane
+from .limits import loads_object, read_body
 from .metrics import RequestRecord, RouterMetrics
 from .openai_shapes import ClientRequest, Kind, parse_request
+from .requestlog import RequestIdMiddleware, upstream_request_id_hook
+from .secrets import RouterSecrets
 
 __all__ = ["create_app", "Lanes", "resolve_lane"]
 
@@ -117,10 +131,14 @@ class _AsgiEndpoint:
         await self.app(scope, receive, send)
 
 
-def create_app(config: RouterConfig, *, transport: httpx.AsyncBaseTransport | None = None,
+def create_app(config: RouterConfig, *, secrets: RouterSecrets | None = None,
+               transport: httpx.AsyncBaseTransport | None = None,
                registry: CollectorRegistry | None = None, model_text: ModelText | None = None,
-               clock: Callable[[], float] = time.monotonic) -> FastAPI:
+               clock: Callable[[], float] = time.monotonic, access_log: bool = False) -> FastAPI:
+    secrets = secrets if secrets is not None else RouterSecrets()
+    keys = ApiKeys.from_text(secrets.api_keys_text, clock)  # AuthConfigError names the bad line, never a key
     metrics = RouterMetrics(config, registry)
+    reroutes = reroute_counter(config, metrics.registry)
     needs_tokenizer = any(isinstance(p, ExpressPool) for p in config.pools.values())
 
     @contextlib.asynccontextmanager
@@ -133,38 +151,72 @@ def create_app(config: RouterConfig, *, transport: httpx.AsyncBaseTransport | No
         async with httpx.AsyncClient(
                 transport=transport, trust_env=False,
                 timeout=httpx.Timeout(t.decode_s, connect=t.connect_s),
-                limits=httpx.Limits(max_connections=512, max_keepalive_connections=64)) as client:
+                limits=httpx.Limits(max_connections=512, max_keepalive_connections=64),
+                event_hooks={"request": [upstream_request_id_hook]}) as client:  # X-Request-Id on both legs
             ctx = LaneContext(config=config, client=client, metrics=metrics, clock=clock)
             native = NativeLane(ctx, {n: p for n, p in config.pools.items() if isinstance(p, NativePool)})
             express = ExpressLane(ctx, {n: p for n, p in config.pools.items() if isinstance(p, ExpressPool)},
                                   native, mt)
             app.state.lanes = Lanes(ctx, native, express)
+            # ---- front door: capability routing and the endpoints beside completions ----
+            app.state.capabilities = CapabilityRouter(config, client, secrets, reroutes, clock,
+                                                      relay_check=check_express_supported)
+            app.state.endpoints = Endpoints(config, client, secrets, clock)
             yield
             app.state.lanes = None
 
     app = FastAPI(title="expresslane router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.router.redirect_slashes = False  # "/v1/completions/" is an unknown path (404 JSON), not a 307
+    app.add_middleware(RequestIdMiddleware, access_log=access_log)  # X-Request-Id in and out, access log
     app.state.config = config
     app.state.metrics = metrics
     metrics_app = make_asgi_app(registry=metrics.registry)
     app.router.routes.append(Route("/metrics", _AsgiEndpoint(metrics_app), include_in_schema=False))
     app.mount("/metrics", metrics_app)  # /metrics/ too (no redirect for scrapers)
 
+    # ---- errors: every reply is OpenAI-shaped (errors.py), never FastAPI's {"detail": ...} ----
     @app.exception_handler(RouterError)
     async def _router_error(request: Request, exc: RouterError) -> Response:
         return error_response(exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        where = f"{request.method} {request.url.path}"
+        if exc.status_code == 404:
+            return error_response(NotFound(f"no such endpoint: {where}"))
+        if exc.status_code == 405:
+            allow = (exc.headers or {}).get("Allow", "")
+            return error_response(MethodNotAllowed(f"method not allowed: {where} (allowed: {allow})",
+                                                   headers={"allow": allow} if allow else None))
+        err = RouterError(f"{where}: {exc.detail}")
+        err.status = exc.status_code if 400 <= exc.status_code < 500 else 500
+        err.type = "invalid_request_error" if err.status < 500 else "internal_error"
+        return error_response(err)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError) -> Response:
+        return error_response(BadRequest(f"invalid request: {exc.errors()[:3]}"))
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> Response:
         log.exception("unhandled error on %s", request.url.path)
         return JSONResponse(error_body("internal router error", "internal_error"), status_code=500)
 
-    def check_auth(request: Request) -> None:
-        if not config.api_key:
-            return
-        header = request.headers.get("authorization", "")
-        scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), config.api_key.encode()):
-            raise Unauthorized("missing or invalid API key (Authorization: Bearer <key>)")
+    # ---- auth (auth.py): every route but /health, /ready, /metrics ----
+    if not keys.enabled:
+        log.warning("no client API keys configured (ROUTER_API_KEYS / ROUTER_API_KEY): the router is open to "
+                    "anyone who can reach it")
+
+    def check_auth(request: Request) -> ApiKey | None:
+        try:
+            return keys.authenticate(request.headers.get("authorization"))
+        except RouterError as e:
+            client = request.client.host if request.client else "?"
+            log.info("%s %s from %s: %d %s", request.method, request.url.path, client, e.status, e.code)
+            raise
+
+    async def json_body(request: Request) -> dict:
+        return loads_object(await read_body(request, config.limits.max_body_bytes), config.limits.max_json_depth)
 
     @app.get("/health")
     async def health(request: Request) -> dict:
@@ -175,25 +227,60 @@ def create_app(config: RouterConfig, *, transport: httpx.AsyncBaseTransport | No
                 pools[name] = {"busy_nodes": gate.busy_count, "nodes": len(gate.nodes), "waiting": gate.waiting}
         return {"status": "ok", "express_pools": pools}
 
+    # ---- endpoints beside completions (endpoints.py) ----
     @app.get("/v1/models")
-    async def models(request: Request) -> dict:
+    async def models(request: Request) -> Response:
         check_auth(request)
-        created = int(time.time())
-        data = [{"id": alias, "object": "model", "created": created, "owned_by": "expresslane",
-                 "root": config.prefill.model, "parent": None, "lane": config.pools[a.pool].lane}
-                for alias, a in config.aliases.items()]
-        return {"object": "list", "data": data}
+        return await request.app.state.endpoints.list_models()
+
+    @app.get("/v1/models/{model_id:path}")
+    async def retrieve_model(request: Request, model_id: str) -> Response:
+        check_auth(request)
+        return await request.app.state.endpoints.retrieve_model(model_id)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        check_auth(request)
+        return await request.app.state.endpoints.tokenizer_call("/tokenize", await json_body(request))
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        check_auth(request)
+        return await request.app.state.endpoints.tokenizer_call("/detokenize", await json_body(request))
+
+    @app.get("/version")
+    async def version(request: Request) -> Response:
+        check_auth(request)
+        return await request.app.state.endpoints.version()
+
+    responses_methods = ["GET", "POST", "PUT", "PATCH", "DELETE"]
+
+    @app.api_route("/v1/responses", methods=responses_methods)
+    @app.api_route("/v1/responses/{rest:path}", methods=responses_methods)
+    async def responses_api(request: Request) -> Response:
+        check_auth(request)
+        raise BadRequest(RESPONSES_API_ERROR, code="unsupported_endpoint")
 
     async def serve(request: Request, kind: Kind) -> Response:
         started = clock()
         record: RequestRecord | None = None
         try:
-            check_auth(request)
-            req = parse_request(await request.body(), kind)
-            lane, pool = resolve_lane(config, req.alias, request.headers.get("x-lane"))
-            record = RequestRecord(metrics, lane=lane, alias=req.alias, started=started, clock=clock)
+            key = check_auth(request)
+            req = parse_request(await read_body(request, config.limits.max_body_bytes), kind,
+                                max_depth=config.limits.max_json_depth)
+            x_lane = request.headers.get("x-lane")
+            lane, pool = resolve_lane(config, req.alias, x_lane)
+            caps: CapabilityRouter = request.app.state.capabilities
+            route = await caps.route(req.body, kind == "chat", req.alias, lane, pool,
+                                     forced=(x_lane or "").strip().lower() == "express")
+            ApiKeys.check_lane(key, route.lane)
+            record = RequestRecord(metrics, lane=route.lane, alias=req.alias, started=started, clock=clock)
             lanes: Lanes = request.app.state.lanes
-            return await run_until_disconnect(request, lanes.dispatch(req, lane, pool, record))
+            resp = await run_until_disconnect(request, lanes.dispatch(req, route.lane, route.pool, record))
+            resp.headers["x-expresslane-lane"] = record.lane
+            if route.features:
+                resp.headers["x-expresslane-reroute"] = route.header
+            return resp
         except RouterError as e:
             if record is not None:
                 record.finish(e.status)

@@ -12,7 +12,10 @@ Interpolation (applied to the raw YAML text before parsing, so unquoted values k
 
 Schema (see compose/config/router.yaml for a commented example):
   listen:        {host, port}
-  api_key:       optional bearer token for /v1/*; empty = auth off
+                 (client API keys are NOT in this file: ROUTER_API_KEYS / ROUTER_API_KEY(_FILE), see auth.py)
+  limits:        {max_body_bytes, max_json_depth}: 413 / 400 beyond them (limits.py)
+  capabilities:  {refresh_s, retry_s}: how long an express node's GET /capabilities answer is cached, and how
+                 soon a failed fetch is tried again (capabilities.py)
   prefill:       {url, model}            the stock vLLM prefill server and the model name it serves
   tokenizer_dir: model directory (tokenizer.json, generation_config.json); needed by express pools
   max_model_len: optional; default max_tokens on the express lane = max_model_len - prompt_tokens.
@@ -22,8 +25,10 @@ Schema (see compose/config/router.yaml for a commented example):
                       | express pool {kind: expresslane|tilert, nodes: [{url, ctrl_host, ctrl_port}],
                                       queue: {max_waiting, max_wait_s, when_full, spill_to, retry_after_s},
                                       busy_retries}
-  aliases:       alias -> {pool, queue?}   (the alias is the `model` clients send; `queue` overrides the
-                                            pool's queue policy for this alias)
+  aliases:       alias -> {pool, queue?, unsupported?}   (the alias is the `model` clients send; `queue`
+                 overrides the pool's queue policy for this alias; `unsupported: native | refuse` (default
+                 native) says what an express request asking for a feature its node cannot do gets: served by
+                 the native lane, or a 400 naming the feature)
   lanes:         optional {native: pool, express: pool}: the pool an `X-Lane` header override uses when
                  the alias's own pool is of the other lane (default: the first pool of that lane).
 """
@@ -45,6 +50,7 @@ __all__ = [
     "Lane",
     "NativePool",
     "QueueConfig",
+    "Limits",
     "RouterConfig",
     "interpolate",
     "load_config",
@@ -158,11 +164,25 @@ Pool = Annotated[Union[NativePool, ExpressPool], Field(discriminator="kind")]
 class Alias(_Strict):
     pool: str
     queue: QueueConfig | None = None
+    unsupported: Literal["native", "refuse"] = "native"
+
+
+class Limits(_Strict):
+    """Bounds on what a client may send (enforced before anything is parsed)."""
+
+    max_body_bytes: int = Field(16 * 1024 * 1024, ge=1024)
+    max_json_depth: int = Field(64, ge=2, le=1000)
+
+
+class CapabilityRefresh(_Strict):
+    refresh_s: float = Field(60.0, gt=0)  # a node's /capabilities answer is reused this long
+    retry_s: float = Field(5.0, gt=0)  # after a failed fetch, the next request tries again after this
 
 
 class RouterConfig(_Strict):
     listen: Listen = Listen()
-    api_key: str = ""
+    limits: Limits = Limits()
+    capabilities: CapabilityRefresh = CapabilityRefresh()
     prefill: Prefill
     tokenizer_dir: str | None = None
     max_model_len: int | None = Field(None, gt=0)
@@ -178,6 +198,10 @@ class RouterConfig(_Strict):
                 raise ValueError(f"alias {name!r}: unknown pool {alias.pool!r} (pools: {sorted(self.pools)})")
             if alias.queue is not None and self.pools[alias.pool].lane != "express":
                 raise ValueError(f"alias {name!r}: a queue policy only applies to an express pool")
+            if (alias.unsupported == "native" and self.pools[alias.pool].lane == "express"
+                    and self.lane_pool("native") is None):
+                raise ValueError(f"alias {name!r}: unsupported: native needs a native pool (or write "
+                                 "unsupported: refuse)")
         for lane, pool in self.lanes.items():
             if pool not in self.pools or self.pools[pool].lane != lane:
                 raise ValueError(f"lanes.{lane}: {pool!r} is not a configured {lane} pool")
@@ -237,6 +261,10 @@ def interpolate(text: str, env: Mapping[str, str]) -> str:
 def parse_config(data: object, *, source: str = "<config>") -> RouterConfig:
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: the top level must be a mapping, got {type(data).__name__}")
+    if "api_key" in data:
+        raise ConfigError(f"{source}: api_key is no longer read from the config file (a secret must not be "
+                          "pasted into YAML text): remove it and set ROUTER_API_KEYS or ROUTER_API_KEYS_FILE "
+                          "(one key per line; ROUTER_API_KEY still works) in the router's environment")
     try:
         return RouterConfig.model_validate(data)
     except ValidationError as e:

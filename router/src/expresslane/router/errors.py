@@ -2,9 +2,15 @@
 
     RouterError (500 internal_error)
     +-- BadRequest (400 invalid_request_error)
+    |   +-- UnsupportedFeature (400 unsupported_feature: the lane cannot honour a request field)
     +-- Unauthorized (401 authentication_error)
-    +-- ModelNotFound (404 invalid_request_error / model_not_found)
+    +-- PermissionDenied (403 permission_error: the API key may not use that lane)
+    +-- NotFound (404 invalid_request_error / not_found: no such path)
+    |   +-- ModelNotFound (404 invalid_request_error / model_not_found)
+    +-- MethodNotAllowed (405 invalid_request_error / method_not_allowed, with Allow)
+    +-- PayloadTooLarge (413 invalid_request_error / request_too_large)
     +-- LaneBusy (429 rate_limit_error / express_lane_busy, with Retry-After)
+    +-- RateLimited (429 rate_limit_error / rate_limit_exceeded: the API key's rps, with Retry-After)
     +-- UpstreamRejected (the upstream's own 4xx, relayed byte for byte)
     +-- UpstreamError (502 upstream_error: the upstream answered, but not usefully)
     |   +-- UpstreamUnavailable (503 service_unavailable: connect refused, upstream 503)
@@ -23,9 +29,15 @@ __all__ = [
     "BadRequest",
     "ClientGone",
     "LaneBusy",
+    "MethodNotAllowed",
     "ModelNotFound",
+    "NotFound",
+    "PayloadTooLarge",
+    "PermissionDenied",
+    "RateLimited",
     "RouterError",
     "Unauthorized",
+    "UnsupportedFeature",
     "UpstreamError",
     "UpstreamRejected",
     "UpstreamTimeout",
@@ -71,10 +83,38 @@ class Unauthorized(RouterError):
     code = "invalid_api_key"
 
 
-class ModelNotFound(RouterError):
+class UnsupportedFeature(BadRequest):
+    """The request asks for something its lane cannot do and the alias's policy is `unsupported: refuse`."""
+
+    code = "unsupported_feature"
+
+
+class PermissionDenied(RouterError):
+    status = 403
+    type = "permission_error"
+    code = "lane_not_allowed"
+
+
+class NotFound(RouterError):
     status = 404
     type = "invalid_request_error"
+    code = "not_found"
+
+
+class ModelNotFound(NotFound):
     code = "model_not_found"
+
+
+class MethodNotAllowed(RouterError):
+    status = 405
+    type = "invalid_request_error"
+    code = "method_not_allowed"
+
+
+class PayloadTooLarge(RouterError):
+    status = 413
+    type = "invalid_request_error"
+    code = "request_too_large"
 
 
 class LaneBusy(RouterError):
@@ -87,6 +127,17 @@ class LaneBusy(RouterError):
     def __init__(self, message: str, *, retry_after_s: int, reason: str):
         super().__init__(message, headers={"retry-after": str(retry_after_s)})
         self.reason = reason
+
+
+class RateLimited(RouterError):
+    """The API key's own request rate (`rps=`) is used up."""
+
+    status = 429
+    type = "rate_limit_error"
+    code = "rate_limit_exceeded"
+
+    def __init__(self, message: str, *, retry_after_s: int):
+        super().__init__(message, headers={"retry-after": str(retry_after_s)})
 
 
 class UpstreamRejected(RouterError):

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from .errors import BadRequest
+from .limits import loads_object
 
 __all__ = [
     "ClientRequest",
@@ -56,13 +57,8 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def parse_request(raw: bytes, kind: Kind) -> ClientRequest:
-    try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise BadRequest(f"request body is not valid JSON: {e}") from None
-    if not isinstance(body, dict):
-        raise BadRequest("request body must be a JSON object")
+def parse_request(raw: bytes, kind: Kind, *, max_depth: int = 64) -> ClientRequest:
+    body = loads_object(raw, max_depth)
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise BadRequest("'model' is required and must be a string", param="model")
