@@ -31,6 +31,8 @@ from starlette.routing import Route
 
 from .config import LANES, ExpressPool, NativePool, RouterConfig
 from .detokenizer import ModelText, load_model_text
+from .health import HealthMonitor
+from .secrets import RouterSecrets
 from .errors import BadRequest, ClientGone, ModelNotFound, RouterError, Unauthorized, error_body
 from .lanes.base import LaneContext
 from .lanes.express import ExpressLane
@@ -119,8 +121,10 @@ class _AsgiEndpoint:
 
 def create_app(config: RouterConfig, *, transport: httpx.AsyncBaseTransport | None = None,
                registry: CollectorRegistry | None = None, model_text: ModelText | None = None,
-               clock: Callable[[], float] = time.monotonic) -> FastAPI:
+               clock: Callable[[], float] = time.monotonic, secrets: RouterSecrets | None = None) -> FastAPI:
     metrics = RouterMetrics(config, registry)
+    secrets = secrets or RouterSecrets()
+    monitor = HealthMonitor(config, metrics, headers=secrets.upstream_headers, clock=clock)
     needs_tokenizer = any(isinstance(p, ExpressPool) for p in config.pools.values())
 
     @contextlib.asynccontextmanager
@@ -134,17 +138,20 @@ def create_app(config: RouterConfig, *, transport: httpx.AsyncBaseTransport | No
                 transport=transport, trust_env=False,
                 timeout=httpx.Timeout(t.decode_s, connect=t.connect_s),
                 limits=httpx.Limits(max_connections=512, max_keepalive_connections=64)) as client:
-            ctx = LaneContext(config=config, client=client, metrics=metrics, clock=clock)
+            ctx = LaneContext(config=config, client=client, metrics=metrics, clock=clock, health=monitor,
+                              headers=secrets.upstream_headers)
             native = NativeLane(ctx, {n: p for n, p in config.pools.items() if isinstance(p, NativePool)})
             express = ExpressLane(ctx, {n: p for n, p in config.pools.items() if isinstance(p, ExpressPool)},
                                   native, mt)
             app.state.lanes = Lanes(ctx, native, express)
-            yield
+            async with monitor.running(client):
+                yield
             app.state.lanes = None
 
     app = FastAPI(title="expresslane router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.config = config
     app.state.metrics = metrics
+    app.state.health = monitor
     metrics_app = make_asgi_app(registry=metrics.registry)
     app.router.routes.append(Route("/metrics", _AsgiEndpoint(metrics_app), include_in_schema=False))
     app.mount("/metrics", metrics_app)  # /metrics/ too (no redirect for scrapers)
@@ -174,6 +181,11 @@ def create_app(config: RouterConfig, *, transport: httpx.AsyncBaseTransport | No
             for name, gate in lanes.express.gates.items():
                 pools[name] = {"busy_nodes": gate.busy_count, "nodes": len(gate.nodes), "waiting": gate.waiting}
         return {"status": "ok", "express_pools": pools}
+
+    @app.get("/ready")
+    async def ready(request: Request) -> Response:
+        ok, body = monitor.readiness()
+        return JSONResponse(body, status_code=200 if ok else 503)
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict:

@@ -117,7 +117,10 @@ class ExpressLane:
         self.native = native
         self.model_text = model_text
         self.gates: dict[str, NodeGate[ExpressNode]] = {
-            name: NodeGate(p.nodes, on_change=self._gauges(name)) for name, p in pools.items()}
+            name: NodeGate(p.nodes, on_change=self._gauges(name), available=lambda n: ctx.healthy(n.url))
+            for name, p in pools.items()}
+        if ctx.health is not None:
+            ctx.health.on_change(lambda: [g.poke() for g in self.gates.values()])
         self._max_model_len: int | None = ctx.config.max_model_len
 
     def _gauges(self, pool: str):
