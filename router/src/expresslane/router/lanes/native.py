@@ -118,13 +118,18 @@ class NativeLane:
             self.ctx.report_failure(url, err.kind)
 
     # ---- the prefill leg ---------------------------------------------------------------------------
-    async def prefill(self, body: dict[str, Any], path: str, deadline: Deadline) -> tuple[dict[str, Any], int]:
-        """(kv_transfer_params, prompt tokens) of a native prefill leg for the client body `body`."""
-        ctx, cfg = self.ctx, self.ctx.config
-        if not ctx.healthy(cfg.prefill.url):
+    def require_prefill_up(self) -> None:
+        """A prefill known down fails the request at once (typed 503 + Retry-After), on both lanes."""
+        cfg = self.ctx.config
+        if not self.ctx.healthy(cfg.prefill.url):
             raise UpstreamUnavailable("the prefill server is down (health probes fail); retry later",
                                       stage="prefill", kind="no_healthy_node",
                                       headers={"retry-after": str(cfg.resilience.unavailable_retry_after_s)})
+
+    async def prefill(self, body: dict[str, Any], path: str, deadline: Deadline) -> tuple[dict[str, Any], int]:
+        """(kv_transfer_params, prompt tokens) of a native prefill leg for the client body `body`."""
+        ctx, cfg = self.ctx, self.ctx.config
+        self.require_prefill_up()
         try:
             pre = await post_json(ctx.client, cfg.prefill.url + path, native_prefill_body(body, cfg.prefill.model),
                                   stage="prefill", headers=ctx.headers("vllm"),
