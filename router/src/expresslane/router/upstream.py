@@ -57,11 +57,18 @@ def read_json(resp: httpx.Response, *, stage: str) -> dict[str, Any]:
 
 async def post_json(client: httpx.AsyncClient, url: str, body: dict, *, stage: str,
                     timeout: httpx.Timeout, headers: dict[str, str] | None = None) -> dict[str, Any]:
+    """POST, read the whole JSON reply. The call as a whole is bounded by timeout.read too (httpx's read
+    timeout is per read: a reply that trickles in would otherwise outlive the request's deadline)."""
+    total = timeout.read
     try:
-        resp = await client.post(url, json=body, timeout=timeout, headers=headers)
+        async with asyncio.timeout(total):
+            resp = await client.post(url, json=body, timeout=timeout, headers=headers)
+            await check_status(resp, stage=stage)
     except httpx.HTTPError as e:
         raise map_transport_error(e, stage=stage, url=url) from None
-    await check_status(resp, stage=stage)
+    except TimeoutError:
+        raise UpstreamTimeout(f"{stage}: {url} did not answer within {total:g}s", stage=stage,
+                              kind="timeout") from None
     return read_json(resp, stage=stage)
 
 

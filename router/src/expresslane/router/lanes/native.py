@@ -32,7 +32,7 @@ import httpx
 from starlette.responses import JSONResponse, Response
 
 from ..config import NativePool
-from ..errors import RouterError, UpstreamError, UpstreamUnavailable
+from ..errors import RouterError, UpstreamError, UpstreamTimeout, UpstreamUnavailable
 from ..metrics import RequestRecord, node_label
 from ..openai_shapes import SSE_DONE, ClientRequest, iter_sse_data, sse
 from ..prefill import native_prefill_body, prompt_tokens
@@ -180,8 +180,11 @@ class NativeLane:
                                   timeout=ctx.timeout(deadline.timeout_for(ctx.config.timeouts.decode_s,
                                                                            stage="decode")))
         except RouterError as e:
+            if isinstance(e, UpstreamError) and e.kind == "timeout" and deadline.left() <= 0:
+                e = UpstreamTimeout(f"decode: the request deadline ({deadline.total_s:g}s) passed", stage="decode",
+                                    kind="deadline")  # the request's clock ran out, not the node's fault
             self._failed(url, e)
-            raise
+            raise e from None
         finally:
             self._track(pool, url, -1)
         ctx.report_success(url)
