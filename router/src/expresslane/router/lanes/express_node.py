@@ -122,6 +122,7 @@ class NodeTokens:
 class NodeClient:
     def __init__(self, ctx: LaneContext):
         self.ctx = ctx
+        self.no_reserve: set[str] = set()  # nodes that answered 404/405 to /pd/reserve (older contract)
 
     def _headers(self) -> dict[str, str]:
         return self.ctx.headers("express")
@@ -132,6 +133,8 @@ class NodeClient:
 
     # ---- reserve ------------------------------------------------------------------------------
     async def reserve(self, leg: Leg, deadline: Deadline) -> None:
+        if leg.node.url in self.no_reserve:
+            return
         cfg = self.ctx.config
         t = deadline.timeout_for(cfg.timeouts.connect_s, stage=STAGE)
         url = leg.node.url + "/pd/reserve"
@@ -151,6 +154,12 @@ class NodeClient:
         if resp.status_code == 503:
             self._down(leg, "not_ready")
             raise NodeFailed("not_ready", f"express node {leg.node.name} is not ready: {text}", before_prefill=True)
+        if resp.status_code in (404, 405):  # a node of the older contract: serve it without reservations
+            log.warning("express node %s has no /pd/reserve (%d): serving it without reservations; a dead node "
+                        "is then found only after the prefill", leg.node.url, resp.status_code)
+            self.no_reserve.add(leg.node.url)
+            leg.settled = False
+            return
         raise NodeFailed(f"reserve_http_{resp.status_code}",
                          f"express node {leg.node.name} refused the reservation ({resp.status_code}): {text}",
                          before_prefill=True)
