@@ -217,7 +217,8 @@ async def test_node_errors_before_the_first_token_map_and_cancel_and_release(mak
     """tiny-x does not spill: a node that fails before the first token is a typed 503 with Retry-After;
     a parameter the node refuses is the client's 400. The rid is cancelled on the node unless it refused."""
     node.decode_statuses = [status]
-    async with make_client() as (client, app):
+    cfg = make_config(resilience={"first_token_at_once": False})  # wait for the node's first token
+    async with make_client(cfg) as (client, app):
         r = await client.post("/v1/completions", json=dict(COMP, stream=stream))
         assert gate_of(app).busy_count == 0
         metrics = (await client.get("/metrics")).text

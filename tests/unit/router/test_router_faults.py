@@ -114,7 +114,7 @@ async def test_prefill_reports_failed_handoff_fast_spill_and_cancel(make_client,
 async def test_no_first_token_in_time_is_a_fast_typed_failure(make_client, upstreams, tokenizer):
     node = _node(upstreams, tokenizer)
     node.hang_non_stream = True  # the node never sends its first token
-    cfg = make_config(resilience={"first_token_timeout_s": 0.3})
+    cfg = make_config(resilience={"first_token_timeout_s": 0.3, "first_token_at_once": False})
     async with make_client(cfg) as (client, app):
         t0 = time.monotonic()
         r = await client.post("/v1/completions", json=dict(COMP, stream=True))
@@ -332,3 +332,59 @@ async def test_no_healthy_native_node_is_a_fast_503_without_prefill(make_client,
         r = await client.post("/v1/completions", json={"model": "tiny", "prompt": "x"})
     assert r.status_code == 503 and r.headers["retry-after"] == "2" and prefills == []
     assert json.loads(r.text)["error"]["type"] == "service_unavailable"
+
+
+# ---- first token at once (issue 14 item 6) ---------------------------------------------------------------
+
+async def test_first_token_reaches_the_client_before_the_node_answers(make_client, upstreams, tokenizer):
+    from .test_router_express_lane import asgi_post
+
+    node = _node(upstreams, tokenizer)
+    release = asyncio.Event()
+    plain = node.decode
+    first_text: list[bytes] = []
+
+    async def slow_decode(request, body):
+        await release.wait()  # the handoff / injection still runs: the node has sent nothing yet
+        return await plain(request, body)
+
+    def on_send(message):
+        if message["type"] == "http.response.body" and b'"text"' in message.get("body", b"") and not release.is_set():
+            first_text.append(message["body"])
+            release.set()  # only now may the node answer
+
+    upstreams.on(EXPRESS, "/pd/decode", slow_decode)
+    async with make_client() as (client, app):
+        sent = await asyncio.wait_for(asgi_post(app, "/v1/completions", dict(COMP, stream=True, max_tokens=6),
+                                                asyncio.Event(), on_send), 5)
+        assert gate_of(app).busy_count == 0
+    assert first_text and json.loads(first_text[0][len(b"data: "):])["choices"][0]["text"] == \
+        tokenizer.decode(node.answer[:1])
+    body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body").decode()
+    events = parse_sse(body)
+    assert _text(events[:-1]) == tokenizer.decode(node.answer[:6]) and events[-1] == "[DONE]"
+    assert node.cancelled == []  # the node finished on its own
+
+
+async def test_first_token_at_once_then_node_down_continues_on_native(make_client, upstreams, tokenizer):
+    node = _node(upstreams, tokenizer)
+    node.decode_statuses = [503]  # the node fails its handoff after the first token was sent
+    native = NativeTokens(upstreams, node)
+    async with make_client() as (client, app):
+        r = await client.post("/v1/completions", json=dict(COMP, stream=True, max_tokens=len(node.answer)))
+        assert gate_of(app).busy_count == 0
+    events = parse_sse(r.text)
+    assert _text(events[:-1]) == TEXT and not any("error" in e for e in events[:-1])
+    assert native.bodies[0]["prompt"] == PROMPT_IDS + node.answer[:1]
+
+
+async def test_first_token_that_ends_the_answer_never_waits_for_the_node(make_client, upstreams, tokenizer):
+    node = _node(upstreams, tokenizer)
+    node.hang_non_stream = True
+    async with make_client() as (client, app):
+        r = await client.post("/v1/completions", json=dict(COMP, stream=True, max_tokens=1))
+        assert gate_of(app).busy_count == 0
+    events = parse_sse(r.text)
+    assert _text(events[:-1]) == tokenizer.decode(node.answer[:1])
+    assert events[-2]["choices"][0]["finish_reason"] == "length"
+    assert upstreams.bodies(EXPRESS, "/pd/decode") == [] and node.cancelled == node.reserved

@@ -21,6 +21,9 @@ Two sections of the router config (both optional; every value has a safe default
     midstream_failover: true  an express stream whose node dies after tokens reached the client continues on
                               the native lane from its token history
     midstream_failover_aliases: {}   per-alias override of midstream_failover, e.g. {tiny-x: false}
+    first_token_at_once: true streaming express requests of an alias with mid-stream failover get the prefill's
+                              first token as soon as the prefill leg answers, while the handoff runs (a node
+                              failure after it is a mid-stream failover)
     unavailable_retry_after_s: 2     Retry-After of the 503 an express request gets when no node can serve it
                                      and its alias does not spill
 """
@@ -58,6 +61,7 @@ class ResilienceConfig(_Strict):
     native_retries: int = Field(1, ge=0)
     midstream_failover: bool = True
     midstream_failover_aliases: dict[str, bool] = Field(default_factory=dict)
+    first_token_at_once: bool = True
     unavailable_retry_after_s: int = Field(2, ge=0)
 
     def midstream_failover_for(self, alias: str) -> bool:

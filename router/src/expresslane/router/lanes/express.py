@@ -216,8 +216,11 @@ class ExpressLane:
             if leg.kind == "expresslane":
                 await self.nodes.reserve(leg, deadline)
             await self._prefill(req, leg, deadline)
-            tokens = await self.nodes.open_decode(leg, self._decode_body(req, leg), deadline)
-            stack.push_async_callback(tokens.aclose)
+            res = self.ctx.config.resilience
+            tokens: NodeTokens | None = None
+            if not (req.stream and res.first_token_at_once and res.midstream_failover_for(req.alias)):
+                tokens = await self.nodes.open_decode(leg, self._decode_body(req, leg), deadline)
+                stack.push_async_callback(tokens.aclose)
         asm = self._assembler(req, leg)
         feed = _Feed()
         batches = self._batches(req, pool, leg, tokens, asm, feed, stack, deadline)
@@ -310,12 +313,39 @@ class ExpressLane:
                                include_stop_str_in_output=bool(b.get("include_stop_str_in_output")))
 
     # ---- the answer's tokens: the node's, then (mid-stream failover) the native lane's ----------------
-    async def _batches(self, req: ClientRequest, pool: str, leg: Leg, tokens: NodeTokens, asm: OutputAssembler,
-                       feed: _Feed, stack: contextlib.AsyncExitStack, deadline: Deadline) -> AsyncIterator[list[int]]:
+    async def _open_after_first(self, req: ClientRequest, leg: Leg, stack: contextlib.AsyncExitStack,
+                                deadline: Deadline) -> NodeTokens:
+        """open_decode once the prefill's first token is already with the client: any failure is mid-stream."""
         try:
+            tokens = await self.nodes.open_decode(leg, self._decode_body(req, leg), deadline)
+        except (NodeFailed, NodeBusy) as e:
+            reason = e.reason if isinstance(e, NodeFailed) else "node_busy"
+            raise UpstreamError(f"express node {leg.node.name} could not take over after the first token: "
+                                f"{reason}: {e}", stage=STAGE, kind=reason) from None
+        stack.push_async_callback(tokens.aclose)
+        return tokens
+
+    async def _batches(self, req: ClientRequest, pool: str, leg: Leg, tokens: NodeTokens | None,
+                       asm: OutputAssembler, feed: _Feed, stack: contextlib.AsyncExitStack,
+                       deadline: Deadline) -> AsyncIterator[list[int]]:
+        try:
+            skip_first = False
+            if tokens is None:  # first token at once: the prefill's token now, the node's stream after it
+                yield [leg.first_token_id]
+                if asm.finished:
+                    return  # the first token was the whole answer: the node's rid is cancelled on close
+                tokens = await self._open_after_first(req, leg, stack, deadline)
+                skip_first = True
             async with contextlib.aclosing(tokens.batches()) as node_batches:
                 async for ids in node_batches:
-                    yield ids
+                    if skip_first:  # the node's stream starts with the first token, already sent
+                        skip_first = False
+                        if ids[0] != leg.first_token_id:
+                            raise UpstreamError(f"express node {leg.node.name} did not start from the first token "
+                                                f"({ids[0]} != {leg.first_token_id})", stage=STAGE)
+                        ids = ids[1:]
+                    if ids:
+                        yield ids
             feed.finish_reason = tokens.finish_reason
             return
         except UpstreamError as e:
@@ -394,7 +424,7 @@ class ExpressLane:
                         yield piece(text)
                     if asm.finished and asm.finish_reason != "length":
                         break  # stop string / stop id / EOS seen here: cancel the node below
-        except UpstreamError as e:
+        except RouterError as e:
             await stack.aclose()
             yield sse(e.body())
             yield SSE_DONE
