@@ -197,6 +197,7 @@ async def test_busy_node_is_retried(make_client, node, upstreams):
     assert len(upstreams.bodies(PREFILL, "/v1/completions")) == 2  # the whole leg was redone
     rids = [b["rid"] for b in upstreams.bodies(EXPRESS, "/pd/decode")]
     assert len(set(rids)) == 2
+    assert node.cancelled == rids[:1]  # the retry after 429 cancels the first rid (no orphan)
 
 
 async def test_busy_node_after_all_retries_is_a_429(make_client, node):

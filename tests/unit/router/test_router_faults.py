@@ -65,6 +65,17 @@ async def test_reserve_busy_costs_no_prefill_and_is_retried(make_client, upstrea
     assert len(upstreams.bodies(EXPRESS, "/pd/reserve")) == 2 and node.cancelled == []
 
 
+async def test_a_node_without_pd_reserve_is_served_without_reservations(make_client, upstreams, tokenizer):
+    node = _node(upstreams, tokenizer)
+    del upstreams.routes[(EXPRESS, "/pd/reserve")]  # the fake answers 404, like an older node
+    async with make_client() as (client, _):
+        r1 = await client.post("/v1/completions", json=COMP)
+        r2 = await client.post("/v1/completions", json=COMP)
+    assert r1.status_code == r2.status_code == 200
+    assert len(upstreams.bodies(EXPRESS, "/pd/reserve")) == 1  # asked once, then remembered
+    assert node.cancelled == []
+
+
 async def test_reserve_not_ready_ejects_and_spills_counted_with_a_reason(make_client, upstreams, tokenizer):
     node = _node(upstreams, tokenizer)
     node.reserve_statuses = [503]

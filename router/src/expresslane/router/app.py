@@ -146,6 +146,7 @@ def create_app(config: RouterConfig, *, transport: httpx.AsyncBaseTransport | No
             app.state.lanes = Lanes(ctx, native, express)
             async with monitor.running(client):
                 yield
+            await ctx.drain(t.cancel_s + t.connect_s)  # cancels still in flight reach their nodes
             app.state.lanes = None
 
     app = FastAPI(title="expresslane router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
