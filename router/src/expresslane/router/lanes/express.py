@@ -40,84 +40,37 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
 from ..config import ExpressNode, ExpressPool, QueueConfig
 from ..detokenizer import IncrementalDetokenizer, ModelText, OutputAssembler
-from ..errors import BadRequest, LaneBusy, RouterError, UpstreamError, UpstreamUnavailable
+from ..errors import LaneBusy, RouterError, UpstreamError, UpstreamUnavailable
 from ..gate import Lease, NodeGate, NoHealthyNode, QueueFull, QueueTimeout
 from ..metrics import RequestRecord, node_label
-from ..openai_shapes import (SSE_DONE, ClientRequest, chat_chunk, chat_response, completion_chunk,
-                             completion_response, sse, usage_chunk)
+from ..openai_shapes import ClientRequest
 from ..prefill import derive_tilert_rid, express_prefill_body, first_token_id, prompt_token_ids, prompt_tokens
 from ..resilience import Deadline
 from ..upstream import map_transport_error, post_json, read_json
-from .base import EJECTING_KINDS, LaneContext, ManagedStream, closing_on_error, count_upstream_error, shielded
+from .base import EJECTING_KINDS, LaneContext, ManagedStream, closing_on_error, count_upstream_error
 from .continuation import Continuation
 from .express_node import STAGE, Leg, NodeBusy, NodeClient, NodeFailed, NodeTokens
+from .express_options import SAMPLING_KEYS, check_express_supported, sampling_of
+from .express_output import Feed, collect, relay
 from .native import NativeLane
 
-__all__ = ["ExpressLane", "NodeBusy", "check_express_supported", "sampling_of"]
+__all__ = ["SAMPLING_KEYS", "ExpressLane", "NodeBusy", "check_express_supported", "sampling_of"]
 
 log = logging.getLogger("expresslane.router.express")
-
-# The /pd/decode `sampling` keys each node kind honours (our engine server: more than TileRT).
-SAMPLING_KEYS = {
-    "expresslane": ("temperature", "top_p", "top_k", "repetition_penalty", "presence_penalty", "frequency_penalty",
-                    "ignore_eos", "seed", "stop_token_ids", "min_tokens"),
-    # TileRT refuses per-request stop_token_ids (its loop uses the model's stop set): the router enforces them.
-    "tilert": ("temperature", "top_p", "top_k", "repetition_penalty", "presence_penalty", "ignore_eos", "seed"),
-}
-
-
-def _set(v: Any) -> bool:
-    return v not in (None, False, 0, 0.0, "", [], {})
-
-
-# Request fields an express decode node cannot honour: refused loudly instead of ignored.
-_UNSUPPORTED = ("logprobs", "top_logprobs", "prompt_logprobs", "echo", "logit_bias", "min_p", "bad_words",
-                "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
-                "allowed_token_ids")
-_UNSUPPORTED_BY_KIND = {"expresslane": (), "tilert": ("min_tokens", "frequency_penalty")}
-
-
-def check_express_supported(body: dict[str, Any], kind: str = "expresslane") -> None:
-    for key in _UNSUPPORTED + _UNSUPPORTED_BY_KIND[kind]:
-        if _set(body.get(key)):
-            raise BadRequest(f"'{key}' is not supported on the express lane; send 'X-Lane: native' to use it",
-                             param=key)
-    rf = body.get("response_format")
-    if isinstance(rf, dict) and rf.get("type") not in (None, "text"):
-        raise BadRequest("'response_format' is not supported on the express lane; send 'X-Lane: native'",
-                         param="response_format")
-
-
-def sampling_of(body: dict[str, Any], defaults: dict[str, Any], kind: str = "expresslane") -> dict[str, Any]:
-    """The sampling block of /pd/decode: the client's values, vLLM's generation-config defaults otherwise."""
-    out = {k: body[k] for k in SAMPLING_KEYS[kind] if body.get(k) is not None}
-    for k, v in defaults.items():
-        out.setdefault(k, v)
-    return out
-
 
 def _label(text: str) -> str:
     """A short metric-safe label from a free-form reason (`too_long: 9000 > 4096` -> `too_long`)."""
     head = text.split(":", 1)[0].strip().lower()
     return "".join(c if c.isalnum() or c == "_" else "_" for c in head)[:40] or "failed"
-
-
-class _Feed:
-    """How the answer's token batches ended: the node's finish reason, or the native continuation's."""
-
-    def __init__(self) -> None:
-        self.finish_reason: str | None = None
-        self.failed_over = False
 
 
 class ExpressLane:
@@ -222,12 +175,12 @@ class ExpressLane:
                 tokens = await self.nodes.open_decode(leg, self._decode_body(req, leg), deadline)
                 stack.push_async_callback(tokens.aclose)
         asm = self._assembler(req, leg)
-        feed = _Feed()
+        feed = Feed()
         batches = self._batches(req, pool, leg, tokens, asm, feed, stack, deadline)
         if req.stream:
-            return ManagedStream(self._relay(req, leg, asm, feed, batches, stack, record), on_close=stack.aclose,
+            return ManagedStream(relay(req, leg, asm, feed, batches, stack, record), on_close=stack.aclose,
                                  record=record)
-        return await self._collect(req, leg, asm, feed, batches, stack, record)
+        return await collect(req, leg, asm, feed, batches, stack, record)
 
     async def _let_go(self, leg: Leg, lease: Lease[ExpressNode]) -> None:
         """Cancel the rid on the node unless it finished on its own, then release the node. A node known
@@ -326,7 +279,7 @@ class ExpressLane:
         return tokens
 
     async def _batches(self, req: ClientRequest, pool: str, leg: Leg, tokens: NodeTokens | None,
-                       asm: OutputAssembler, feed: _Feed, stack: contextlib.AsyncExitStack,
+                       asm: OutputAssembler, feed: Feed, stack: contextlib.AsyncExitStack,
                        deadline: Deadline) -> AsyncIterator[list[int]]:
         try:
             skip_first = False
@@ -381,66 +334,6 @@ class ExpressLane:
                                 f"{e2.message}", stage=STAGE, kind="failover_failed") from None
         finally:
             self.ctx.metrics.midstream_failovers.labels(pool, outcome).inc()
-
-    async def _collect(self, req: ClientRequest, leg: Leg, asm: OutputAssembler, feed: _Feed,
-                       batches: AsyncIterator[list[int]], stack: contextlib.AsyncExitStack,
-                       record: RequestRecord) -> Response:
-        try:
-            async with contextlib.aclosing(batches) as it:
-                async for ids in it:
-                    asm.push(ids)
-                    if asm.finished and asm.finish_reason != "length":
-                        break
-        finally:
-            await shielded(stack.aclose())
-        asm.finish(feed.finish_reason)
-        n = len(asm.token_ids)
-        record.finish(200, n)
-        build = chat_response if req.kind == "chat" else completion_response
-        extra = {"token_ids": asm.token_ids, "prompt_token_ids": leg.prompt_ids} if req.body.get(
-            "return_token_ids") else {}
-        return JSONResponse(build(leg.response_id, req.alias, asm.text, asm.finish_reason, asm.stop_reason,
-                                  leg.n_prompt, n, **extra))
-
-    # ---- streaming ------------------------------------------------------------------------------
-    async def _relay(self, req: ClientRequest, leg: Leg, asm: OutputAssembler, feed: _Feed,
-                     batches: AsyncIterator[list[int]], stack: contextlib.AsyncExitStack,
-                     record: RequestRecord) -> AsyncIterator[bytes]:
-        created, rid, model, chat = int(time.time()), leg.response_id, req.alias, req.kind == "chat"
-
-        def piece(text: str, finish: str | None = None, stop_reason: Any = None) -> bytes:
-            if chat:
-                return sse(chat_chunk(rid, model, created, {"content": text}, finish, stop_reason))
-            return sse(completion_chunk(rid, model, created, text, finish, stop_reason))
-
-        if chat:
-            yield sse(chat_chunk(rid, model, created, {"role": "assistant", "content": ""}))
-        try:
-            async with contextlib.aclosing(batches) as it:
-                async for ids in it:
-                    text = asm.push(ids)
-                    if text:
-                        record.token_chunk()
-                        yield piece(text)
-                    if asm.finished and asm.finish_reason != "length":
-                        break  # stop string / stop id / EOS seen here: cancel the node below
-        except RouterError as e:
-            await stack.aclose()
-            yield sse(e.body())
-            yield SSE_DONE
-            record.finish(e.status, len(asm.token_ids))
-            return
-        await stack.aclose()  # cancel (if we stopped early) and release the node before the tail is sent
-        tail = asm.finish(feed.finish_reason)
-        n = len(asm.token_ids)
-        if tail:
-            record.token_chunk()
-        yield piece(tail, asm.finish_reason, asm.stop_reason)
-        if req.include_usage:
-            yield sse(usage_chunk(req.kind, rid, model, created, leg.n_prompt, n))
-        yield SSE_DONE
-        record.finish(200, n)
-
 
 async def post_free_get(ctx: LaneContext, url: str) -> dict[str, Any]:
     try:

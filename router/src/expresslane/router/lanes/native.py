@@ -28,7 +28,6 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
 from starlette.responses import JSONResponse, Response
 
 from ..config import NativePool
