@@ -95,6 +95,15 @@ async def test_waiters_fail_at_once_when_every_node_goes_down():
     assert gate.waiting == 0 and gate.busy_count == 0
 
 
+async def wait_until(pred, timeout_s: float = 5.0) -> None:
+    """Poll a condition (probes run in the background); fail with the timeout instead of hanging."""
+    for _ in range(int(timeout_s / 0.01)):
+        if pred():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("condition not reached in time")
+
+
 def _health_cfg(**over):
     return make_config(health={"enabled": True, "interval_s": 0.02, "timeout_s": 0.5, "unhealthy_threshold": 1,
                                "open_s": 0.05, **over})
@@ -107,11 +116,12 @@ async def test_probes_eject_and_readmit_and_ready_says_which_upstreams_are_up(ma
     upstreams.on(NATIVE, "/health", ok)
     upstreams.on(EXPRESS, "/health", lambda r, b: httpx.Response(state["express"], json={"status": "x"}))
     async with make_client(_health_cfg()) as (client, app):
-        await asyncio.sleep(0.1)
+        health = app.state.health
+        await wait_until(lambda: len([c for c in upstreams.calls if c[1] == "/health"]) >= 3)
         r = await client.get("/ready")
         assert r.status_code == 200 and all(u["healthy"] for u in r.json()["upstreams"].values())
         state["express"] = 503
-        await asyncio.sleep(0.15)
+        await wait_until(lambda: not health.healthy(EXPRESS))
         r = await client.get("/ready")
         assert r.status_code == 200  # prefill and the native node still serve
         ups = r.json()["upstreams"]
@@ -123,8 +133,7 @@ async def test_probes_eject_and_readmit_and_ready_says_which_upstreams_are_up(ma
                 'reason="probe_http_503"}') in metrics
         assert not app.state.lanes.ctx.healthy(EXPRESS)
         state["express"] = 200
-        await asyncio.sleep(0.2)
-        assert app.state.lanes.ctx.healthy(EXPRESS)
+        await wait_until(lambda: health.healthy(EXPRESS))  # half-open, one good probe: re-admitted
         assert (await client.get("/health")).status_code == 200  # liveness never depends on upstreams
 
 
@@ -132,8 +141,8 @@ async def test_ready_is_503_while_the_prefill_is_down(make_client, upstreams):
     upstreams.on(NATIVE, "/health", lambda r, b: httpx.Response(200))
     upstreams.on(EXPRESS, "/health", lambda r, b: httpx.Response(200))
     upstreams.on(PREFILL, "/health", lambda r, b: (_ for _ in ()).throw(httpx.ConnectError("refused")))
-    async with make_client(_health_cfg(open_s=10)) as (client, _):
-        await asyncio.sleep(0.1)
+    async with make_client(_health_cfg(open_s=10)) as (client, app):
+        await wait_until(lambda: not app.state.health.healthy(PREFILL))
         r = await client.get("/ready")
         assert r.status_code == 503 and r.json()["status"] == "not_ready"
         assert r.json()["upstreams"][PREFILL]["reason"] == "probe_connect"
@@ -155,5 +164,5 @@ async def test_probes_send_the_upstream_auth_headers(make_client, upstreams):
         upstreams.on(base, "/health", rec)
     secrets = RouterSecrets(vllm_api_key="vk", express_node_token="et")
     async with make_client(_health_cfg(), secrets=secrets) as (client, _):
-        await asyncio.sleep(0.1)
+        await wait_until(lambda: len(seen) == 3)
     assert seen == {"prefill": "Bearer vk", "native": "Bearer vk", "express": "Bearer et"}
