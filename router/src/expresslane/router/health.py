@@ -203,13 +203,16 @@ class HealthMonitor:
         await asyncio.gather(*(self.probe(client, u) for u in self.upstreams.values()))
 
     async def run(self, client: httpx.AsyncClient) -> None:
-        """Probe forever (the lifespan cancels it)."""
+        """Probe forever (the lifespan cancels it): a round starts every interval_s, however long the last
+        one took (a hung node's probe costs timeout_s, and must not slow the detection of the next failure)."""
+        loop = asyncio.get_running_loop()
         while True:
+            started = loop.time()
             try:
                 await self.probe_all(client)
             except Exception:  # a bug in a probe must not stop the monitor
                 log.exception("health probe round failed")
-            await asyncio.sleep(self.cfg.interval_s)
+            await asyncio.sleep(max(0.0, self.cfg.interval_s - (loop.time() - started)))
 
     @contextlib.asynccontextmanager
     async def running(self, client: httpx.AsyncClient):
