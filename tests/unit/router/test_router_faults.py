@@ -412,3 +412,19 @@ def test_continuation_body_is_a_token_id_completion_with_the_remaining_budget():
                     "return_token_ids": True, "temperature": 0, "top_p": 0.9, "seed": 7, "min_tokens": 3,
                     "ignore_eos": True, "stop_token_ids": [3]}
     assert "min_tokens" not in continuation_body(chat, "served", [1], max_tokens_left=8, generated=5)
+
+
+async def test_kv_transfer_failed_spills_at_once_with_the_node_reason(make_client, upstreams, tokenizer):
+    node = _node(upstreams, tokenizer)
+    upstreams.on(EXPRESS, "/pd/decode", lambda rq, b: httpx.Response(502, json={
+        "error": "kv_transfer_failed", "reason": "aborted:no_staging_slot", "message": "x", "detail": "x"}))
+    upstreams.on(NATIVE, "/v1/completions", lambda rq, b: httpx.Response(200, json={
+        "id": "cmpl-n", "choices": [{"text": "native!"}], "usage": {"prompt_tokens": 6, "completion_tokens": 1}}))
+    upstreams.routes[(PREFILL, "/v1/completions")] = _prefill_with_kvp(node)
+    async with make_client(make_config(resilience={"first_token_at_once": False})) as (client, app):
+        r = await client.post("/v1/completions", json=dict(COMP, model="tiny-xs", stream=True))
+        metrics = (await client.get("/metrics")).text
+        assert app.state.lanes.ctx.healthy(EXPRESS)  # the transfer failed, not the node
+    assert r.status_code == 200  # spilled before any byte: the native lane's own answer
+    assert 'reason="kv_transfer_failed",to_lane="native"} 1.0' in metrics
+    assert node.cancelled == node.reserved

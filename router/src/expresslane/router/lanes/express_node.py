@@ -224,8 +224,8 @@ class NodeClient:
         if code == 503:
             self._down(leg, "not_ready")
             raise NodeFailed("not_ready", f"express node {name} is not ready: {content}")
-        reason = {502: _reason_of(content) or "http_502", 504: "kv_timeout", 409: "not_reserved"}.get(code)
-        raise NodeFailed(reason or f"http_{code}", f"express node {name} answered {code}: {content}")
+        reason = _reason_of(content) or {504: "kv_timeout", 409: "not_reserved"}.get(code) or f"http_{code}"
+        raise NodeFailed(reason, f"express node {name} answered {code}: {content}")
 
     # ---- cancel ---------------------------------------------------------------------------------
     async def cancel_unless_settled(self, leg: Leg) -> None:
