@@ -418,13 +418,12 @@ async def test_kv_transfer_failed_spills_at_once_with_the_node_reason(make_clien
     node = _node(upstreams, tokenizer)
     upstreams.on(EXPRESS, "/pd/decode", lambda rq, b: httpx.Response(502, json={
         "error": "kv_transfer_failed", "reason": "aborted:no_staging_slot", "message": "x", "detail": "x"}))
-    upstreams.on(NATIVE, "/v1/completions", lambda rq, b: httpx.Response(200, json={
-        "id": "cmpl-n", "choices": [{"text": "native!"}], "usage": {"prompt_tokens": 6, "completion_tokens": 1}}))
+    upstreams.on(NATIVE, "/v1/completions", _native_stream(CHUNK, "[DONE]"))
     upstreams.routes[(PREFILL, "/v1/completions")] = _prefill_with_kvp(node)
     async with make_client(make_config(resilience={"first_token_at_once": False})) as (client, app):
         r = await client.post("/v1/completions", json=dict(COMP, model="tiny-xs", stream=True))
         metrics = (await client.get("/metrics")).text
         assert app.state.lanes.ctx.healthy(EXPRESS)  # the transfer failed, not the node
-    assert r.status_code == 200  # spilled before any byte: the native lane's own answer
+    assert r.status_code == 200 and parse_sse(r.text)[0]["choices"][0]["text"] == "hi"  # spilled before any byte
     assert 'reason="kv_transfer_failed",to_lane="native"} 1.0' in metrics
     assert node.cancelled == node.reserved
