@@ -427,3 +427,23 @@ async def test_kv_transfer_failed_spills_at_once_with_the_node_reason(make_clien
     assert r.status_code == 200 and parse_sse(r.text)[0]["choices"][0]["text"] == "hi"  # spilled before any byte
     assert 'reason="kv_transfer_failed",to_lane="native"} 1.0' in metrics
     assert node.cancelled == node.reserved
+
+
+async def test_node_process_dying_mid_stream_ejects_it_and_fails_over(make_client, upstreams, tokenizer):
+    """SIGKILL mid-stream looks like this to httpx: the peer closes the chunked body (RemoteProtocolError)."""
+    node = _node(upstreams, tokenizer)
+    NativeTokens(upstreams, node)
+
+    async def dying(request, body):
+        async def lines():
+            yield json.dumps({"t": node.answer[:2]}).encode() + b"\n"
+            raise httpx.RemoteProtocolError("peer closed connection without sending complete message body")
+        return httpx.Response(200, content=lines())
+
+    upstreams.on(EXPRESS, "/pd/decode", dying)
+    async with make_client() as (client, app):
+        r = await client.post("/v1/completions", json=dict(COMP, stream=True, max_tokens=len(node.answer)))
+        assert not app.state.lanes.ctx.healthy(EXPRESS)
+        metrics = (await client.get("/metrics")).text
+    assert _text(parse_sse(r.text)[:-1]) == TEXT
+    assert 'reason="transport"' in metrics and 'outcome="ok",pool="express"} 1.0' in metrics

@@ -65,8 +65,9 @@ class LaneContext:
             await asyncio.wait(set(self._background), timeout=timeout_s)
 
 
-# Transport failures that say the node itself is unreachable or hung: they eject it (health.py).
-EJECTING_KINDS = ("connect", "timeout", "stall")
+# Transport failures that say the node itself is unreachable, gone or hung: they eject it (health.py).
+# "transport" is a connection the peer dropped mid-reply (RemoteProtocolError: the process died).
+EJECTING_KINDS = ("connect", "timeout", "stall", "transport")
 
 
 def count_upstream_error(ctx: LaneContext, lane: str, err: RouterError) -> None:

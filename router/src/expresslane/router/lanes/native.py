@@ -42,7 +42,7 @@ from .base import EJECTING_KINDS, LaneContext, ManagedStream, closing_on_error, 
 __all__ = ["NativeLane", "NativeStream", "decode_body", "fix_usage"]
 
 # Failures before the first byte that another node may not have: retried there.
-RETRY_KINDS = ("connect", "http_503", "stall", "timeout", "truncated")
+RETRY_KINDS = ("connect", "http_503", "stall", "timeout", "transport", "truncated")
 
 
 def decode_body(body: dict[str, Any], model: str, kv_transfer_params: dict[str, Any],
