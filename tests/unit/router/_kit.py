@@ -54,6 +54,7 @@ def config_dict(**over: Any) -> dict:
         "tokenizer_dir": "/unused",
         "max_model_len": 64,
         "timeouts": {"connect_s": 1, "prefill_s": 5, "decode_s": 5, "kv_wait_s": 3, "cancel_s": 1},
+        "health": {"enabled": False},  # router-path: no background probes unless a test turns them on
         "pools": {
             "native": {"kind": "native", "nodes": [NATIVE]},
             "express": {"kind": "expresslane", "nodes": [{"url": EXPRESS, "ctrl_host": "10.0.0.9", "ctrl_port": 5556}],

@@ -24,14 +24,25 @@ class FakeNode:
         self.answer = tokenizer.encode(answer_text).ids
         self.kind = kind
         self.decode_statuses: list[int] = []  # statuses to answer /pd/decode with before succeeding
+        self.reserve_statuses: list[int] = []  # statuses to answer /pd/reserve with before succeeding
         self.hang_after: int | None = None  # stream: send this many tokens, then hang
-        self.hang_non_stream = False
+        self.hang_non_stream = False  # hang before the first token
+        self.die_after: int | None = None  # send this many tokens, then end the stream without a done line
         self.cancelled: list[str] = []
+        self.reserved: list[str] = []
         self.finish_reason = "length"
         for path in ("/v1/completions", "/v1/chat/completions"):
             upstreams.on(PREFILL, path, self.prefill)
+        upstreams.on(EXPRESS, "/pd/reserve", self.reserve)
         upstreams.on(EXPRESS, "/pd/decode", self.decode)
         upstreams.on(EXPRESS, "/pd/cancel", self.cancel)
+
+    def reserve(self, request, body):
+        if self.reserve_statuses:
+            status = self.reserve_statuses.pop(0)
+            return httpx.Response(status, json={"error": "busy" if status == 429 else "not_ready"})
+        self.reserved.append(body["rid"])
+        return httpx.Response(200, json={"rid": body["rid"], "reserved": True, "ttl_s": body["ttl_s"]})
 
     def prefill(self, request, body):
         chat = request.url.path.endswith("chat/completions")
@@ -50,16 +61,16 @@ class FakeNode:
             status = self.decode_statuses.pop(0)
             return httpx.Response(status, json={"error": f"fake {status}"})
         ids = self.answer[: body["max_tokens"]]
-        if not body["stream"]:
-            if self.hang_non_stream:
-                await asyncio.Event().wait()
-            return httpx.Response(200, json={"rid": body["rid"], "token_ids": ids, "seq_len": 9,
-                                             "timing_ms": {"finish_reason": self.finish_reason}})
+        assert body["stream"] is True  # the router always streams from the node (bounded waits)
+        if self.hang_non_stream:
+            await asyncio.Event().wait()
 
         async def lines():
             for i, t in enumerate(ids):
                 if self.hang_after is not None and i >= self.hang_after:
                     await asyncio.Event().wait()
+                if self.die_after is not None and i >= self.die_after:
+                    return
                 yield ndjson({"t": [t]})
             yield ndjson({"done": True, "n": len(ids), "seq_len": 9, "finish_reason": self.finish_reason})
 
@@ -90,12 +101,15 @@ async def test_non_stream_completion_exact_bodies_and_detokenized_text(make_clie
     (pre,) = upstreams.bodies(PREFILL, "/v1/completions")
     marker = pre["kv_transfer_params"]
     assert set(marker) == {"expresslane_host", "expresslane_ctrl_port", "expresslane_rid"}
+    paths = [p for (_, p, _) in upstreams.calls if p != "/capabilities"]  # capability routing asks the node
+    assert paths == ["/pd/reserve", "/v1/completions", "/pd/decode"]  # the node is reserved BEFORE the prefill
+    assert upstreams.bodies(EXPRESS, "/pd/reserve") == [{"rid": marker["expresslane_rid"], "ttl_s": 60.0}]
     assert (marker["expresslane_host"], marker["expresslane_ctrl_port"]) == ("10.0.0.9", 5556)
     assert pre == {"model": "served", "prompt": "hi", "max_tokens": 1, "temperature": 0, "seed": 3, "stream": False,
                    "return_token_ids": True, "logprobs": 1, "kv_transfer_params": marker}
     assert upstreams.bodies(EXPRESS, "/pd/decode") == [{
         "rid": marker["expresslane_rid"], "first_token_id": node.answer[0], "max_tokens": 4,
-        "sampling": {"temperature": 0, "seed": 3}, "stream": False, "timeout_s": 3.0}]
+        "sampling": {"temperature": 0, "seed": 3}, "stream": True, "timeout_s": 3.0}]
     out = r.json()
     assert out["object"] == "text_completion" and out["model"] == "tiny-x" and out["id"] == "cmpl-abc123-0-1a2b3c4d"
     assert out["choices"][0]["text"] == tokenizer.decode(node.answer[:4])
@@ -183,6 +197,7 @@ async def test_busy_node_is_retried(make_client, node, upstreams):
     assert len(upstreams.bodies(PREFILL, "/v1/completions")) == 2  # the whole leg was redone
     rids = [b["rid"] for b in upstreams.bodies(EXPRESS, "/pd/decode")]
     assert len(set(rids)) == 2
+    assert node.cancelled == rids[:1]  # the retry after 429 cancels the first rid (no orphan)
 
 
 async def test_busy_node_after_all_retries_is_a_429(make_client, node):
@@ -195,18 +210,27 @@ async def test_busy_node_after_all_retries_is_a_429(make_client, node):
     assert 'expresslane_router_rejected_total{pool="express",reason="node_busy"} 1.0' in metrics
 
 
-@pytest.mark.parametrize("status,want,stream", [(504, 504, False), (504, 504, True), (500, 502, False),
-                                               (501, 400, True), (400, 400, False), (499, 502, False),
-                                               (503, 503, False)])
-async def test_node_errors_map_and_release_the_node(make_client, node, status, want, stream):
+@pytest.mark.parametrize("status,want,stream", [(504, 503, False), (504, 503, True), (500, 503, False),
+                                               (502, 503, True), (501, 400, True), (400, 400, False),
+                                               (499, 503, False), (503, 503, False), (409, 503, True)])
+async def test_node_errors_before_the_first_token_map_and_cancel_and_release(make_client, node, status, want,
+                                                                             stream):
+    """tiny-x does not spill: a node that fails before the first token is a typed 503 with Retry-After;
+    a parameter the node refuses is the client's 400. The rid is cancelled on the node unless it refused."""
     node.decode_statuses = [status]
-    async with make_client() as (client, app):
+    cfg = make_config(resilience={"first_token_at_once": False})  # wait for the node's first token
+    async with make_client(cfg) as (client, app):
         r = await client.post("/v1/completions", json=dict(COMP, stream=stream))
         assert gate_of(app).busy_count == 0
         metrics = (await client.get("/metrics")).text
     assert r.status_code == want, r.text
     assert "error" in r.json() and "Traceback" not in r.text
     assert 'expresslane_router_upstream_errors_total{lane="express",stage="express_decode"' in metrics
+    if want == 503:
+        assert r.headers["retry-after"] == "2" and r.json()["error"]["code"] == "express_lane_unavailable"
+        assert node.cancelled == node.reserved  # node 504/502/...: the rid is cancelled (no orphan)
+    else:
+        assert node.cancelled == []
 
 
 async def test_node_unreachable_is_503(make_client, node, upstreams):
@@ -217,7 +241,12 @@ async def test_node_unreachable_is_503(make_client, node, upstreams):
     async with make_client() as (client, app):
         r = await client.post("/v1/completions", json=COMP)
         assert gate_of(app).busy_count == 0
-    assert r.status_code == 503
+        assert not app.state.lanes.ctx.healthy(EXPRESS)  # passive ejection
+        r2 = await client.post("/v1/completions", json=COMP)  # known down: no prefill, no reserve
+    assert r.status_code == 503 and r2.status_code == 503
+    assert len(upstreams.bodies(PREFILL, "/v1/completions")) == 1
+    assert len(upstreams.bodies(EXPRESS, "/pd/reserve")) == 1
+    assert "no_healthy_node" in r2.json()["error"]["message"]
 
 
 async def test_error_line_mid_stream_becomes_an_sse_error_event(make_client, node, upstreams):
@@ -225,7 +254,7 @@ async def test_error_line_mid_stream_becomes_an_sse_error_event(make_client, nod
         return httpx.Response(200, content=ndjson({"t": [node.answer[0]]}, {"error": "gpu on fire"}))
 
     upstreams.on(EXPRESS, "/pd/decode", decode)
-    async with make_client() as (client, app):
+    async with make_client(make_config(resilience={"midstream_failover": False})) as (client, app):
         r = await client.post("/v1/completions", json=dict(COMP, stream=True))
         assert gate_of(app).busy_count == 0
     events = parse_sse(r.text)

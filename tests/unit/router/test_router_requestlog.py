@@ -57,7 +57,8 @@ async def test_request_id_is_made_returned_and_sent_to_both_legs(make_client, up
         assert len(rid) == 32 and int(rid, 16) >= 0
         assert seen == [("prefill", rid), ("native", rid)]
         seen.clear()
-        r = await c.post("/v1/completions", json=dict(REQ, model="tiny-x", stream=True),
+        # max_tokens > 1: with the first token at once, a 1-token express request never reaches the node
+        r = await c.post("/v1/completions", json=dict(REQ, model="tiny-x", stream=True, max_tokens=3),
                          headers={"X-Request-Id": "client-id:42"})
         assert r.headers["x-request-id"] == "client-id:42"
         assert seen == [("prefill", "client-id:42"), ("express", "client-id:42")]

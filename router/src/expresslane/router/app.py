@@ -43,6 +43,7 @@ from .detokenizer import ModelText, load_model_text
 from .endpoints import RESPONSES_API_ERROR, Endpoints
 from .errors import (BadRequest, ClientGone, MethodNotAllowed, ModelNotFound, NotFound, RouterError,
                      error_body)
+from .health import HealthMonitor
 from .lanes.base import LaneContext
 from .lanes.express import ExpressLane, check_express_supported
 from .lanes.native import NativeLane
@@ -139,6 +140,7 @@ def create_app(config: RouterConfig, *, secrets: RouterSecrets | None = None,
     keys = ApiKeys.from_text(secrets.api_keys_text, clock)  # AuthConfigError names the bad line, never a key
     metrics = RouterMetrics(config, registry)
     reroutes = reroute_counter(config, metrics.registry)
+    monitor = HealthMonitor(config, metrics, headers=secrets.upstream_headers, clock=clock)
     needs_tokenizer = any(isinstance(p, ExpressPool) for p in config.pools.values())
 
     @contextlib.asynccontextmanager
@@ -153,7 +155,8 @@ def create_app(config: RouterConfig, *, secrets: RouterSecrets | None = None,
                 timeout=httpx.Timeout(t.decode_s, connect=t.connect_s),
                 limits=httpx.Limits(max_connections=512, max_keepalive_connections=64),
                 event_hooks={"request": [upstream_request_id_hook]}) as client:  # X-Request-Id on both legs
-            ctx = LaneContext(config=config, client=client, metrics=metrics, clock=clock)
+            ctx = LaneContext(config=config, client=client, metrics=metrics, clock=clock, health=monitor,
+                              headers=secrets.upstream_headers)
             native = NativeLane(ctx, {n: p for n, p in config.pools.items() if isinstance(p, NativePool)})
             express = ExpressLane(ctx, {n: p for n, p in config.pools.items() if isinstance(p, ExpressPool)},
                                   native, mt)
@@ -162,7 +165,9 @@ def create_app(config: RouterConfig, *, secrets: RouterSecrets | None = None,
             app.state.capabilities = CapabilityRouter(config, client, secrets, reroutes, clock,
                                                       relay_check=check_express_supported)
             app.state.endpoints = Endpoints(config, client, secrets, clock)
-            yield
+            async with monitor.running(client):
+                yield
+            await ctx.drain(t.cancel_s + t.connect_s)  # cancels still in flight reach their nodes
             app.state.lanes = None
 
     app = FastAPI(title="expresslane router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
@@ -170,6 +175,7 @@ def create_app(config: RouterConfig, *, secrets: RouterSecrets | None = None,
     app.add_middleware(RequestIdMiddleware, access_log=access_log)  # X-Request-Id in and out, access log
     app.state.config = config
     app.state.metrics = metrics
+    app.state.health = monitor
     metrics_app = make_asgi_app(registry=metrics.registry)
     app.router.routes.append(Route("/metrics", _AsgiEndpoint(metrics_app), include_in_schema=False))
     app.mount("/metrics", metrics_app)  # /metrics/ too (no redirect for scrapers)
@@ -226,6 +232,11 @@ def create_app(config: RouterConfig, *, secrets: RouterSecrets | None = None,
             for name, gate in lanes.express.gates.items():
                 pools[name] = {"busy_nodes": gate.busy_count, "nodes": len(gate.nodes), "waiting": gate.waiting}
         return {"status": "ok", "express_pools": pools}
+
+    @app.get("/ready")
+    async def ready(request: Request) -> Response:
+        ok, body = monitor.readiness()
+        return JSONResponse(body, status_code=200 if ok else 503)
 
     # ---- endpoints beside completions (endpoints.py) ----
     @app.get("/v1/models")

@@ -43,6 +43,8 @@ from typing import Annotated, Literal, Union
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from .resilience import HealthConfig, ResilienceConfig  # router-path's sections (health.py, lanes/)
+
 __all__ = [
     "ConfigError",
     "ExpressNode",
@@ -96,7 +98,7 @@ class Timeouts(_Strict):
     prefill_s: float = Field(300.0, gt=0)
     decode_s: float = Field(600.0, gt=0)
     # `timeout_s` sent to an express node: how long it waits for the KV to arrive.
-    kv_wait_s: float = Field(120.0, gt=0)
+    kv_wait_s: float = Field(15.0, gt=0)  # router-path: was 120 (a prefill failure now reaches the node at once)
     # Budget for POST /pd/cancel on client disconnect (the node is released after it either way).
     cancel_s: float = Field(1.0, gt=0)
 
@@ -190,6 +192,8 @@ class RouterConfig(_Strict):
     pools: dict[str, Pool] = Field(min_length=1)
     aliases: dict[str, Alias] = Field(min_length=1)
     lanes: dict[Lane, str] = Field(default_factory=dict)
+    health: HealthConfig = HealthConfig()  # router-path (resilience.py)
+    resilience: ResilienceConfig = ResilienceConfig()  # router-path (resilience.py)
 
     @model_validator(mode="after")
     def _check_references(self) -> "RouterConfig":

@@ -6,6 +6,11 @@ requests already wait, and `QueueTimeout` after `max_wait_s`. A released node go
 oldest waiter. A waiter that is cancelled (client gone) or times out just as a node was handed to it
 passes the node on, so no node is ever lost. `Lease.release()` is idempotent and synchronous, so it is
 safe in every `finally`, even inside a cancelled task.
+
+Health: `available(node)` (default: always) says whether a node may be handed out (health.py's breaker).
+An unavailable node is never given to a request; when no node of the gate is available at all, `acquire`
+raises `NoHealthyNode` at once (and so do the requests already waiting), instead of queueing for a node that
+is down. `poke()` re-runs the hand-over after a health change (a node came back, or all went down).
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Generic, TypeVar
 
-__all__ = ["Lease", "NodeGate", "QueueFull", "QueueTimeout"]
+__all__ = ["Lease", "NoHealthyNode", "NodeGate", "QueueFull", "QueueTimeout"]
 
 N = TypeVar("N")
 
@@ -31,6 +36,12 @@ class QueueTimeout(Exception):
     """No node became free within `max_wait_s`."""
 
     reason = "queue_timeout"
+
+
+class NoHealthyNode(Exception):
+    """Every node of the gate is known down (ejected by the health monitor)."""
+
+    reason = "no_healthy_node"
 
 
 class Lease(Generic[N]):
@@ -54,7 +65,7 @@ class Lease(Generic[N]):
 
 class NodeGate(Generic[N]):
     def __init__(self, nodes: Sequence[N], *, on_change: Callable[["NodeGate[N]"], None] | None = None,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, available: Callable[[N], bool] | None = None):
         if not nodes:
             raise ValueError("a gate needs at least one node")
         self.nodes = list(nodes)
@@ -63,6 +74,7 @@ class NodeGate(Generic[N]):
         self._waiters: deque[asyncio.Future[N]] = deque()
         self._on_change = on_change
         self._clock = clock
+        self._available = available or (lambda node: True)
 
     # ---- state ---------------------------------------------------------------------------
     @property
@@ -77,15 +89,30 @@ class NodeGate(Generic[N]):
         return len(self._busy)
 
     # ---- acquire / release -------------------------------------------------------------------
+    @property
+    def any_available(self) -> bool:
+        return any(self._available(n) for n in self.nodes)
+
+    def _pop_free(self) -> N | None:
+        for node in self._free:
+            if self._available(node):
+                self._free.remove(node)
+                return node
+        return None
+
     def try_acquire(self) -> Lease[N] | None:
-        if self._free and not self.waiting:
-            return self._take(self._free.popleft(), 0.0)
+        if not self.waiting:
+            node = self._pop_free()
+            if node is not None:
+                return self._take(node, 0.0)
         return None
 
     async def acquire(self, *, max_waiting: int, max_wait_s: float) -> Lease[N]:
         lease = self.try_acquire()
         if lease is not None:
             return lease
+        if not self.any_available:
+            raise NoHealthyNode(f"all {len(self.nodes)} node(s) are down")
         if self.waiting >= max_waiting:
             raise QueueFull(f"{self.waiting} requests already wait (max_waiting={max_waiting})")
         t0 = self._clock()
@@ -96,7 +123,7 @@ class NodeGate(Generic[N]):
             async with asyncio.timeout(max_wait_s):
                 node = await asyncio.shield(fut)
         except BaseException as exc:
-            if fut.done() and not fut.cancelled():
+            if fut.done() and not fut.cancelled() and fut.exception() is None:
                 # A node was handed over in the same instant we gave up: pass it on.
                 self._release(fut.result())
             else:
@@ -116,15 +143,32 @@ class NodeGate(Generic[N]):
         return Lease(self, node, waited_s)
 
     def _release(self, node: N) -> None:
-        while self._waiters:
-            w = self._waiters.popleft()
-            if not w.done():
-                w.set_result(node)  # stays busy: ownership moves to the waiter
-                self._changed()
-                return
+        if self._available(node):
+            while self._waiters:
+                w = self._waiters.popleft()
+                if not w.done():
+                    w.set_result(node)  # stays busy: ownership moves to the waiter
+                    self._changed()
+                    return
         self._busy.discard(id(node))
         self._free.append(node)
         self._changed()
+
+    def poke(self) -> None:
+        """Health changed: hand free nodes that came back to waiters; fail the waiters if none is left."""
+        if not self.any_available:
+            for w in self._waiters:
+                if not w.done():
+                    w.set_exception(NoHealthyNode(f"all {len(self.nodes)} node(s) went down"))
+            self._prune()
+            self._changed()
+            return
+        while self.waiting:
+            node = self._pop_free()
+            if node is None:
+                break
+            self._busy.add(id(node))
+            self._release(node)
 
     def _prune(self) -> None:
         while self._waiters and self._waiters[0].done():

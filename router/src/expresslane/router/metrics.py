@@ -54,6 +54,19 @@ class RouterMetrics:
                                        ["lane", "stage", "type"], registry=r)
         self.generated_tokens = Counter(P + "generated_tokens_total", "Completion tokens returned to clients",
                                         ["lane"], registry=r)
+        # ---- off the happy path (health.py, lanes/) ----
+        self.upstream_healthy = Gauge(P + "upstream_healthy", "1 while an upstream takes traffic, 0 while ejected",
+                                      ["lane", "pool", "node"], registry=r)
+        self.ejections = Counter(P + "upstream_ejections_total", "Upstreams ejected by the circuit breaker",
+                                 ["lane", "pool", "node", "reason"], registry=r)
+        self.failovers = Counter(P + "failovers_total",
+                                 "Requests moved to another lane before their first token (node down / failed)",
+                                 ["alias", "from_lane", "to_lane", "reason"], registry=r)
+        self.midstream_failovers = Counter(P + "midstream_failovers_total",
+                                           "Express streams continued on the native lane after their node failed",
+                                           ["pool", "outcome"], registry=r)
+        self.retries = Counter(P + "retries_total", "Decode legs retried on another node of the pool",
+                               ["lane", "pool", "reason"], registry=r)
         self._precreate(config)
 
     def _precreate(self, config: RouterConfig) -> None:
@@ -72,8 +85,16 @@ class RouterMetrics:
                                                               if a.queue is not None and a.pool == name]}
                 for target in targets - {None}:
                     self.spillover.labels(name, target)
+            else:
+                self.retries.labels("native", name, "connect")
+            if isinstance(pool, ExpressPool):
+                for outcome in ("ok", "failed", "disabled"):
+                    self.midstream_failovers.labels(name, outcome)
         for alias, a in config.aliases.items():
             self.requests.labels(config.pools[a.pool].lane, alias, "200")
+            q = config.queue_for(alias, a.pool)
+            if isinstance(config.pools[a.pool], ExpressPool) and q.spill_to:
+                self.failovers.labels(alias, "express", "native", "no_healthy_node")
 
 
 class RequestRecord:

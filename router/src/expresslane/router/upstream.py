@@ -9,6 +9,7 @@ other non-2xx, non-JSON 2xx, bad shape -> UpstreamError (502)
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 from collections.abc import AsyncIterator
@@ -17,8 +18,9 @@ from typing import Any
 import httpx
 
 from .errors import UpstreamError, UpstreamRejected, UpstreamTimeout, UpstreamUnavailable
+from .resilience import Deadline, DeadlineExceeded
 
-__all__ = ["open_stream", "post_json", "map_transport_error", "check_status", "read_json"]
+__all__ = ["LineReader", "open_stream", "post_json", "map_transport_error", "check_status", "read_json"]
 
 
 def map_transport_error(exc: httpx.HTTPError, *, stage: str, url: str) -> UpstreamError:
@@ -54,21 +56,28 @@ def read_json(resp: httpx.Response, *, stage: str) -> dict[str, Any]:
 
 
 async def post_json(client: httpx.AsyncClient, url: str, body: dict, *, stage: str,
-                    timeout: httpx.Timeout) -> dict[str, Any]:
+                    timeout: httpx.Timeout, headers: dict[str, str] | None = None) -> dict[str, Any]:
+    """POST, read the whole JSON reply. The call as a whole is bounded by timeout.read too (httpx's read
+    timeout is per read: a reply that trickles in would otherwise outlive the request's deadline)."""
+    total = timeout.read
     try:
-        resp = await client.post(url, json=body, timeout=timeout)
+        async with asyncio.timeout(total):
+            resp = await client.post(url, json=body, timeout=timeout, headers=headers)
+            await check_status(resp, stage=stage)
     except httpx.HTTPError as e:
         raise map_transport_error(e, stage=stage, url=url) from None
-    await check_status(resp, stage=stage)
+    except TimeoutError:
+        raise UpstreamTimeout(f"{stage}: {url} did not answer within {total:g}s", stage=stage,
+                              kind="timeout") from None
     return read_json(resp, stage=stage)
 
 
 @contextlib.asynccontextmanager
 async def open_stream(client: httpx.AsyncClient, url: str, body: dict, *, stage: str,
-                      timeout: httpx.Timeout) -> AsyncIterator[httpx.Response]:
+                      timeout: httpx.Timeout, headers: dict[str, str] | None = None) -> AsyncIterator[httpx.Response]:
     """POST and yield the 2xx streaming reply (headers received, body unread); closes it on exit."""
     try:
-        req = client.build_request("POST", url, json=body, timeout=timeout)
+        req = client.build_request("POST", url, json=body, timeout=timeout, headers=headers)
         resp = await client.send(req, stream=True)
     except httpx.HTTPError as e:
         raise map_transport_error(e, stage=stage, url=url) from None
@@ -85,6 +94,45 @@ async def iter_lines(resp: httpx.Response, *, stage: str, url: str) -> AsyncIter
             yield line
     except httpx.HTTPError as e:
         raise map_transport_error(e, stage=stage, url=url) from None
+
+
+class LineReader:
+    """The lines of a streamed reply, every wait bounded: the first line by `first_s`, each later one by
+    `next_s` (the stall timeout), all of them by the request's deadline. A wait that runs out raises
+    UpstreamTimeout kind "stall" (or "deadline"); a broken connection the mapped transport error."""
+
+    def __init__(self, resp: httpx.Response, *, stage: str, url: str, first_s: float, next_s: float,
+                 deadline: Deadline):
+        self._it = resp.aiter_lines().__aiter__()
+        self.stage, self.url = stage, url
+        self._first_s, self._next_s, self._deadline = first_s, next_s, deadline
+        self.lines = 0
+
+    async def next(self) -> str | None:
+        """The next line, or None at the end of the stream."""
+        want = self._first_s if self.lines == 0 else self._next_s
+        try:
+            budget = self._deadline.budget(want)
+            async with asyncio.timeout(budget):
+                line = await self._it.__anext__()
+        except StopAsyncIteration:
+            return None
+        except DeadlineExceeded as e:
+            raise UpstreamTimeout(f"{self.stage}: {e}", stage=self.stage, kind="deadline") from None
+        except TimeoutError:
+            if self._deadline.left() <= 0:
+                raise UpstreamTimeout(f"{self.stage}: the request deadline ({self._deadline.total_s:g}s) passed",
+                                      stage=self.stage, kind="deadline") from None
+            raise UpstreamTimeout(f"{self.stage}: {self.url} sent nothing for {want:g}s (stalled)",
+                                  stage=self.stage, kind="stall") from None
+        except httpx.HTTPError as e:
+            raise map_transport_error(e, stage=self.stage, url=self.url) from None
+        self.lines += 1
+        return line
+
+    async def __aiter__(self) -> AsyncIterator[str]:
+        while (line := await self.next()) is not None:
+            yield line
 
 
 def loads_line(line: str, *, stage: str) -> dict[str, Any]:

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import httpx
@@ -16,8 +17,12 @@ from starlette.types import Receive, Scope, Send
 from ..config import RouterConfig
 from ..errors import RouterError, UpstreamError
 from ..metrics import RequestRecord, RouterMetrics
+from ..resilience import Deadline
 
-__all__ = ["LaneContext", "ManagedStream", "count_upstream_error", "shielded"]
+if TYPE_CHECKING:
+    from ..health import HealthMonitor
+
+__all__ = ["EJECTING_KINDS", "LaneContext", "ManagedStream", "count_upstream_error", "shielded"]
 
 log = logging.getLogger("expresslane.router")
 
@@ -28,9 +33,41 @@ class LaneContext:
     client: httpx.AsyncClient
     metrics: RouterMetrics
     clock: Callable[[], float]
+    health: "HealthMonitor | None" = None
+    headers: Callable[[str], dict[str, str]] = lambda kind: {}  # secrets.upstream_headers
+    _background: set[asyncio.Task] = field(default_factory=set)
 
     def timeout(self, read_s: float) -> httpx.Timeout:
         return httpx.Timeout(read_s, connect=self.config.timeouts.connect_s)
+
+    def deadline(self, record: RequestRecord) -> Deadline:
+        return Deadline(self.clock, record.started, self.config.resilience.request_deadline_s)
+
+    def healthy(self, url: str) -> bool:
+        return self.health is None or self.health.healthy(url)
+
+    def report_failure(self, url: str, reason: str) -> None:
+        if self.health is not None:
+            self.health.report_failure(url, reason)
+
+    def report_success(self, url: str) -> None:
+        if self.health is not None:
+            self.health.report_success(url)
+
+    def background(self, aw: Awaitable[Any]) -> None:
+        """Run cleanup (a cancel, a release) without making the client wait for it; shutdown awaits it."""
+        task = asyncio.ensure_future(shielded(aw))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def drain(self, timeout_s: float) -> None:
+        if self._background:
+            await asyncio.wait(set(self._background), timeout=timeout_s)
+
+
+# Transport failures that say the node itself is unreachable, gone or hung: they eject it (health.py).
+# "transport" is a connection the peer dropped mid-reply (RemoteProtocolError: the process died).
+EJECTING_KINDS = ("connect", "timeout", "stall", "transport")
 
 
 def count_upstream_error(ctx: LaneContext, lane: str, err: RouterError) -> None:

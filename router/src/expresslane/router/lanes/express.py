@@ -17,8 +17,22 @@ Per request:
    echo, guided decoding, ...; for TileRT also min_tokens, frequency_penalty) are refused with 400
    before any work. `kind: expresslane` nodes also get `prompt_token_ids` when a repetition penalty
    applies (so it covers the prompt, as in vLLM).
-4. The node is released on every exit. If the router stops early (stop string, client gone, error)
-   it first POSTs /pd/cancel {rid} (bounded by timeouts.cancel_s), then releases.
+4. The node is released on every exit. If the router stops early (stop string, client gone, error, a node
+   504/502, a retry after 429) it first POSTs /pd/cancel {rid} (bounded by timeouts.cancel_s), then releases.
+
+Off the happy path (issue 11; node calls in express_node.py, failover in continuation.py):
+- the gate hands out only healthy nodes; kind expresslane reserves the node (POST /pd/reserve) BEFORE the
+  prefill leg, so a dead or busy node costs no prefill;
+- a request that cannot be served before its first token reaches the client (no healthy node, reserve
+  fails, the prefill reports `expresslane_status: failed`, the node answers 502/503/504/409 or cannot be
+  reached, or sends no first token in time) follows its alias's policy as for busy: `spill` to the native
+  target (failovers_total{reason}) or a typed 503 with Retry-After. A failed reserve first tries another
+  healthy node of the pool;
+- the node is always asked for NDJSON: the first token within `first_token_timeout_s`, each later line
+  within `stall_timeout_s`, all within the request deadline; a stall ejects the node;
+- after the first token, a node failure continues the request on the native lane from its token history
+  (continuation.py; per alias `resilience.midstream_failover`), else it is an error event (stream) or a
+  typed 5xx (non-stream), never a partial 200.
 """
 
 from __future__ import annotations
@@ -26,87 +40,37 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import Any
 
 import httpx
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
 from ..config import ExpressNode, ExpressPool, QueueConfig
 from ..detokenizer import IncrementalDetokenizer, ModelText, OutputAssembler
-from ..errors import BadRequest, LaneBusy, RouterError, UpstreamError, UpstreamTimeout, UpstreamUnavailable
-from ..gate import Lease, NodeGate, QueueFull, QueueTimeout
+from ..errors import LaneBusy, RouterError, UpstreamError, UpstreamUnavailable
+from ..gate import Lease, NodeGate, NoHealthyNode, QueueFull, QueueTimeout
 from ..metrics import RequestRecord, node_label
-from ..openai_shapes import (SSE_DONE, ClientRequest, chat_chunk, chat_response, completion_chunk,
-                             completion_response, sse, usage_chunk)
+from ..openai_shapes import ClientRequest
 from ..prefill import derive_tilert_rid, express_prefill_body, first_token_id, prompt_token_ids, prompt_tokens
-from ..upstream import iter_lines, loads_line, map_transport_error, post_json, read_json
-from .base import LaneContext, ManagedStream, closing_on_error, count_upstream_error
+from ..resilience import Deadline
+from ..upstream import map_transport_error, post_json, read_json
+from .base import EJECTING_KINDS, LaneContext, ManagedStream, closing_on_error, count_upstream_error
+from .continuation import Continuation
+from .express_node import STAGE, Leg, NodeBusy, NodeClient, NodeFailed, NodeTokens
+from .express_options import SAMPLING_KEYS, check_express_supported, sampling_of
+from .express_output import Feed, collect, relay
 from .native import NativeLane
 
-__all__ = ["ExpressLane", "NodeBusy", "check_express_supported", "sampling_of"]
+__all__ = ["SAMPLING_KEYS", "ExpressLane", "NodeBusy", "check_express_supported", "sampling_of"]
 
 log = logging.getLogger("expresslane.router.express")
 
-# The /pd/decode `sampling` keys each node kind honours (our engine server: more than TileRT).
-SAMPLING_KEYS = {
-    "expresslane": ("temperature", "top_p", "top_k", "repetition_penalty", "presence_penalty", "frequency_penalty",
-                    "ignore_eos", "seed", "stop_token_ids", "min_tokens"),
-    # TileRT refuses per-request stop_token_ids (its loop uses the model's stop set): the router enforces them.
-    "tilert": ("temperature", "top_p", "top_k", "repetition_penalty", "presence_penalty", "ignore_eos", "seed"),
-}
-STAGE = "express_decode"
-
-
-class NodeBusy(Exception):
-    """The node answered 429: another client holds it (e.g. a second router)."""
-
-
-def _set(v: Any) -> bool:
-    return v not in (None, False, 0, 0.0, "", [], {})
-
-
-# Request fields an express decode node cannot honour: refused loudly instead of ignored.
-_UNSUPPORTED = ("logprobs", "top_logprobs", "prompt_logprobs", "echo", "logit_bias", "min_p", "bad_words",
-                "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
-                "allowed_token_ids")
-_UNSUPPORTED_BY_KIND = {"expresslane": (), "tilert": ("min_tokens", "frequency_penalty")}
-
-
-def check_express_supported(body: dict[str, Any], kind: str = "expresslane") -> None:
-    for key in _UNSUPPORTED + _UNSUPPORTED_BY_KIND[kind]:
-        if _set(body.get(key)):
-            raise BadRequest(f"'{key}' is not supported on the express lane; send 'X-Lane: native' to use it",
-                             param=key)
-    rf = body.get("response_format")
-    if isinstance(rf, dict) and rf.get("type") not in (None, "text"):
-        raise BadRequest("'response_format' is not supported on the express lane; send 'X-Lane: native'",
-                         param="response_format")
-
-
-def sampling_of(body: dict[str, Any], defaults: dict[str, Any], kind: str = "expresslane") -> dict[str, Any]:
-    """The sampling block of /pd/decode: the client's values, vLLM's generation-config defaults otherwise."""
-    out = {k: body[k] for k in SAMPLING_KEYS[kind] if body.get(k) is not None}
-    for k, v in defaults.items():
-        out.setdefault(k, v)
-    return out
-
-
-@dataclass
-class _Leg:
-    """What the prefill leg produced, plus the node call's state."""
-
-    node: ExpressNode
-    rid: str
-    response_id: str
-    first_token_id: int
-    prompt_ids: list[int]
-    n_prompt: int
-    max_tokens: int
-    settled: bool = False  # the node finished or refused on its own: no /pd/cancel needed
+def _label(text: str) -> str:
+    """A short metric-safe label from a free-form reason (`too_long: 9000 > 4096` -> `too_long`)."""
+    head = text.split(":", 1)[0].strip().lower()
+    return "".join(c if c.isalnum() or c == "_" else "_" for c in head)[:40] or "failed"
 
 
 class ExpressLane:
@@ -116,8 +80,12 @@ class ExpressLane:
         self.pools = pools
         self.native = native
         self.model_text = model_text
+        self.nodes = NodeClient(ctx)
         self.gates: dict[str, NodeGate[ExpressNode]] = {
-            name: NodeGate(p.nodes, on_change=self._gauges(name)) for name, p in pools.items()}
+            name: NodeGate(p.nodes, on_change=self._gauges(name), available=lambda n: ctx.healthy(n.url))
+            for name, p in pools.items()}
+        if ctx.health is not None:
+            ctx.health.on_change(lambda: [g.poke() for g in self.gates.values()])
         self._max_model_len: int | None = ctx.config.max_model_len
 
     def _gauges(self, pool: str):
@@ -134,23 +102,34 @@ class ExpressLane:
         check_express_supported(req.body, self.pools[pool].kind)
         if self.model_text is None:
             raise RouterError("express lane has no tokenizer loaded (tokenizer_dir)")
+        deadline = self.ctx.deadline(record)
         gate, busy_retries = self.gates[pool], self.pools[pool].busy_retries
-        attempt = 0
+        busy = failed = 0
         while True:
             try:
-                lease = await gate.acquire(max_waiting=queue.max_waiting, max_wait_s=queue.max_wait_s)
+                lease = await gate.acquire(max_waiting=queue.max_waiting,
+                                           max_wait_s=max(0.0, min(queue.max_wait_s, deadline.left())))
             except (QueueFull, QueueTimeout) as e:
                 return await self._when_full(req, pool, queue, e.reason, str(e), record)
+            except NoHealthyNode as e:
+                return await self._failover(req, pool, queue, e.reason, str(e), record)
             self.ctx.metrics.queue_wait.labels("express").observe(lease.waited_s)
             try:
-                return await self._serve(req, lease, record)
+                return await self._serve(req, pool, lease, record, deadline)
             except NodeBusy:
-                attempt += 1
-                log.info("express node %s busy (attempt %d)", lease.node.url, attempt)
-                if attempt > busy_retries:
+                busy += 1
+                log.info("express node %s busy (attempt %d)", lease.node.url, busy)
+                if busy > busy_retries:
                     return await self._when_full(req, pool, queue, "node_busy",
-                                                 f"express nodes stayed busy after {attempt} tries", record)
-                await asyncio.sleep(min(0.05 * attempt, 0.5))
+                                                 f"express nodes stayed busy after {busy} tries", record)
+                await asyncio.sleep(min(0.05 * busy, 0.5))
+            except NodeFailed as e:
+                self.ctx.metrics.upstream_errors.labels("express", STAGE, e.reason).inc()
+                log.warning("express node %s cannot serve a request: %s (%s)", lease.node.url, e.reason, e.detail)
+                failed += 1
+                if e.before_prefill and failed < len(gate.nodes) and gate.any_available:
+                    continue  # nothing spent yet: another healthy node of the pool may take it
+                return await self._failover(req, pool, queue, e.reason, e.detail, record)
 
     async def _when_full(self, req: ClientRequest, pool: str, queue: QueueConfig, reason: str, why: str,
                          record: RequestRecord) -> Response:
@@ -163,60 +142,91 @@ class ExpressLane:
         raise LaneBusy(f"the express lane is busy ({why}); retry later or send 'X-Lane: native'",
                        retry_after_s=queue.retry_after_s, reason=reason)
 
-    # ---- one attempt on one node ------------------------------------------------------------------
-    async def _serve(self, req: ClientRequest, lease: Lease[ExpressNode], record: RequestRecord) -> Response:
-        stack = contextlib.AsyncExitStack()
-        stack.callback(lease.release)
-        async with closing_on_error(stack):
-            try:
-                leg = await self._prefill(req, lease.node)
-                stack.push_async_callback(self._cancel_unless_settled, leg)
-                if req.stream:
-                    resp = await self._open_decode(leg, req, stream=True)
-                    stack.push_async_callback(resp.aclose)
-                    return ManagedStream(self._relay(req, leg, resp, stack, record), on_close=stack.aclose,
-                                         record=record)
-                resp = await self._open_decode(leg, req, stream=False)
-                reply = read_json(resp, stage=STAGE)
-            except RouterError as e:
-                count_upstream_error(self.ctx, "express", e)
-                raise
-        leg.settled = True
-        await stack.aclose()
-        asm = self._assembler(req, leg)
-        ids = reply.get("token_ids")
-        if not isinstance(ids, list):
-            raise UpstreamError("express node reply has no token_ids", stage=STAGE)
-        text = asm.push(ids)
-        timing = reply.get("timing_ms") if isinstance(reply.get("timing_ms"), dict) else {}
-        text += asm.finish(reply.get("finish_reason") or timing.get("finish_reason"))
-        n = len(asm.token_ids)
-        record.finish(200, n)
-        build = chat_response if req.kind == "chat" else completion_response
-        extra = {"token_ids": asm.token_ids, "prompt_token_ids": leg.prompt_ids} if req.body.get(
-            "return_token_ids") else {}
-        return JSONResponse(build(leg.response_id, req.alias, text, asm.finish_reason, asm.stop_reason,
-                                  leg.n_prompt, n, **extra))
+    async def _failover(self, req: ClientRequest, pool: str, queue: QueueConfig, reason: str, why: str,
+                        record: RequestRecord) -> Response:
+        """No express node can serve this request before its first token: the alias's policy decides."""
+        if queue.when_full == "spill" and queue.spill_to:
+            self.ctx.metrics.failovers.labels(req.alias, "express", "native", reason).inc()
+            record.lane = "native"
+            return await self.native.handle(req, queue.spill_to, record)
+        ra = self.ctx.config.resilience.unavailable_retry_after_s
+        raise UpstreamUnavailable(f"the express lane cannot serve this request now ({reason}: {why}); retry later "
+                                  "or send 'X-Lane: native'", stage=STAGE, kind=reason,
+                                  code="express_lane_unavailable", headers={"retry-after": str(ra)})
 
-    async def _prefill(self, req: ClientRequest, node: ExpressNode) -> _Leg:
+    def _failover_pool(self, alias: str, pool: str) -> str | None:
+        """Where a mid-stream failover continues: the alias's spill target, else the default native pool."""
+        q = self.ctx.config.queue_for(alias, pool)
+        return q.spill_to or self.ctx.config.lane_pool("native")
+
+    # ---- one attempt on one node ------------------------------------------------------------------
+    async def _serve(self, req: ClientRequest, pool: str, lease: Lease[ExpressNode], record: RequestRecord,
+                     deadline: Deadline) -> Response:
+        leg = Leg(node=lease.node, kind=self.pools[pool].kind, rid=uuid.uuid4().hex)
+        stack = contextlib.AsyncExitStack()
+        stack.push_async_callback(self._let_go, leg, lease)
+        async with closing_on_error(stack):
+            if leg.kind == "expresslane":
+                await self.nodes.reserve(leg, deadline)
+            await self._prefill(req, leg, deadline)
+            res = self.ctx.config.resilience
+            tokens: NodeTokens | None = None
+            if not (req.stream and res.first_token_at_once and res.midstream_failover_for(req.alias)):
+                tokens = await self.nodes.open_decode(leg, self._decode_body(req, leg), deadline)
+                stack.push_async_callback(tokens.aclose)
+        asm = self._assembler(req, leg)
+        feed = Feed()
+        batches = self._batches(req, pool, leg, tokens, asm, feed, stack, deadline)
+        if req.stream:
+            return ManagedStream(relay(req, leg, asm, feed, batches, stack, record), on_close=stack.aclose,
+                                 record=record)
+        return await collect(req, leg, asm, feed, batches, stack, record)
+
+    async def _let_go(self, leg: Leg, lease: Lease[ExpressNode]) -> None:
+        """Cancel the rid on the node unless it finished on its own, then release the node. A node known
+        down is released at once and its cancel runs in the background (it may hang until cancel_s)."""
+        if leg.settled:
+            lease.release()
+            return
+        if not self.ctx.healthy(leg.node.url):
+            lease.release()
+            self.ctx.background(self.nodes.cancel_unless_settled(leg))
+            return
+        try:
+            await self.nodes.cancel_unless_settled(leg)
+        finally:
+            lease.release()
+
+    async def _prefill(self, req: ClientRequest, leg: Leg, deadline: Deadline) -> None:
         ctx, cfg = self.ctx, self.ctx.config
-        kind = self.pools_kind(node)
-        rid = uuid.uuid4().hex
-        if kind == "tilert":
+        node = leg.node
+        if leg.kind == "tilert":
             marker = {"tilert_host": node.ctrl_host, "tilert_ctrl_port": node.ctrl_port}
         else:
             marker = {"expresslane_host": node.ctrl_host, "expresslane_ctrl_port": node.ctrl_port,
-                      "expresslane_rid": rid}
+                      "expresslane_rid": leg.rid}
         body = express_prefill_body(req.body, cfg.prefill.model, chat=req.kind == "chat", kv_transfer_params=marker)
-        pre = await post_json(ctx.client, cfg.prefill.url + req.path, body, stage="prefill",
-                              timeout=ctx.timeout(cfg.timeouts.prefill_s))
-        response_id = pre.get("id") if isinstance(pre.get("id"), str) else f"cmpl-{rid}"
-        if kind == "tilert":
-            rid = derive_tilert_rid(response_id)
-        n_prompt = prompt_tokens(pre)
-        max_tokens = req.max_tokens or await self._default_max_tokens(n_prompt)
-        return _Leg(node=node, rid=rid, response_id=response_id, first_token_id=first_token_id(pre, chat=req.kind == "chat"),
-                    prompt_ids=prompt_token_ids(pre), n_prompt=n_prompt, max_tokens=max_tokens)
+        self.native.require_prefill_up()
+        try:
+            pre = await post_json(ctx.client, cfg.prefill.url + req.path, body, stage="prefill",
+                                  headers=ctx.headers("vllm"),
+                                  timeout=ctx.timeout(deadline.timeout_for(cfg.timeouts.prefill_s, stage="prefill")))
+        except RouterError as e:
+            count_upstream_error(ctx, "express", e)
+            if isinstance(e, UpstreamError) and e.kind in EJECTING_KINDS:
+                ctx.report_failure(cfg.prefill.url, e.kind)
+            raise
+        kvp = pre.get("kv_transfer_params")
+        if leg.kind == "expresslane" and isinstance(kvp, dict) and kvp.get("expresslane_status") == "failed":
+            err = str(kvp.get("expresslane_error") or "failed")
+            raise NodeFailed("prefill_" + _label(err), f"the prefill could not hand the KV to {node.name}: {err}")
+        leg.response_id = pre.get("id") if isinstance(pre.get("id"), str) else f"cmpl-{leg.rid}"
+        if leg.kind == "tilert":
+            leg.rid = derive_tilert_rid(leg.response_id)
+        leg.n_prompt = prompt_tokens(pre)
+        leg.max_tokens = req.max_tokens or await self._default_max_tokens(leg.n_prompt)
+        leg.first_token_id = first_token_id(pre, chat=req.kind == "chat")
+        leg.prompt_ids = prompt_token_ids(pre)
 
     def pools_kind(self, node: ExpressNode) -> str:
         for p in self.pools.values():
@@ -236,54 +246,15 @@ class ExpressLane:
                                     "/v1/models; set max_model_len in the router config", stage="prefill")
         return max(1, self._max_model_len - n_prompt)
 
-    async def _open_decode(self, leg: _Leg, req: ClientRequest, *, stream: bool) -> httpx.Response:
-        cfg = self.ctx.config
-        kind = self.pools_kind(leg.node)
-        sampling = sampling_of(req.body, self.model_text.generation_defaults if self.model_text else {}, kind)
+    def _decode_body(self, req: ClientRequest, leg: Leg) -> dict[str, Any]:
+        sampling = sampling_of(req.body, self.model_text.generation_defaults if self.model_text else {}, leg.kind)
         body = {"rid": leg.rid, "first_token_id": leg.first_token_id, "max_tokens": leg.max_tokens,
-                "sampling": sampling, "stream": stream, "timeout_s": cfg.timeouts.kv_wait_s}
-        if kind == "expresslane" and sampling.get("repetition_penalty", 1.0) != 1.0 and leg.prompt_ids:
+                "sampling": sampling, "stream": True, "timeout_s": self.ctx.config.timeouts.kv_wait_s}
+        if leg.kind == "expresslane" and sampling.get("repetition_penalty", 1.0) != 1.0 and leg.prompt_ids:
             body["prompt_token_ids"] = leg.prompt_ids  # our extension: the penalty covers the prompt, like vLLM
-        url = leg.node.url + "/pd/decode"
-        timeout = httpx.Timeout(cfg.timeouts.decode_s + cfg.timeouts.kv_wait_s, connect=cfg.timeouts.connect_s)
-        try:
-            resp = await self.ctx.client.send(self.ctx.client.build_request("POST", url, json=body, timeout=timeout),
-                                              stream=stream)
-        except httpx.HTTPError as e:
-            raise map_transport_error(e, stage=STAGE, url=url) from None
-        if resp.is_success:
-            return resp
-        content = (await resp.aread())[:300].decode("utf-8", "replace")
-        await resp.aclose()
-        leg.settled = True
-        if resp.status_code == 429:
-            raise NodeBusy(content)
-        if resp.status_code == 504:
-            raise UpstreamTimeout(f"express node {leg.node.name}: the KV cache never arrived ({content})",
-                                  stage=STAGE, kind="kv_timeout")
-        if resp.status_code in (400, 422, 501):  # the node refuses a parameter it cannot honour
-            self.ctx.metrics.upstream_errors.labels("express", STAGE, f"http_{resp.status_code}").inc()
-            raise BadRequest(f"express node {leg.node.name} refused the request: {content}; "
-                             "send 'X-Lane: native' to use the native lane")
-        if resp.status_code == 503:
-            raise UpstreamUnavailable(f"express node {leg.node.name} is unavailable: {content}", stage=STAGE,
-                                      kind="http_503")
-        raise UpstreamError(f"express node {leg.node.name} answered {resp.status_code}: {content}", stage=STAGE,
-                            kind=f"http_{resp.status_code}")
+        return body
 
-    async def _cancel_unless_settled(self, leg: _Leg) -> None:
-        if leg.settled:
-            return
-        leg.settled = True
-        t = self.ctx.config.timeouts.cancel_s
-        try:
-            r = await self.ctx.client.post(leg.node.url + "/pd/cancel", json={"rid": leg.rid},
-                                           timeout=httpx.Timeout(t, connect=min(t, self.ctx.config.timeouts.connect_s)))
-            log.info("cancel %s on %s -> %d", leg.rid, leg.node.url, r.status_code)
-        except httpx.HTTPError as e:
-            log.warning("cancel %s on %s failed: %s", leg.rid, leg.node.url, e)
-
-    def _assembler(self, req: ClientRequest, leg: _Leg) -> OutputAssembler:
+    def _assembler(self, req: ClientRequest, leg: Leg) -> OutputAssembler:
         mt = self.model_text
         assert mt is not None
         b = req.body
@@ -294,66 +265,80 @@ class ExpressLane:
                                ignore_eos=bool(b.get("ignore_eos")), min_tokens=int(b.get("min_tokens") or 0),
                                include_stop_str_in_output=bool(b.get("include_stop_str_in_output")))
 
-    # ---- streaming ------------------------------------------------------------------------------
-    async def _relay(self, req: ClientRequest, leg: _Leg, resp: httpx.Response, stack: contextlib.AsyncExitStack,
-                     record: RequestRecord) -> AsyncIterator[bytes]:
-        asm = self._assembler(req, leg)
-        created, rid, model, chat = int(time.time()), leg.response_id, req.alias, req.kind == "chat"
-
-        def piece(text: str, finish: str | None = None, stop_reason: Any = None) -> bytes:
-            if chat:
-                return sse(chat_chunk(rid, model, created, {"content": text}, finish, stop_reason))
-            return sse(completion_chunk(rid, model, created, text, finish, stop_reason))
-
-        if chat:
-            yield sse(chat_chunk(rid, model, created, {"role": "assistant", "content": ""}))
-        node_reason: str | None = None
+    # ---- the answer's tokens: the node's, then (mid-stream failover) the native lane's ----------------
+    async def _open_after_first(self, req: ClientRequest, leg: Leg, stack: contextlib.AsyncExitStack,
+                                deadline: Deadline) -> NodeTokens:
+        """open_decode once the prefill's first token is already with the client: any failure is mid-stream."""
         try:
-            done = False
-            async for line in iter_lines(resp, stage=STAGE, url=leg.node.url):
-                if not line.strip():
-                    continue
-                msg = loads_line(line, stage=STAGE)
-                if "t" in msg:
-                    text = asm.push(msg["t"] if isinstance(msg["t"], list) else [])
-                    if text:
-                        record.token_chunk()
-                        yield piece(text)
-                    if asm.finished and asm.finish_reason != "length":
-                        break  # stop string / stop id / EOS seen here: cancel the node below
-                elif msg.get("done"):
-                    node_reason, done = msg.get("finish_reason"), True
-                    break
-                elif "error" in msg:
-                    leg.settled = True
-                    raise UpstreamError(f"express node {leg.node.name} failed mid-stream: {msg.get('error')}",
-                                        stage=STAGE, kind="stream_error")
-            if not done and not asm.finished:
-                raise UpstreamError(f"express node {leg.node.name} ended the stream without a done line",
-                                    stage=STAGE, kind="truncated")
-            leg.settled = leg.settled or done
+            tokens = await self.nodes.open_decode(leg, self._decode_body(req, leg), deadline)
+        except (NodeFailed, NodeBusy) as e:
+            reason = e.reason if isinstance(e, NodeFailed) else "node_busy"
+            raise UpstreamError(f"express node {leg.node.name} could not take over after the first token: "
+                                f"{reason}: {e}", stage=STAGE, kind=reason) from None
+        stack.push_async_callback(tokens.aclose)
+        return tokens
+
+    async def _batches(self, req: ClientRequest, pool: str, leg: Leg, tokens: NodeTokens | None,
+                       asm: OutputAssembler, feed: Feed, stack: contextlib.AsyncExitStack,
+                       deadline: Deadline) -> AsyncIterator[list[int]]:
+        try:
+            skip_first = False
+            if tokens is None:  # first token at once: the prefill's token now, the node's stream after it
+                yield [leg.first_token_id]
+                if asm.finished:
+                    return  # the first token was the whole answer: the node's rid is cancelled on close
+                tokens = await self._open_after_first(req, leg, stack, deadline)
+                skip_first = True
+            async with contextlib.aclosing(tokens.batches()) as node_batches:
+                async for ids in node_batches:
+                    if skip_first:  # the node's stream starts with the first token, already sent
+                        skip_first = False
+                        if ids[0] != leg.first_token_id:
+                            raise UpstreamError(f"express node {leg.node.name} did not start from the first token "
+                                                f"({ids[0]} != {leg.first_token_id})", stage=STAGE)
+                        ids = ids[1:]
+                    if ids:
+                        yield ids
+            feed.finish_reason = tokens.finish_reason
+            return
         except UpstreamError as e:
             count_upstream_error(self.ctx, "express", e)
-            await stack.aclose()
-            yield sse(e.body())
-            yield SSE_DONE
-            record.finish(e.status, len(asm.token_ids))
-            return
-        await stack.aclose()  # cancel (if we stopped early) and release the node before the tail is sent
-        tail = asm.finish(node_reason)
-        n = len(asm.token_ids)
-        if tail:
-            record.token_chunk()
-        yield piece(tail, asm.finish_reason, asm.stop_reason)
-        if req.include_usage:
-            yield sse(usage_chunk(req.kind, rid, model, created, leg.n_prompt, n))
-        yield SSE_DONE
-        record.finish(200, n)
-
+            if e.kind in EJECTING_KINDS:
+                self.ctx.report_failure(leg.node.url, e.kind)
+            if asm.finished or len(asm.token_ids) >= leg.max_tokens:
+                return  # every token is in: nothing to continue
+            target = self._failover_pool(req.alias, pool)
+            if not self.ctx.config.resilience.midstream_failover_for(req.alias) or target is None or not leg.prompt_ids:
+                self.ctx.metrics.midstream_failovers.labels(pool, "disabled").inc()
+                raise
+            failure = e
+        log.warning("express node %s failed after %d tokens (%s): continuing rid %s on native pool %s",
+                    leg.node.url, len(asm.token_ids), failure.kind, leg.rid, target)
+        self.ctx.background(stack.pop_all().aclose())  # cancel + release the node; the client's stream goes on
+        feed.failed_over = True
+        cont = Continuation(self.native, target)
+        outcome = "failed"
+        done = len(asm.token_ids)
+        try:
+            async with contextlib.aclosing(cont.tokens(req.body, leg.prompt_ids + asm.token_ids,
+                                                       leg.max_tokens - done, done, deadline)) as native_batches:
+                async for ids in native_batches:
+                    yield ids
+            outcome = "ok"
+            feed.finish_reason = cont.finish_reason
+        except GeneratorExit:
+            outcome = "ok"  # the client's answer finished (stop rule) or the client left
+            raise
+        except RouterError as e2:
+            raise UpstreamError(f"{failure.message}; the mid-stream failover to the native lane failed too: "
+                                f"{e2.message}", stage=STAGE, kind="failover_failed") from None
+        finally:
+            self.ctx.metrics.midstream_failovers.labels(pool, outcome).inc()
 
 async def post_free_get(ctx: LaneContext, url: str) -> dict[str, Any]:
     try:
-        resp = await ctx.client.get(url, timeout=ctx.timeout(ctx.config.timeouts.connect_s))
+        resp = await ctx.client.get(url, headers=ctx.headers("vllm"),
+                                    timeout=ctx.timeout(ctx.config.timeouts.connect_s))
     except httpx.HTTPError as e:
         raise map_transport_error(e, stage="prefill", url=url) from None
     if not resp.is_success:

@@ -7,6 +7,17 @@
    events, rewriting `model` to the alias; the router always asks for the usage chunk (to count
    tokens) and drops it again unless the client asked for it.
 The response id is the decode's, the usage is the decode's with `prompt_tokens` from the prefill.
+
+Off the happy path:
+- only healthy nodes (health.py) are picked; no healthy node -> 503 + Retry-After before any prefill;
+  a prefill known down -> the same, at once.
+- a decode node that fails before the first byte reaches the client (connect error, 503, no first event in
+  `first_token_timeout_s`, a stream that ends before its first event) is retried on another healthy node
+  (at most `resilience.native_retries` times, counted in retries_total). After a connect error the KV was
+  never touched, so the same kv_transfer_params are reused; otherwise the prefill runs again (the first
+  node may have pulled and freed the blocks).
+- a stream that sends nothing for `stall_timeout_s`, or ends without `[DONE]`, is an error event in vLLM's
+  streaming error format (then `[DONE]`), never a quiet success.
 """
 
 from __future__ import annotations
@@ -14,20 +25,24 @@ from __future__ import annotations
 import contextlib
 import json
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
-import httpx
 from starlette.responses import JSONResponse, Response
 
 from ..config import NativePool
-from ..errors import RouterError, UpstreamError
+from ..errors import RouterError, UpstreamError, UpstreamTimeout, UpstreamUnavailable
 from ..metrics import RequestRecord, node_label
 from ..openai_shapes import SSE_DONE, ClientRequest, iter_sse_data, sse
 from ..prefill import native_prefill_body, prompt_tokens
-from ..upstream import iter_lines, open_stream, post_json
-from .base import LaneContext, ManagedStream, closing_on_error, count_upstream_error
+from ..resilience import Deadline
+from ..upstream import LineReader, open_stream, post_json
+from .base import EJECTING_KINDS, LaneContext, ManagedStream, closing_on_error, count_upstream_error
 
-__all__ = ["NativeLane", "decode_body", "fix_usage"]
+__all__ = ["NativeLane", "NativeStream", "decode_body", "fix_usage"]
+
+# Failures before the first byte that another node may not have: retried there.
+RETRY_KINDS = ("connect", "http_503", "stall", "timeout", "transport", "truncated")
 
 
 def decode_body(body: dict[str, Any], model: str, kv_transfer_params: dict[str, Any],
@@ -58,6 +73,21 @@ def _has_text(obj: dict[str, Any]) -> bool:
     return False
 
 
+@dataclass
+class NativeStream:
+    """An open native decode stream whose first SSE event has been read (so it is known to work)."""
+
+    url: str
+    first: str  # the first event's data
+    events: AsyncIterator[str]  # the rest
+    stack: contextlib.AsyncExitStack  # closes the upstream reply and the node's in-flight count
+
+    async def all_events(self) -> AsyncIterator[str]:
+        yield self.first
+        async for data in self.events:
+            yield data
+
+
 class NativeLane:
     def __init__(self, ctx: LaneContext, pools: dict[str, NativePool]):
         self.ctx = ctx
@@ -66,43 +96,97 @@ class NativeLane:
             (name, url): 0 for name, p in pools.items() for url in p.nodes}
 
     # ---- node choice -------------------------------------------------------------------------
-    def pick_node(self, pool: str) -> str:
-        return min(self.pools[pool].nodes, key=lambda url: self._outstanding[(pool, url)])
+    def pick_node(self, pool: str, exclude: tuple[str, ...] = ()) -> str | None:
+        """The healthy node with the fewest outstanding requests, or None when none is up."""
+        cands = [u for u in self.pools[pool].nodes if u not in exclude and self.ctx.healthy(u)]
+        return min(cands, key=lambda url: self._outstanding[(pool, url)]) if cands else None
 
     def _track(self, pool: str, url: str, delta: int) -> None:
         key = (pool, url)
         self._outstanding[key] += delta
         self.ctx.metrics.inflight.labels(pool, node_label(url)).set(self._outstanding[key])
 
-    # ---- orchestration ---------------------------------------------------------------------------
-    async def handle(self, req: ClientRequest, pool: str, record: RequestRecord) -> Response:
-        ctx = self.ctx
-        cfg = ctx.config
+    def _unavailable(self, what: str) -> UpstreamUnavailable:
+        ra = self.ctx.config.resilience.unavailable_retry_after_s
+        return UpstreamUnavailable(f"{what}; retry later", stage="decode", kind="no_healthy_node",
+                                   headers={"retry-after": str(ra)})
+
+    def _failed(self, url: str, err: RouterError) -> None:
+        count_upstream_error(self.ctx, "native", err)
+        if isinstance(err, UpstreamError) and err.kind in EJECTING_KINDS:
+            self.ctx.report_failure(url, err.kind)
+
+    # ---- the prefill leg ---------------------------------------------------------------------------
+    def require_prefill_up(self) -> None:
+        """A prefill known down fails the request at once (typed 503 + Retry-After), on both lanes."""
+        cfg = self.ctx.config
+        if not self.ctx.healthy(cfg.prefill.url):
+            raise UpstreamUnavailable("the prefill server is down (health probes fail); retry later",
+                                      stage="prefill", kind="no_healthy_node",
+                                      headers={"retry-after": str(cfg.resilience.unavailable_retry_after_s)})
+
+    async def prefill(self, body: dict[str, Any], path: str, deadline: Deadline) -> tuple[dict[str, Any], int]:
+        """(kv_transfer_params, prompt tokens) of a native prefill leg for the client body `body`."""
+        ctx, cfg = self.ctx, self.ctx.config
+        self.require_prefill_up()
         try:
-            pre = await post_json(ctx.client, cfg.prefill.url + req.path,
-                                  native_prefill_body(req.body, cfg.prefill.model),
-                                  stage="prefill", timeout=ctx.timeout(cfg.timeouts.prefill_s))
+            pre = await post_json(ctx.client, cfg.prefill.url + path, native_prefill_body(body, cfg.prefill.model),
+                                  stage="prefill", headers=ctx.headers("vllm"),
+                                  timeout=ctx.timeout(deadline.timeout_for(cfg.timeouts.prefill_s, stage="prefill")))
             kvp = pre.get("kv_transfer_params")
             if not isinstance(kvp, dict):
                 raise UpstreamError("prefill reply has no kv_transfer_params: is the prefill server started "
                                     "with a kv-transfer-config that includes NixlConnector?", stage="prefill")
-            n_prompt = prompt_tokens(pre)
+            return kvp, prompt_tokens(pre)
         except RouterError as e:
-            count_upstream_error(ctx, "native", e)
+            self._failed(cfg.prefill.url, e)
             raise
-        url = self.pick_node(pool)
-        body = decode_body(req.body, cfg.native_model(pool), kvp, force_usage=True)
-        if req.stream:
-            return await self._stream(req, pool, url, body, n_prompt, record)
+
+    # ---- orchestration ---------------------------------------------------------------------------
+    async def handle(self, req: ClientRequest, pool: str, record: RequestRecord) -> Response:
+        ctx, cfg = self.ctx, self.ctx.config
+        deadline = ctx.deadline(record)
+        if self.pick_node(pool) is None:
+            raise self._unavailable(f"every decode node of pool {pool!r} is down")
+        kvp, n_prompt = await self.prefill(req.body, req.path, deadline)
+        tried: tuple[str, ...] = ()
+        retries = cfg.resilience.native_retries
+        while True:
+            url = self.pick_node(pool, tried)
+            if url is None:
+                raise self._unavailable(f"no healthy decode node of pool {pool!r} is left to try")
+            body = decode_body(req.body, cfg.native_model(pool), kvp, force_usage=True)
+            try:
+                if req.stream:
+                    st = await self.open_stream(pool, url, req.path, body, deadline)
+                    return ManagedStream(self._relay(req, st, n_prompt, record), on_close=st.stack.aclose,
+                                         record=record)
+                return await self._non_stream(req, pool, url, body, n_prompt, record, deadline)
+            except UpstreamError as e:
+                if len(tried) >= retries or e.kind not in RETRY_KINDS or self.pick_node(pool, tried + (url,)) is None:
+                    raise
+                tried += (url,)
+                ctx.metrics.retries.labels("native", pool, e.kind).inc()
+                if e.kind != "connect":  # the node may have pulled (and so freed) the KV: prefill again
+                    kvp, n_prompt = await self.prefill(req.body, req.path, deadline)
+
+    async def _non_stream(self, req: ClientRequest, pool: str, url: str, body: dict[str, Any], n_prompt: int,
+                          record: RequestRecord, deadline: Deadline) -> Response:
+        ctx = self.ctx
         self._track(pool, url, +1)
         try:
-            out = await post_json(ctx.client, url + req.path, body, stage="decode",
-                                  timeout=ctx.timeout(cfg.timeouts.decode_s))
+            out = await post_json(ctx.client, url + req.path, body, stage="decode", headers=ctx.headers("vllm"),
+                                  timeout=ctx.timeout(deadline.timeout_for(ctx.config.timeouts.decode_s,
+                                                                           stage="decode")))
         except RouterError as e:
-            count_upstream_error(ctx, "native", e)
-            raise
+            if isinstance(e, UpstreamError) and e.kind == "timeout" and deadline.left() <= 0:
+                e = UpstreamTimeout(f"decode: the request deadline ({deadline.total_s:g}s) passed", stage="decode",
+                                    kind="deadline")  # the request's clock ran out, not the node's fault
+            self._failed(url, e)
+            raise e from None
         finally:
             self._track(pool, url, -1)
+        ctx.report_success(url)
         out["model"] = req.alias
         if "kv_transfer_params" in out:
             out["kv_transfer_params"] = None
@@ -110,27 +194,40 @@ class NativeLane:
         record.finish(200, completion)
         return JSONResponse(out)
 
-    async def _stream(self, req: ClientRequest, pool: str, url: str, body: dict[str, Any], n_prompt: int,
-                      record: RequestRecord) -> Response:
-        ctx = self.ctx
+    async def open_stream(self, pool: str, url: str, path: str, body: dict[str, Any],
+                          deadline: Deadline) -> NativeStream:
+        """POST a streaming decode leg and read its first event (bounded by first_token_timeout_s)."""
+        ctx, res = self.ctx, self.ctx.config.resilience
         stack = contextlib.AsyncExitStack()
         async with closing_on_error(stack):
             self._track(pool, url, +1)
             stack.callback(self._track, pool, url, -1)
             try:
+                first_s = deadline.timeout_for(res.first_token_timeout_s, stage="decode")
                 resp = await stack.enter_async_context(open_stream(
-                    ctx.client, url + req.path, body, stage="decode", timeout=ctx.timeout(ctx.config.timeouts.decode_s)))
+                    ctx.client, url + path, body, stage="decode", headers=ctx.headers("vllm"),
+                    timeout=ctx.timeout(first_s)))
+                reader = LineReader(resp, stage="decode", url=url, first_s=first_s, next_s=res.stall_timeout_s,
+                                    deadline=deadline)
+                events = iter_sse_data(reader.__aiter__())
+                first = await anext(events, None)
+                if first is None:
+                    raise UpstreamError(f"decode node {url} ended its stream before the first event",
+                                        stage="decode", kind="truncated")
             except RouterError as e:
-                count_upstream_error(ctx, "native", e)
+                self._failed(url, e)
                 raise
-        return ManagedStream(self._relay(req, resp, url, n_prompt, record), on_close=stack.aclose, record=record)
+        ctx.report_success(url)
+        return NativeStream(url, first, events, stack)
 
-    async def _relay(self, req: ClientRequest, resp: httpx.Response, url: str, n_prompt: int,
+    async def _relay(self, req: ClientRequest, st: NativeStream, n_prompt: int,
                      record: RequestRecord) -> AsyncIterator[bytes]:
         completion = 0
         try:
-            async for data in iter_sse_data(iter_lines(resp, stage="decode", url=url)):
+            saw_done = False
+            async for data in st.all_events():
                 if data.strip() == "[DONE]":
+                    saw_done = True
                     break
                 try:
                     obj = json.loads(data)
@@ -154,8 +251,11 @@ class NativeLane:
                 if _has_text(obj):
                     record.token_chunk()
                 yield sse(obj)
+            if not saw_done:
+                raise UpstreamError(f"decode node {st.url} ended the stream without [DONE]", stage="decode",
+                                    kind="truncated")
         except UpstreamError as e:
-            count_upstream_error(self.ctx, "native", e)
+            self._failed(st.url, e)
             yield sse(e.body())
             yield SSE_DONE
             record.finish(e.status, completion)
