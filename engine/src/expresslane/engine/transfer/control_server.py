@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import time
 import logging
 import ssl
 from typing import TYPE_CHECKING
@@ -136,8 +137,19 @@ class ControlServer:
     async def _serve(self, conn: _Conn) -> None:
         try:
             while True:
-                msg = await conn.read(self.io_timeout_s if not self.rx._conn_writing(conn.id)
-                                      else self.rx.write_deadline_s)
+                # An admitted write must be done by its deadline however many other frames come (a peer
+                # cannot hold a slot by chatting); otherwise each frame has io_timeout_s.
+                deadline = self.rx._write_deadline(conn.id)
+                timeout = self.io_timeout_s if deadline is None else deadline - time.monotonic()
+                try:
+                    if timeout <= 0:
+                        raise TimeoutError
+                    msg = await conn.read(min(timeout, self.io_timeout_s))
+                except TimeoutError as e:
+                    if deadline is not None and time.monotonic() >= deadline - 0.01:
+                        raise TimeoutError(f"no done from {conn.peer} within the write deadline "
+                                           f"({self.rx.write_deadline_s}s after accept)") from None
+                    raise e
                 if isinstance(msg, m.Admit):
                     await conn.send(self.rx._on_admit(msg, conn.id, conn.peer))
                 elif isinstance(msg, m.Done):

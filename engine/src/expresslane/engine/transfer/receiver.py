@@ -357,8 +357,13 @@ class KVReceiver:
     def _writes_in_flight(self) -> bool:
         return self.table.writes_in_flight()
 
-    def _conn_writing(self, conn_id: int) -> bool:
-        return any(i[0] == conn_id for s in self.table.slots for i in s.in_flight)
+    def _write_deadline(self, conn_id: int) -> float | None:
+        """Earliest accept + write_deadline_s of the transfers this connection has admitted and not finished."""
+        with self._lock:
+            starts = [req.t_accept for req in self.table.requests.values()
+                      if req.state is ReqState.WRITING and conn_id in req.conns.values()
+                      and any(cid == conn_id and r not in req.ranks_landed for r, cid in req.conns.items())]
+        return min(starts) + self.write_deadline_s if starts else None
 
     def _hello(self) -> m.Hello:
         return m.hello(self.layout, self._transport, self._busy, self.node_id, self.model_fingerprint)
