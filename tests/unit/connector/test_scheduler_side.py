@@ -246,5 +246,5 @@ def test_allow_list_parsing_is_strict() -> None:
     cfg = ExpressLaneConnectorConfig.from_extra_config({"expresslane_allowed_destinations": ["n:1"]},
                                                        env={"EXPRESSLANE_PEER_SECRET": "s"})
     assert cfg.allows("n", 1) and not cfg.allows("n", 2) and cfg.peer_secret == b"s"
-    assert "s" not in repr(cfg).replace("staging", "").replace("restore", "").split("peer_secret")[0][-3:]
+    assert "peer_secret" not in repr(cfg)  # the secret never reaches a log line
     assert ExpressLaneConnectorConfig.from_extra_config({}).allows("anything", 1)  # empty = open (warned)
