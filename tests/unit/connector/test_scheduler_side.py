@@ -248,3 +248,42 @@ def test_allow_list_parsing_is_strict() -> None:
     assert cfg.allows("n", 1) and not cfg.allows("n", 2) and cfg.peer_secret == b"s"
     assert "peer_secret" not in repr(cfg)  # the secret never reaches a log line
     assert ExpressLaneConnectorConfig.from_extra_config({}).allows("anything", 1)  # empty = open (warned)
+
+
+def test_scheduler_found_failure_reaches_the_waiting_node_at_once() -> None:
+    """too_long is found in the scheduler process: its TCP-only abort sender tells the node right away."""
+    import asyncio
+    import socket
+    import time
+
+    import torch
+
+    pytest.importorskip("nixl")
+    from expresslane.engine.connector.config import ExpressLaneConnectorConfig
+    from expresslane.engine.connector.scheduler import ExpressLaneScheduler
+    from expresslane.engine.transfer import KVReceiver, KVTransferFailed
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    rx = KVReceiver(2, 4, 8, torch.float32, "cpu", 64, "127.0.0.1", ctrl_port=port, num_slots=1)
+    rx.start()
+    sched = ExpressLaneScheduler(ExpressLaneConnectorConfig(), max_tokens=10)
+    try:
+        rx.expect("rid-long", 30)
+
+        async def wait() -> float:
+            waiter = asyncio.create_task(rx.wait_for("rid-long", 30))
+            await asyncio.sleep(0.05)
+            t0 = time.monotonic()
+            sched.on_new_request(make_request("long", 20, marker("rid-long", port=port)))
+            with pytest.raises(KVTransferFailed) as e:
+                await waiter
+            assert e.value.reason == "aborted:too_long"
+            return time.monotonic() - t0
+
+        assert asyncio.run(wait()) < 5
+        assert sched.request_finished(make_request("long", 20))[1]["expresslane_error"] == "too_long"
+    finally:
+        sched.shutdown()
+        rx.stop()
