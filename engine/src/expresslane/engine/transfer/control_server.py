@@ -3,7 +3,8 @@
 Why asyncio in one thread (not a thread per connection, not a pool): a connection costs a few KiB and
 no thread, so 1,000 idle or hostile connections cost 1,000 file descriptors up to ``max_connections``
 (the rest are closed at accept) and one thread; every read has its own deadline (``io_timeout_s``, the
-whole handshake ``handshake_timeout_s``) without a blocked thread per peer; the only blocking work (the
+whole handshake ``handshake_timeout_s``) and size cap (4 KiB before authentication, 64 KiB after) without a
+blocked thread per peer; the only blocking work (the
 CRC of a landed slot) goes to a small executor. Waiting for a NIXL notification is a poll of the
 endpoint's notification set (collected by its progress thread), so it blocks nothing either.
 
@@ -30,6 +31,11 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+# What a prefill ever sends is small (auth, admit, done, abort): cap what one peer can make the node buffer
+# (64 connections x 64 KiB), far below the protocol's 16 MiB frame cap (the node's own hello is large).
+HANDSHAKE_FRAME_BYTES = 4096
+PREFILL_FRAME_BYTES = 64 * 1024
+
 
 class _Conn:
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, conn_id: int,
@@ -38,14 +44,14 @@ class _Conn:
         peer = writer.get_extra_info("peername") or ("?", 0)
         self.peer = f"prefill {peer[0]}:{peer[1]}"
 
-    async def read(self, timeout_s: float) -> m.Message:
+    async def read(self, timeout_s: float, max_bytes: int) -> m.Message:
         async def one() -> dict:
             try:
                 header = await self.reader.readexactly(m.HEADER_BYTES)
             except asyncio.IncompleteReadError as e:
                 raise ConnectionClosed("peer closed the control connection" if not e.partial else
                                        "peer closed the control connection mid-header") from None
-            n = m.frame_length(header)
+            n = m.frame_length(header, max_bytes)
             try:
                 return m.decode_object(await self.reader.readexactly(n))
             except asyncio.IncompleteReadError:
@@ -117,7 +123,7 @@ class ControlServer:
             await conn.send(m.Challenge(magic=m.MAGIC, protocol_version=m.PROTOCOL_VERSION,
                                         auth=a.AUTH_HMAC if self.secret else a.AUTH_NONE, nonce=nonce_d))
             if self.secret is not None:
-                msg = await conn.read(self.handshake_timeout_s)
+                msg = await conn.read(self.handshake_timeout_s, HANDSHAKE_FRAME_BYTES)
                 if not isinstance(msg, m.Auth):
                     raise AuthError(f"expected auth, got {msg.TYPE}")
                 nonce_p = a.check_nonce(msg.nonce)
@@ -144,7 +150,7 @@ class ControlServer:
                 try:
                     if timeout <= 0:
                         raise TimeoutError
-                    msg = await conn.read(min(timeout, self.io_timeout_s))
+                    msg = await conn.read(min(timeout, self.io_timeout_s), PREFILL_FRAME_BYTES)
                 except TimeoutError as e:
                     if deadline is not None and time.monotonic() >= deadline - 0.01:
                         raise TimeoutError(f"no done from {conn.peer} within the write deadline "
