@@ -93,8 +93,15 @@ def step(sched, sampled: dict[str, int] | None = None):
         req = sched.requests[rid]
         done = req.num_computed_tokens >= req.num_prompt_tokens  # already advanced by schedule()
         toks.append([(sampled or {}).get(rid, 5)] if done else [])
-    sched.update_from_output(so, ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
-                                                   sampled_token_ids=toks))
+    outputs = sched.update_from_output(so, ModelRunnerOutput(
+        req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)}, sampled_token_ids=toks))
+    # What the engine hands the API server per finished request: its kv_transfer_params (the HTTP response's)
+    finished = getattr(sched, "finished_kv_params", {})
+    for eco in outputs.values():
+        for out in eco.outputs:
+            if out.finish_reason is not None:
+                finished[out.request_id] = out.kv_transfer_params
+    sched.finished_kv_params = finished
     return so
 
 

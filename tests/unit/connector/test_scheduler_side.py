@@ -132,7 +132,8 @@ def test_preemption_and_resume_ship_the_resumed_blocks() -> None:
     assert ship.block_ids == ([9, 10, 11, 12, 13, 14, 15],) and ship.num_tokens == 100
     # Never twice, and finishing afterwards is not a failure.
     assert sched.build_connector_meta(output(cached=cached(None, 100, False), scheduled={"p": 1})).ship == []
-    assert sched.request_finished(req) == (False, None)
+    assert sched.request_finished(req) == (False, {"expresslane_rid": "rid-p", "expresslane_status": "staged",
+                                                   "expresslane_error": ""})
     assert sched.totals == {"claimed": 1}
 
 
@@ -152,7 +153,9 @@ def test_producer_contract_and_hma(model_dir) -> None:
     assert conn.get_num_new_matched_tokens(req, 0) == (0, False)
     assert conn.requires_kv_delivery is False
     conn.on_new_request(req)
-    assert conn.request_finished_all_groups(req, ([1],)) == (False, None)  # unshipped -> dropped, never held
+    # unshipped -> dropped, never held; the outcome rides in kv_transfer_params
+    assert conn.request_finished_all_groups(req, ([1],)) == (False, {
+        "expresslane_rid": "rid-1", "expresslane_status": "failed", "expresslane_error": "finished_before_ship"})
     # As deployed (scripts/launch/prefill.sh): every MultiConnector child supports HMA, so vLLM keeps the
     # hybrid KV cache manager on and the NixlConnector compatibility hash matches plain NIXL decoders.
     multi = KVTransferConfig(kv_connector="MultiConnector", kv_role="kv_producer", kv_connector_extra_config={
@@ -181,3 +184,106 @@ def test_config_is_strict(model_dir) -> None:
         "kv_role": "kv_consumer"})
     with pytest.raises(ValueError, match="kv_producer"):
         ExpressLaneConnector(vc, KVConnectorRole.SCHEDULER, make_kv_cache_config())
+
+
+def test_outcome_reaches_the_engine_output_for_every_claim(scheduler) -> None:
+    """What vLLM's real scheduler puts in each finished request's output (the prefill's HTTP response)."""
+    from vllm.v1.request import RequestStatus
+
+    scheduler.add_request(make_request("ok", 20, marker("rid-ok")))
+    scheduler.add_request(make_request("plain", 20))
+    scheduler.add_request(make_request("bad", 8, {"expresslane_host": "h", "expresslane_rid": "rid-bad"}))
+    scheduler.add_request(make_request("ab", 100, marker("rid-ab")))
+    step(scheduler)
+    scheduler.finish_requests("ab", RequestStatus.FINISHED_ABORTED)
+    scheduler.add_request(make_request("next", 4))
+    metas = _run(scheduler)
+    got = scheduler.finished_kv_params
+    assert got["ok"] == {"expresslane_rid": "rid-ok", "expresslane_status": "staged", "expresslane_error": ""}
+    assert got["plain"] is None
+    assert got["bad"] == {"expresslane_rid": "rid-bad", "expresslane_status": "failed", "expresslane_error": "bad_params"}
+    # an aborted request: the abort goes to the node too (through the worker), so its waiter fails at once
+    assert [(a.claim.rid, a.reason) for m in metas for a in m.abort] == [("rid-ab", "finished_before_ship")]
+
+
+def test_allow_list_and_too_long_are_decided_before_anything_is_sent(model_dir, monkeypatch) -> None:
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    from .conftest import BLOCK, make_kv_cache_config, make_vllm_config
+
+    monkeypatch.setenv("EXPRESSLANE_ALLOWED_DESTINATIONS", "127.0.0.1:5556, node-b:7000")
+    vc = make_vllm_config(model_dir, connector={
+        "kv_connector": "ExpressLaneConnector", "kv_connector_module_path": "expresslane.engine.connector",
+        "kv_role": "kv_producer", "kv_connector_extra_config": {"staging_max_tokens": 50}})
+    sched = Scheduler(vc, make_kv_cache_config(), StructuredOutputManager(vc), block_size=BLOCK)
+    ours = _ours(sched).connector_scheduler
+    assert ours.config.expresslane_allowed_destinations == {("127.0.0.1", 5556), ("node-b", 7000)}
+    sched.add_request(make_request("evil", 20, {"expresslane_host": "169.254.169.254", "expresslane_ctrl_port": 80,
+                                                "expresslane_rid": "rid-evil"}))
+    sched.add_request(make_request("long", 60, marker("rid-long")))
+    sched.add_request(make_request("fine", 20, marker("rid-fine")))
+    metas = _run(sched)
+    sched.add_request(make_request("next", 4))
+    metas += _run(sched)
+    assert [s.claim.rid for m in metas for s in m.ship] == ["rid-fine"]
+    # not allowed: never shipped and no abort either (nothing is ever sent to that address)
+    assert [(a.claim.rid, a.reason) for m in metas for a in m.abort] == [("rid-long", "too_long")]
+    got = sched.finished_kv_params
+    assert got["evil"] == {"expresslane_rid": "rid-evil", "expresslane_status": "failed",
+                           "expresslane_error": "not_allowed"}
+    assert got["long"]["expresslane_error"] == "too_long" and got["fine"]["expresslane_status"] == "staged"
+    assert ours.totals["refused_destination"] == 1 and ours.totals["failure:not_allowed"] == 1
+
+
+def test_allow_list_parsing_is_strict() -> None:
+    from expresslane.engine.connector.config import ExpressLaneConnectorConfig, parse_destinations
+
+    assert parse_destinations("a:1,[::1]:2, ") == {("a", 1), ("::1", 2)}
+    for bad in ("a", "a:0", "a:x", ":5"):
+        with pytest.raises(ValueError, match="host:port"):
+            parse_destinations(bad)
+    cfg = ExpressLaneConnectorConfig.from_extra_config({"expresslane_allowed_destinations": ["n:1"]},
+                                                       env={"EXPRESSLANE_PEER_SECRET": "s"})
+    assert cfg.allows("n", 1) and not cfg.allows("n", 2) and cfg.peer_secret == b"s"
+    assert "peer_secret" not in repr(cfg)  # the secret never reaches a log line
+    assert ExpressLaneConnectorConfig.from_extra_config({}).allows("anything", 1)  # empty = open (warned)
+
+
+def test_scheduler_found_failure_reaches_the_waiting_node_at_once() -> None:
+    """too_long is found in the scheduler process: its TCP-only abort sender tells the node right away."""
+    import asyncio
+    import socket
+    import time
+
+    import torch
+
+    pytest.importorskip("nixl")
+    from expresslane.engine.connector.config import ExpressLaneConnectorConfig
+    from expresslane.engine.connector.scheduler import ExpressLaneScheduler
+    from expresslane.engine.transfer import KVReceiver, KVTransferFailed
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    rx = KVReceiver(2, 4, 8, torch.float32, "cpu", 64, "127.0.0.1", ctrl_port=port, num_slots=1)
+    rx.start()
+    sched = ExpressLaneScheduler(ExpressLaneConnectorConfig(), max_tokens=10)
+    try:
+        rx.expect("rid-long", 30)
+
+        async def wait() -> float:
+            waiter = asyncio.create_task(rx.wait_for("rid-long", 30))
+            await asyncio.sleep(0.05)
+            t0 = time.monotonic()
+            sched.on_new_request(make_request("long", 20, marker("rid-long", port=port)))
+            with pytest.raises(KVTransferFailed) as e:
+                await waiter
+            assert e.value.reason == "aborted:too_long"
+            return time.monotonic() - t0
+
+        assert asyncio.run(wait()) < 5
+        assert sched.request_finished(make_request("long", 20))[1]["expresslane_error"] == "too_long"
+    finally:
+        sched.shutdown()
+        rx.stop()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import time
 
 import pytest
 import torch
@@ -76,6 +77,7 @@ def test_stages_and_ships_byte_exact(worker) -> None:
     port = _free_port()
     rx = KVReceiver(len(LAYERS), HEADS, HEAD_DIM, torch.float32, "cpu", 256, "127.0.0.1", ctrl_port=port)
     rx.start()
+    rx.expect("rid-1", 30)
     try:
         meta = ExpressLaneConnectorMetadata(
             ship=[ShipRequest("req-1", Claim("127.0.0.1", port, "rid-1"), T, (blocks + [25],))],
@@ -94,7 +96,7 @@ def test_stages_and_ships_byte_exact(worker) -> None:
     m = w.metrics
     assert m.claimed._value.get() == 1 and m.sent._value.get() == 1
     assert m.sent_bytes._value.get() == m.staging_bytes._value.get() == 2 * 2 * T * HEADS * HEAD_DIM * 4
-    assert w.pool.num_free == 1
+    assert w.pool.num_free == 1 and m.staging_slots_in_use._value.get() == 0
 
 
 def test_unclaimed_step_touches_nothing(worker) -> None:
@@ -109,22 +111,40 @@ def test_unclaimed_step_touches_nothing(worker) -> None:
     assert m.unclaimed._value.get() == 3
     assert m.claimed._value.get() == 0 and m.staging_copies._value.get() == 0 and m.sent._value.get() == 0
     assert w.pool.num_free == 1 and torch.equal(before, w.pool.buffer)
-    assert w.sender._queue.qsize() == 0
+    assert not w.sender._destinations  # no worker thread was even started
 
 
 def test_no_free_slot_fails_loudly_without_blocking(worker) -> None:
     from expresslane.engine.connector.metadata import Claim, ExpressLaneConnectorMetadata, ShipRequest
 
     w, _ = worker
-    held = w.pool.acquire()  # the only slot is in flight
-    meta = ExpressLaneConnectorMetadata(ship=[ShipRequest("r", Claim("127.0.0.1", 1, "rid"), 10, ([1],)),
-                                              ShipRequest("r2", Claim("127.0.0.1", 1, "rid2"), 999, ([1],))])
-    w.wait_for_save(meta)
-    failures = {s.labels["reason"]: s.value for s in w.metrics.send_failures.collect()[0].samples
-                if s.name.endswith("_total")}
-    assert failures == {"no_staging_slot": 1.0, "too_long": 1.0}
-    assert w.metrics.staging_copies._value.get() == 0
-    held.release()
+    from expresslane.engine.transfer import KVReceiver, KVTransferFailed
+
+    w, _ = worker
+    port = _free_port()
+    rx = KVReceiver(len(LAYERS), HEADS, HEAD_DIM, torch.float32, "cpu", 256, "127.0.0.1", ctrl_port=port)
+    rx.start()
+    try:
+        rx.expect("rid", 30)
+        held = w.pool.acquire()  # the only slot is in flight
+        assert w.metrics.staging_slots_in_use._value.get() == 1
+        meta = ExpressLaneConnectorMetadata(ship=[ShipRequest("r", Claim("127.0.0.1", port, "rid"), 10, ([1],)),
+                                                  ShipRequest("r2", Claim("127.0.0.1", 1, "rid2"), 999, ([1],))])
+        t0 = time.monotonic()
+        w.wait_for_save(meta)
+        assert time.monotonic() - t0 < 0.5  # the forward never waits
+        failures = {s.labels["reason"]: s.value for s in w.metrics.send_failures.collect()[0].samples
+                    if s.name.endswith("_total")}
+        assert failures == {"no_staging_slot": 1.0, "too_long": 1.0}
+        assert w.metrics.staging_copies._value.get() == 0
+        # the node's waiter learns at once (abort frame), it does not wait out its timeout
+        with pytest.raises(KVTransferFailed) as e:
+            asyncio.run(rx.wait_for("rid", 10))
+        assert e.value.reason == "aborted:no_staging_slot"
+        held.release()
+        assert w.metrics.staging_slots_in_use._value.get() == 0
+    finally:
+        rx.stop()
 
 
 def test_unreachable_decode_node_counts_a_failure_and_frees_the_slot(worker) -> None:
@@ -137,4 +157,4 @@ def test_unreachable_decode_node_counts_a_failure_and_frees_the_slot(worker) -> 
     failures = {s.labels["reason"]: s.value for s in w.metrics.send_failures.collect()[0].samples
                 if s.name.endswith("_total")}
     assert failures == {"connect": 1.0}
-    assert w.pool.num_free == 1
+    assert w.pool.num_free == 1 and w.metrics.staging_slots_in_use._value.get() == 0

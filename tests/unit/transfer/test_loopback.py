@@ -13,7 +13,14 @@ import torch
 pytest.importorskip("nixl")
 
 from expresslane.engine.protocol.layout import KVLayoutSpec  # noqa: E402
-from expresslane.engine.transfer import KVCancelled, KVReceiver, KVTimeout, SendError  # noqa: E402
+from expresslane.engine.transfer import (  # noqa: E402
+    KVCancelled,
+    KVReceiver,
+    KVRefused,
+    KVTimeout,
+    KVTransferFailed,
+    SendError,
+)
 from expresslane.engine.transfer.nixl_transport import NixlEndpoint  # noqa: E402
 from expresslane.engine.transfer.sender import KVSender, SenderConfig, SendJob  # noqa: E402
 from expresslane.engine.transfer.staging import StagingPool  # noqa: E402
@@ -40,7 +47,7 @@ class _Prefill:
     """One prefill rank: staging pool + NIXL endpoint + sender."""
 
     def __init__(self, layout: KVLayoutSpec, heads: int | None = None, rank: int = 0, world: int = 1,
-                 busy_retry_s: float = 0.3) -> None:
+                 busy_retry_s: float = 0.3, fingerprint: str = "") -> None:
         self.layout = layout
         self.heads = layout.num_kv_heads if heads is None else heads
         self.pool = StagingPool(2, layout.request_nbytes(MAX, self.heads))
@@ -48,7 +55,8 @@ class _Prefill:
         region = self.endpoint.register(self.pool.buffer)
         self.sender = KVSender(self.endpoint, region, layout, rank=rank, world_size=world,
                                head_start=rank * self.heads, num_heads=self.heads,
-                               config=SenderConfig(busy_retry_s=busy_retry_s, io_timeout_s=5))
+                               config=SenderConfig(busy_retry_s=busy_retry_s, io_timeout_s=5),
+                               model_fingerprint=fingerprint)
 
     def stage(self, rid: str, port: int, T: int, seed: int = 0):
         slot = self.pool.acquire()
@@ -67,6 +75,7 @@ LAYOUT = KVLayoutSpec(L, H, D, "float32", MAX)
 
 async def test_byte_exact_arrival_then_release(receiver: KVReceiver) -> None:
     tx = _Prefill(LAYOUT)
+    receiver.expect("r1", 5)
     job, k, v = tx.stage("r1", receiver.ctrl_port, 37)
     await asyncio.to_thread(tx.sender.send, job)
     assert tx.pool.num_free == 2  # slot released after the send
@@ -74,9 +83,11 @@ async def test_byte_exact_arrival_then_release(receiver: KVReceiver) -> None:
     assert got.rid == "r1" and got.num_tokens == 37 and got.k.shape == (L, 37, H, D)
     assert torch.equal(got.k, k) and torch.equal(got.v, v)
     assert got.nbytes == LAYOUT.request_nbytes(37) and got.wire_wait_s < 0.5
+    assert receiver.stats["slots_in_use"] == 1
     got.release()
     got.release()  # idempotent
-    # The slot is free again: a second request fits the single receive slot.
+    assert receiver.stats["slots_in_use"] == 0
+    # The slot is free again: a second request fits the single receive slot; wait_for reserves it.
     job, k2, _ = tx.stage("r2", receiver.ctrl_port, 5, seed=1)
     waiter = asyncio.create_task(receiver.wait_for("r2", 5))  # waiting before the KV arrives
     await asyncio.sleep(0.05)
@@ -86,43 +97,41 @@ async def test_byte_exact_arrival_then_release(receiver: KVReceiver) -> None:
     got2.release()
 
 
-async def test_busy_reject_retry_and_give_up(receiver: KVReceiver) -> None:
-    tx = _Prefill(LAYOUT, busy_retry_s=5)
-    receiver.set_busy(True)
-    job, k, _ = tx.stage("rb", receiver.ctrl_port, 8)
-
-    def free_after_first_rejection() -> None:
-        # Deterministic under load: the node turns idle only once it has rejected the admit at least once.
-        deadline = time.monotonic() + 30
-        while receiver.stats["rejected"] < 1 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        receiver.set_busy(False)
-
-    threading.Thread(target=free_after_first_rejection, daemon=True).start()
-    await asyncio.to_thread(tx.sender.send, job)  # retried with backoff until the node is free
-    assert receiver.stats["rejected"] >= 1
-    got = await receiver.wait_for("rb", 2)
-    assert torch.equal(got.k, k)
-    # The one slot is held (not released): the next admit is rejected busy and the sender gives up.
-    tx.sender.config = SenderConfig(busy_retry_s=0.2)
-    job2, _, _ = tx.stage("rc", receiver.ctrl_port, 8)
+async def test_kv_for_an_unknown_rid_is_refused_at_admit(receiver: KVReceiver) -> None:
+    tx = _Prefill(LAYOUT)
+    job, _, _ = tx.stage("nobody-asked", receiver.ctrl_port, 4)
     with pytest.raises(SendError) as e:
-        await asyncio.to_thread(tx.sender.send, job2)
-    assert e.value.reason == "rejected_busy"
-    assert tx.pool.num_free == 2  # released on the failure path too
-    got.release()
+        await asyncio.to_thread(tx.sender.send, job)
+    assert e.value.reason == "rejected_unknown_rid"
+    assert receiver.stats["refused_unknown_rid"] == 1 and receiver.stats["slots_in_use"] == 0
+    assert tx.pool.num_free == 2
 
 
-async def test_too_long_and_layout_mismatch_are_not_retried(receiver: KVReceiver) -> None:
+async def test_one_slot_expect_refuses_a_second_rid(receiver: KVReceiver) -> None:
+    receiver.expect("held", 5)
+    with pytest.raises(KVRefused) as e:
+        receiver.expect("other", 5)
+    assert e.value.reason == "no_slot"
+    receiver.cancel("held")
+    receiver.expect("other", 5)  # freed by the cancel at once (nothing was writing)
+    receiver.cancel("other")
+
+
+async def test_too_long_layout_and_model_mismatch_are_not_retried(receiver: KVReceiver) -> None:
     long_layout = KVLayoutSpec(L, H, D, "float32", MAX * 2)
     tx = _Prefill(long_layout)
     tx.pool = StagingPool(1, long_layout.request_nbytes(MAX + 1))
     tx.sender.staging_region = tx.endpoint.register(tx.pool.buffer)
     slot = tx.pool.acquire()
+    receiver.expect("rl", 5)
     job = SendJob("rl", "127.0.0.1", receiver.ctrl_port, MAX + 1, slot, long_layout.request_nbytes(MAX + 1))
     with pytest.raises(SendError) as e:
         tx.sender.send(job)
     assert e.value.reason == "rejected_too_long"
+    # the sender told the node at once: the reserved rid failed, its waiter does not wait out its timeout
+    with pytest.raises(KVTransferFailed) as f:
+        await receiver.wait_for("rl", 5)
+    assert f.value.reason == "aborted:rejected_too_long"
 
     bad = _Prefill(KVLayoutSpec(L, H, D, "bfloat16", MAX))
     job, _, _ = bad.stage("rm", receiver.ctrl_port, 4)
@@ -131,17 +140,32 @@ async def test_too_long_and_layout_mismatch_are_not_retried(receiver: KVReceiver
     assert e.value.reason == "incompatible" and "dtype" in e.value.detail
     assert bad.pool.num_free == 2
 
+    receiver.model_fingerprint = "a" * 32
+    other = _Prefill(LAYOUT, fingerprint="b" * 32)
+    receiver.expect("rf", 5)
+    job, _, _ = other.stage("rf", receiver.ctrl_port, 4)
+    with pytest.raises(SendError) as e:
+        other.sender.send(job)
+    assert e.value.reason == "incompatible"
+    assert "a" * 32 in e.value.detail and "b" * 32 in e.value.detail  # names both sides
+    receiver.model_fingerprint = ""
+
 
 async def test_timeout_and_unclaimed_expiry(receiver: KVReceiver) -> None:
     with pytest.raises(KVTimeout):
         await receiver.wait_for("never", 0.2)
+    await asyncio.sleep(0.6)  # the wait's reservation expires with the wait
+    assert receiver.stats["slots_in_use"] == 0
     tx = _Prefill(LAYOUT)
+    receiver.expect("rx", 0.5)
     job, _, _ = tx.stage("rx", receiver.ctrl_port, 4)
     tx.sender.send(job)
     await asyncio.sleep(2.0)  # unclaimed_ttl_s=1: dropped by the reaper, slot freed
-    assert receiver.stats["expired"] == 1
-    with pytest.raises(KVTimeout):
+    assert receiver.stats["expired"] >= 1 and receiver.stats["slots_in_use"] == 0
+    with pytest.raises(KVTransferFailed) as e:
         await receiver.wait_for("rx", 0.1)
+    assert e.value.reason == "expired"
+    receiver.expect("ry", 5)
     job, _, _ = tx.stage("ry", receiver.ctrl_port, 4)
     tx.sender.send(job)  # the slot was given back
     (await receiver.wait_for("ry", 1)).release()
@@ -161,9 +185,11 @@ async def test_cancel_wakes_waiter_and_rejects_late_admit(receiver: KVReceiver) 
     with pytest.raises(KVCancelled):
         await receiver.wait_for("rk", 0.1)
     # Cancel after arrival frees the slot at once.
+    receiver.expect("rz", 5)
     job, _, _ = tx.stage("rz", receiver.ctrl_port, 4)
     tx.sender.send(job)
     receiver.cancel("rz")
+    receiver.expect("rw", 5)
     job, _, _ = tx.stage("rw", receiver.ctrl_port, 4)
     tx.sender.send(job)
     (await receiver.wait_for("rw", 1)).release()
@@ -174,6 +200,7 @@ async def test_two_ranks_assemble_heads(receiver: KVReceiver) -> None:
     ranks = [_Prefill(LAYOUT, heads=H // 2, rank=r, world=2) for r in range(2)]
     staged = [p.stage("rt", receiver.ctrl_port, 9, seed=r) for r, p in enumerate(ranks)]
     waiter = asyncio.create_task(receiver.wait_for("rt", 5))
+    await asyncio.sleep(0.05)
     await asyncio.gather(*(asyncio.to_thread(p.sender.send, job) for p, (job, _, _) in zip(ranks, staged)))
     got = await waiter
     assert torch.equal(got.k, torch.cat([staged[0][1], staged[1][1]], dim=2))
@@ -184,20 +211,24 @@ async def test_two_ranks_assemble_heads(receiver: KVReceiver) -> None:
 def test_unreachable_decode_node_fails_fast() -> None:
     tx = _Prefill(LAYOUT)
     job, _, _ = tx.stage("ru", _free_port(), 4)
+    t0 = time.monotonic()
     with pytest.raises(SendError) as e:
         tx.sender.send(job)
-    assert e.value.reason == "connect"
+    assert e.value.reason == "connect" and "3 attempt" in e.value.detail  # bounded retries
+    assert time.monotonic() - t0 < 3
     assert tx.pool.num_free == 2
 
 
-def test_staging_pool_never_blocks() -> None:
-    pool = StagingPool(2, 1000)
+def test_staging_pool_never_blocks_and_reports_in_use() -> None:
+    seen: list[int] = []
+    pool = StagingPool(2, 1000, on_change=seen.append)
     a, b = pool.acquire(), pool.acquire()
     assert pool.acquire() is None
     a.release()
     a.release()
     assert pool.num_free == 1 and pool.acquire() is a
     assert pool.slot_nbytes % 256 == 0 and b.offset == pool.slot_nbytes
+    assert seen == [1, 2, 1, 2]
 
 
 def _cpu_seconds_over(wall_s: float) -> float:
@@ -212,9 +243,21 @@ async def test_idle_endpoints_do_not_busy_poll(receiver: KVReceiver) -> None:
     After a transfer (so UCX endpoints are wired up), both sides idle again."""
     tx = _Prefill(LAYOUT)
     assert await asyncio.to_thread(_cpu_seconds_over, 1.0) < 0.3
+    receiver.expect("idle", 5)
     job, k, _ = tx.stage("idle", receiver.ctrl_port, 8)
     await asyncio.to_thread(tx.sender.send, job)
     got = await receiver.wait_for("idle", 5)
     assert torch.equal(got.k, k)
     got.release()
     assert await asyncio.to_thread(_cpu_seconds_over, 1.0) < 0.3
+
+
+def test_health_names_what_is_down() -> None:
+    rx = KVReceiver(L, H, D, torch.float32, "cpu", MAX, "127.0.0.1", ctrl_port=_free_port(), num_slots=1)
+    assert rx.health()["control_plane"] != "ok"  # not started
+    rx.start()
+    try:
+        assert rx.health() == {"control_plane": "ok", "nixl": "ok"}
+    finally:
+        rx.stop()
+    assert rx.health()["control_plane"] != "ok"

@@ -10,6 +10,7 @@ only, and every native-lane NixlConnector request fails the compatibility-hash c
 from __future__ import annotations
 
 import logging
+import os
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -53,11 +54,13 @@ class ExpressLaneConnector(KVConnectorBase_V1, SupportsHMA):
         if not self._kv_transfer_config.is_kv_producer or self._kv_transfer_config.is_kv_consumer:
             raise ValueError("ExpressLaneConnector is a prefill-side connector: use kv_role=kv_producer")
         self.config = ExpressLaneConnectorConfig.from_extra_config(
-            self._kv_transfer_config.kv_connector_extra_config)
+            self._kv_transfer_config.kv_connector_extra_config, env=os.environ)
         self.connector_scheduler: ExpressLaneScheduler | None = None
         self.connector_worker: ExpressLaneWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self.connector_scheduler = ExpressLaneScheduler()
+            self.config.warn_if_open()
+            self.connector_scheduler = ExpressLaneScheduler(
+                self.config, self.config.staging_max_tokens or vllm_config.model_config.max_model_len)
         else:
             self.connector_worker = ExpressLaneWorker(vllm_config, kv_cache_config, self.config)
 
@@ -117,5 +120,7 @@ class ExpressLaneConnector(KVConnectorBase_V1, SupportsHMA):
         return None, None  # never holds blocks, so never reports asynchronous completions
 
     def shutdown(self) -> None:
+        if self.connector_scheduler is not None:
+            self.connector_scheduler.shutdown()
         if self.connector_worker is not None:
             self.connector_worker.shutdown()

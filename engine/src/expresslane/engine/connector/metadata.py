@@ -48,12 +48,21 @@ class ShipRequest:
     block_ids: tuple[list[int], ...]  # per KV cache group, covering at least num_tokens
 
 
+@dataclass(frozen=True)
+class AbortRequest:
+    """Tell the claim's node that this rid failed on the prefill (its waiter fails at once)."""
+
+    claim: Claim
+    reason: str
+
+
 @dataclass
 class ExpressLaneConnectorMetadata(KVConnectorMetadata):
     ship: list[ShipRequest] = field(default_factory=list)
+    abort: list[AbortRequest] = field(default_factory=list)
     # Scheduler-side counter increments since the last step (claimed, unclaimed, failures by reason);
     # the rank-0 worker adds them to the Prometheus counters it serves.
     stats_delta: dict[str, int] = field(default_factory=dict)
 
     def is_empty(self) -> bool:
-        return not self.ship and not self.stats_delta
+        return not self.ship and not self.abort and not self.stats_delta

@@ -14,6 +14,7 @@ _SECONDS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0
 CLAIMED = "claimed"
 UNCLAIMED = "unclaimed"
 FAIL_PREFIX = "failure:"
+REFUSED_DESTINATION = "refused_destination"
 
 
 class ConnectorMetrics:
@@ -44,6 +45,15 @@ class ConnectorMetrics:
                                      ["reason"], registry=r)
         self.staging_slots_free = Gauge("expresslane_connector_staging_slots_free", "Free staging slots",
                                         registry=r)
+        self.staging_slots_in_use = Gauge("expresslane_connector_staging_slots_in_use",
+                                          "Staging slots held by a request being copied or sent (0 when idle: "
+                                          "proves every path frees its slot)", registry=r)
+        self.send_aborts = Counter("expresslane_connector_send_aborts",
+                                   "Abort frames sent to a decode node (its waiter fails at once), by reason",
+                                   ["reason"], registry=r)
+        self.refused_destinations = Counter("expresslane_connector_refused_destinations",
+                                            "Claims naming a host:port outside the allow-list (nothing sent)",
+                                            registry=r)
         self._server = None
 
     def apply_delta(self, delta: dict[str, int]) -> None:
@@ -52,6 +62,8 @@ class ConnectorMetrics:
                 self.claimed.inc(n)
             elif key == UNCLAIMED:
                 self.unclaimed.inc(n)
+            elif key == REFUSED_DESTINATION:
+                self.refused_destinations.inc(n)
             elif key.startswith(FAIL_PREFIX):
                 self.send_failures.labels(key[len(FAIL_PREFIX):]).inc(n)
 

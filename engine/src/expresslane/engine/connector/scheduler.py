@@ -7,6 +7,13 @@ num_computed_tokens + num_scheduled_tokens reaches the prompt length, the reques
 metadata (the worker copies its KV inside that forward step) and is forgotten: it can never ship twice.
 A claimed request that finishes before that (abort, error) is dropped and counted. Unclaimed requests
 cost one counter increment in on_new_request and nothing else.
+
+A claim for a destination outside the allow-list is never shipped (nor contacted) and counted; a prompt
+longer than the staging slots is refused here. ``request_finished`` returns the outcome known then in
+the request's kv_transfer_params (``expresslane_rid``, ``expresslane_status`` staged | failed,
+``expresslane_error``); MultiConnector merges them with NixlConnector's (whose keys never start with
+``expresslane_``) into the prefill's HTTP response. Failures for an allowed node also go to it as an
+abort (through the worker), so its waiting /pd/decode fails at once.
 """
 
 from __future__ import annotations
@@ -16,8 +23,16 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from expresslane.engine.connector.metadata import Claim, ExpressLaneConnectorMetadata, ShipRequest
-from expresslane.engine.connector.metrics import CLAIMED, FAIL_PREFIX, UNCLAIMED
+from expresslane.engine.connector.config import ExpressLaneConnectorConfig
+from expresslane.engine.connector.metadata import AbortRequest, Claim, ExpressLaneConnectorMetadata, ShipRequest
+from expresslane.engine.connector.metrics import CLAIMED, FAIL_PREFIX, REFUSED_DESTINATION, UNCLAIMED
+from expresslane.engine.protocol import CLAIM_RID
+from expresslane.engine.transfer.sender import KVSender, SenderConfig
+
+STATUS = "expresslane_status"
+ERROR = "expresslane_error"
+STAGED = "staged"
+FAILED = "failed"
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -34,8 +49,13 @@ class _Tracked:
 
 
 class ExpressLaneScheduler:
-    def __init__(self) -> None:
+    def __init__(self, config: ExpressLaneConnectorConfig | None = None, max_tokens: int | None = None) -> None:
+        self.config = config or ExpressLaneConnectorConfig()
+        self.max_tokens = max_tokens  # longest prompt the staging slots take; None: not checked here
         self._tracked: dict[str, _Tracked] = {}
+        self._outcome: dict[str, dict[str, Any]] = {}  # req_id -> kv_transfer_params for request_finished
+        self._aborts: list[AbortRequest] = []
+        self._notifier: KVSender | None = None  # abort frames for failures found here (TCP only, no NIXL)
         self._delta: Counter[str] = Counter()
         # Totals, for tests and logs (the Prometheus counters live in the worker process).
         self.totals: Counter[str] = Counter()
@@ -47,23 +67,41 @@ class ExpressLaneScheduler:
     # ------------------------------------------------------------------ hooks
 
     def on_new_request(self, request: "Request") -> None:
+        params = request.kv_transfer_params
         try:
-            claim = Claim.parse(request.kv_transfer_params)
+            claim = Claim.parse(params)
         except ValueError as e:
             logger.error("expresslane: request %s has a malformed express-lane marker, not shipping: %s",
                          request.request_id, e)
             self._count(FAIL_PREFIX + "bad_params")
+            rid = params.get(CLAIM_RID) if isinstance(params, dict) else None
+            self._outcome[request.request_id] = _failed(rid if isinstance(rid, str) else "", "bad_params")
             return
         if claim is None:
             self._count(UNCLAIMED)
             return
         self._count(CLAIMED)
+        if not self.config.allows(claim.host, claim.port):
+            logger.error("expresslane: request %s names destination %s:%d, which is not in the allow-list; "
+                         "nothing is sent", request.request_id, claim.host, claim.port)
+            self._count(REFUSED_DESTINATION)
+            self._count(FAIL_PREFIX + "not_allowed")
+            self._outcome[request.request_id] = _failed(claim.rid, "not_allowed")
+            return
+        if self.max_tokens is not None and request.num_prompt_tokens > self.max_tokens:
+            logger.error("expresslane: rid=%s has %d prompt tokens > staging_max_tokens %d; not shipping",
+                         claim.rid, request.num_prompt_tokens, self.max_tokens)
+            self._count(FAIL_PREFIX + "too_long")
+            self._fail(request.request_id, claim, "too_long")
+            return
         self._tracked[request.request_id] = _Tracked(claim, request.num_prompt_tokens)
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> ExpressLaneConnectorMetadata:
         meta = ExpressLaneConnectorMetadata()
         if self._tracked:
             self._scan(scheduler_output, meta)
+        if self._aborts:  # already sent by the notifier; the worker only logs/counts them
+            meta.abort, self._aborts = self._aborts, []
         if self._delta:
             meta.stats_delta = dict(self._delta)
             self._delta.clear()
@@ -78,7 +116,24 @@ class ExpressLaneScheduler:
                            "(status %s); nothing shipped", tracked.claim.rid, request.request_id,
                            getattr(request, "status", "?"))
             self._count(FAIL_PREFIX + "finished_before_ship")
-        return False, None
+            self._fail(request.request_id, tracked.claim, "finished_before_ship")
+        return False, self._outcome.pop(request.request_id, None)
+
+    def _fail(self, req_id: str, claim: Claim, reason: str) -> None:
+        """Outcome for request_finished + an abort frame to the (allowed) node right now: the engine may
+        not schedule another step for a while, so this cannot wait for the worker."""
+        self._outcome[req_id] = _failed(claim.rid, reason)
+        self._aborts.append(AbortRequest(claim, reason))
+        if self._notifier is None:
+            c = self.config
+            self._notifier = KVSender(None, None, None, peer_secret=c.peer_secret, config=SenderConfig(
+                connect_timeout_s=c.connect_timeout_s, connect_retries=c.connect_retries,
+                io_timeout_s=c.io_timeout_s))
+        self._notifier.submit_abort(claim.rid, claim.host, claim.port, reason)
+
+    def shutdown(self) -> None:
+        if self._notifier is not None:
+            self._notifier.stop()
 
     # ------------------------------------------------------------------ internals
 
@@ -117,3 +172,9 @@ class ExpressLaneScheduler:
         meta.ship.append(ShipRequest(req_id, tracked.claim, tracked.prompt_len,
                                      tuple(list(g) for g in tracked.block_ids)))
         del self._tracked[req_id]
+        # Staged in this step's forward; later failures reach the node as an abort frame.
+        self._outcome[req_id] = {CLAIM_RID: tracked.claim.rid, STATUS: STAGED, ERROR: ""}
+
+
+def _failed(rid: str, reason: str) -> dict[str, Any]:
+    return {CLAIM_RID: rid, STATUS: FAILED, ERROR: reason}

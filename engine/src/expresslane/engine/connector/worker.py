@@ -11,6 +11,7 @@ pays. ``save_kv_layer`` would cost a Python call per layer per step for every re
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import TYPE_CHECKING
 
@@ -21,7 +22,7 @@ from expresslane.engine.connector.cpu_affinity import restore_forward_affinity
 from expresslane.engine.connector.metadata import ExpressLaneConnectorMetadata, ShipRequest
 from expresslane.engine.connector.metrics import ConnectorMetrics
 from expresslane.engine.kv_layout import PagedKVLayout, UnsupportedKVLayout, derive_paged_layout, layer_index
-from expresslane.engine.protocol.layout import KVLayoutSpec, dtype_name
+from expresslane.engine.protocol.layout import KVLayoutSpec, dtype_name, model_fingerprint
 from expresslane.engine.transfer.nixl_transport import NixlEndpoint
 from expresslane.engine.transfer.sender import KVSender, SenderConfig, SendJob, SendObserver
 from expresslane.engine.transfer.staging import StagingPool
@@ -34,19 +35,29 @@ logger = logging.getLogger(__name__)
 
 
 class _MetricsObserver(SendObserver):
-    def __init__(self, metrics: ConnectorMetrics, pool: StagingPool) -> None:
+    def __init__(self, metrics: ConnectorMetrics) -> None:
         self.metrics = metrics
-        self.pool = pool
 
     def on_sent(self, job: SendJob, seconds: float) -> None:
         self.metrics.sent.inc()
         self.metrics.sent_bytes.inc(job.nbytes)
         self.metrics.send_seconds.observe(seconds)
-        self.metrics.staging_slots_free.set(self.pool.num_free + 1)  # the slot is released right after
 
     def on_failure(self, job: SendJob | None, reason: str) -> None:
         self.metrics.send_failures.labels(reason).inc()
-        self.metrics.staging_slots_free.set(self.pool.num_free + (1 if job is not None else 0))
+
+    def on_abort_sent(self, job: SendJob, reason: str) -> None:
+        self.metrics.send_aborts.labels(reason).inc()
+
+
+def _model_fingerprint(vllm_config: "VllmConfig") -> str:
+    """The checkpoint's fingerprint (protocol.layout.model_fingerprint) from vLLM's model directory."""
+    model = vllm_config.model_config.model
+    if not os.path.isdir(model):
+        logger.warning("expresslane connector: model %r is not a local directory; the KV handshake cannot "
+                       "check model identity (serve the prefill from a checkpoint directory)", model)
+        return ""
+    return model_fingerprint(model)
 
 
 def _parallel_ranks() -> tuple[int, int, int]:
@@ -156,19 +167,27 @@ class ExpressLaneWorker:
         heads = self._layouts[0].num_kv_heads
         on_cuda = kv_device.type == "cuda"
         self._device_staging = on_cuda and self.config.staging_device == "device"
+        metrics = self.metrics
+
+        def on_change(in_use: int) -> None:
+            metrics.staging_slots_in_use.set(in_use)
+            metrics.staging_slots_free.set(self.config.staging_slots - in_use)
+
         self.pool = StagingPool(self.config.staging_slots, self.layout_spec.request_nbytes(max_tokens, heads),
                                 device=kv_device if self._device_staging else "cpu",
-                                pin_memory=on_cuda and not self._device_staging)
-        self.metrics.staging_slots_free.set(self.pool.num_slots)
+                                pin_memory=on_cuda and not self._device_staging, on_change=on_change)
+        on_change(0)
         endpoint = NixlEndpoint(f"expresslane-prefill-r{self.tp_rank}", self.config.nixl_backends)
         region = endpoint.register(self.pool.buffer)
         cfg = self.config
         self.sender = KVSender(
             endpoint, region, self.layout_spec, rank=self.tp_rank, world_size=self.tp_size,
             head_start=self.tp_rank * heads, num_heads=heads,
-            config=SenderConfig(connect_timeout_s=cfg.connect_timeout_s, io_timeout_s=cfg.io_timeout_s,
-                                write_timeout_s=cfg.write_timeout_s, busy_retry_s=cfg.busy_retry_s),
-            observer=_MetricsObserver(self.metrics, self.pool),
+            config=SenderConfig(connect_timeout_s=cfg.connect_timeout_s, connect_retries=cfg.connect_retries,
+                                io_timeout_s=cfg.io_timeout_s, write_timeout_s=cfg.write_timeout_s,
+                                busy_retry_s=cfg.busy_retry_s, checksum=cfg.checksum),
+            observer=_MetricsObserver(self.metrics), peer_secret=cfg.peer_secret,
+            model_fingerprint=_model_fingerprint(self.vllm_config),
         )
         self.sender.start()
         if cfg.metrics_port:
@@ -184,6 +203,14 @@ class ExpressLaneWorker:
             self.metrics.apply_delta(meta.stats_delta)
         for ship in meta.ship:
             self._stage(ship)
+        if self.tp_rank == 0:
+            for abort in meta.abort:  # the scheduler side already told the node; count it here
+                self.metrics.send_aborts.labels(abort.reason).inc()
+
+    def _fail(self, ship: ShipRequest, reason: str) -> None:
+        self.metrics.send_failures.labels(reason).inc()
+        if self.sender is not None:
+            self.sender.submit_abort(ship.claim.rid, ship.claim.host, ship.claim.port, reason)
 
     def _stage(self, ship: ShipRequest) -> None:
         if self.pool is None or self.sender is None:
@@ -191,26 +218,30 @@ class ExpressLaneWorker:
                          ship.claim.rid)
             self.metrics.send_failures.labels("not_ready").inc()
             return
+        if not self.config.allows(ship.claim.host, ship.claim.port):  # the scheduler filters; belt and braces
+            logger.error("expresslane: rid=%s names %s:%d outside the allow-list; nothing sent", ship.claim.rid,
+                         ship.claim.host, ship.claim.port)
+            self.metrics.refused_destinations.inc()
+            return
         assert self.layout_spec is not None
         if ship.num_tokens > self.layout_spec.max_seq_len:
             logger.error("expresslane: rid=%s has %d prompt tokens > staging_max_tokens %d; not shipping",
                          ship.claim.rid, ship.num_tokens, self.layout_spec.max_seq_len)
-            self.metrics.send_failures.labels("too_long").inc()
+            self._fail(ship, "too_long")
             return
         slot = self.pool.acquire()
         if slot is None:
             logger.error("expresslane: no free staging slot for rid=%s (%d in flight); increase staging_slots. "
                          "Not shipping (the forward never waits)", ship.claim.rid, self.pool.num_slots)
-            self.metrics.send_failures.labels("no_staging_slot").inc()
+            self._fail(ship, "no_staging_slot")
             return
-        self.metrics.staging_slots_free.set(self.pool.num_free)
         t0 = time.monotonic()
         try:
             ready = self._copy(ship, slot)
         except Exception:
             slot.release()
             logger.exception("expresslane: staging copy failed for rid=%s", ship.claim.rid)
-            self.metrics.send_failures.labels("staging_copy").inc()
+            self._fail(ship, "staging_copy")
             return
         stage_s = time.monotonic() - t0
         lay = self._layouts[0]

@@ -29,3 +29,15 @@ class VersionMismatch(ProtocolMismatch):
 
 class LayoutMismatch(ProtocolMismatch):
     pass
+
+
+class ModelMismatch(LayoutMismatch):
+    """Same KV shapes, different checkpoints (model fingerprints differ); names both sides."""
+
+
+class BadMessage(ProtocolError):
+    """A frame that decoded to JSON but is not a valid message (unknown type, missing or odd fields)."""
+
+
+class AuthError(ProtocolError):
+    """The peer failed (or refused) control-plane authentication, or a frame's MAC/sequence is wrong."""

@@ -98,3 +98,60 @@ class KVLayoutSpec:
             max_seq_len=int(data["max_seq_len"]),
             wire_layout=str(data.get("wire_layout", WIRE_LAYOUT)),
         )
+
+
+# config.json fields that do not change what the model computes per token position (dtype is the
+# layout's business and enters the layout hash; versions and names are bookkeeping).
+_FINGERPRINT_IGNORED = frozenset({"torch_dtype", "dtype", "transformers_version", "_name_or_path",
+                                  "use_cache", "_attn_implementation_autoset"})
+_SHAPE_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+               "num_key_value_heads", "head_dim", "vocab_size", "tie_word_embeddings")
+_ROPE_KEYS = ("rope_theta", "rope_scaling", "rope_parameters", "partial_rotary_factor",
+              "max_position_embeddings")
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "merges.txt", "tokenizer_config.json")
+_WEIGHT_SAMPLE_BYTES = 1 << 20
+
+
+def model_fingerprint(model_dir: str) -> str:
+    """sha256 (hex, 32 chars) of what makes two checkpoints compute the same KV for the same tokens.
+
+    Covers the architecture, the shapes, the RoPE config, every other dtype-independent config.json
+    field, the tokenizer files' bytes, and a cheap weight sample: for each ``*.safetensors`` file its
+    name, size and the first MiB after its header (so two same-shaped random checkpoints differ). Both
+    ends compute it from the same checkpoint directory; vLLM's compute_nixl_compatibility_hash covers
+    model identity the same way. Raises FileNotFoundError if ``model_dir`` has no config.json.
+    """
+    import os
+    import struct
+
+    path = os.path.join(model_dir, "config.json")
+    with open(path, "rb") as f:
+        config = json.loads(f.read())
+    h = hashlib.sha256()
+
+    def put(tag: str, value: object) -> None:
+        h.update(tag.encode() + b"\0" + json.dumps(value, sort_keys=True, default=str).encode() + b"\0")
+
+    put("architectures", config.get("architectures"))
+    put("model_type", config.get("model_type"))
+    text_cfg = config.get("text_config") or {}
+    put("shapes", {k: config.get(k, text_cfg.get(k)) for k in _SHAPE_KEYS})
+    put("rope", {k: config.get(k, text_cfg.get(k)) for k in _ROPE_KEYS})
+    put("config", {k: v for k, v in config.items() if k not in _FINGERPRINT_IGNORED})
+    for name in _TOKENIZER_FILES:
+        p = os.path.join(model_dir, name)
+        if os.path.isfile(p):
+            with open(p, "rb") as f:
+                h.update(name.encode() + b"\0" + hashlib.sha256(f.read()).digest())
+    for name in sorted(os.listdir(model_dir)):
+        if not name.endswith(".safetensors"):
+            continue
+        p = os.path.join(model_dir, name)
+        with open(p, "rb") as f:
+            header = f.read(8)
+            skip = struct.unpack("<Q", header)[0] if len(header) == 8 else 0
+            f.seek(8 + skip)
+            sample = f.read(_WEIGHT_SAMPLE_BYTES)
+        put("weights", [name, os.path.getsize(p)])
+        h.update(hashlib.sha256(sample).digest())
+    return h.hexdigest()[:32]

@@ -3,13 +3,21 @@
 Decode side: ``KVReceiver`` / ``ReceivedKV``. Prefill side: ``KVSender`` (used by the connector).
 """
 
-from expresslane.engine.transfer.errors import KVCancelled, KVReceiveError, KVTimeout, KVTransferFailed, SendError
+from expresslane.engine.transfer.errors import (
+    KVCancelled,
+    KVReceiveError,
+    KVRefused,
+    KVTimeout,
+    KVTransferFailed,
+    SendError,
+)
 from expresslane.engine.transfer.receiver import KVReceiver, ReceivedKV
 
 __all__ = [
     "KVCancelled",
     "KVReceiveError",
     "KVReceiver",
+    "KVRefused",
     "KVTimeout",
     "KVTransferFailed",
     "ReceivedKV",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 
 class KVReceiveError(Exception):
-    """Base of what KVReceiver.wait_for raises."""
+    """Base of what KVReceiver.expect / wait_for raise."""
 
 
 class KVTimeout(KVReceiveError):
@@ -15,8 +15,23 @@ class KVCancelled(KVReceiveError):
     """The rid was cancelled (KVReceiver.cancel) before or while its KV arrived (499)."""
 
 
+class KVRefused(KVReceiveError):
+    """expect(rid) cannot hold a receive slot for the rid (all slots held, or the rid was cancelled).
+    ``reason``: ``no_slot`` | ``cancelled``."""
+
+    def __init__(self, message: str, reason: str = "no_slot") -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
 class KVTransferFailed(KVReceiveError):
-    """The sender started a transfer for the rid and then failed or vanished mid-transfer."""
+    """The transfer for the rid is known failed. ``reason``: ``aborted:<prefill reason>``,
+    ``sender_vanished``, ``checksum_mismatch``, ``checksum_missing``, ``no_notification``, ``bad_nbytes``,
+    ``expired``, ``stopped``."""
+
+    def __init__(self, message: str, reason: str = "failed") -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 class SendError(Exception):

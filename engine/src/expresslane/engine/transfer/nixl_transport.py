@@ -141,9 +141,13 @@ class NixlEndpoint:
 
     def write(
         self, *, local: Region, local_offset: int, nbytes: int, remote_agent: str, remote: Region,
-        remote_offset: int, notif: bytes, timeout_s: float,
+        remote_offset: int, notif: bytes, timeout_s: float, on_timeout: Callable[[], None] | None = None,
     ) -> None:
-        """One-sided WRITE of ``nbytes`` and wait for completion. Raises SendError("nixl"|"write_timeout")."""
+        """One-sided WRITE of ``nbytes`` and wait for completion. Raises SendError("nixl"|"write_timeout").
+
+        On timeout ``on_timeout()`` is called (the caller tells the peer a write may still land) and the
+        handle is polled for another ``timeout_s`` until it is final, so the caller's control connection
+        (whose close the peer takes as "no write of mine can land any more") outlives the write."""
         if local_offset + nbytes > local.nbytes or remote_offset + nbytes > remote.nbytes:
             raise SendError("bad_request", f"write of {nbytes} B does not fit the registered regions")
         with self._lock:
@@ -152,17 +156,16 @@ class NixlEndpoint:
                                                remote.mem_type)
             handle = self._agent.initialize_xfer("WRITE", ldesc, rdesc, remote_agent, notif)
             state = self._agent.transfer(handle)
+        timed_out = False
         try:
-            deadline = time.monotonic() + timeout_s
-            sleep = 0.0
-            while state == "PROC":
-                if time.monotonic() > deadline:
-                    raise SendError("write_timeout", f"NIXL WRITE of {nbytes} B not done after {timeout_s}s")
-                if sleep:
-                    time.sleep(sleep)
-                sleep = min(max(sleep * 2, 1e-5), 1e-3)
-                with self._lock:
-                    state = self._agent.check_xfer_state(handle)
+            state = self._poll(handle, state, timeout_s)
+            if state == "PROC":
+                timed_out = True
+                if on_timeout is not None:
+                    on_timeout()
+                state = self._poll(handle, state, timeout_s)
+                raise SendError("write_timeout", f"NIXL WRITE of {nbytes} B not done after {timeout_s}s "
+                                f"(handle {'still in flight' if state == 'PROC' else state} after draining)")
             if state != "DONE":
                 raise SendError("nixl", f"NIXL WRITE failed with state {state}")
         finally:
@@ -170,7 +173,18 @@ class NixlEndpoint:
                 try:
                     self._agent.release_xfer_handle(handle)
                 except Exception:  # a handle still in flight cannot be released; the agent reaps it
-                    logger.warning("could not release NIXL xfer handle", exc_info=True)
+                    logger.warning("could not release NIXL xfer handle (timed out: %s)", timed_out, exc_info=True)
+
+    def _poll(self, handle, state: str, timeout_s: float) -> str:
+        deadline = time.monotonic() + timeout_s
+        sleep = 0.0
+        while state == "PROC" and time.monotonic() <= deadline:
+            if sleep:
+                time.sleep(sleep)
+            sleep = min(max(sleep * 2, 1e-5), 1e-3)
+            with self._lock:
+                state = self._agent.check_xfer_state(handle)
+        return state
 
     def wait_notif(self, msg: bytes, timeout_s: float) -> bool:
         """Wait until the notification ``msg`` (attached to a WRITE) arrived at this agent."""
@@ -184,6 +198,18 @@ class NixlEndpoint:
             if time.monotonic() > deadline:
                 return False
             time.sleep(0.0005)
+
+    def take_notif(self, msg: bytes) -> bool:
+        """Non-blocking: True (and forget it) if the notification ``msg`` arrived. Needs the progress
+        thread (start_progress) or another caller of :meth:`wait_notif` to collect notifications."""
+        with self._lock:
+            if msg in self._notifs:
+                self._notifs.discard(msg)
+                return True
+            return False
+
+    def progress_alive(self) -> bool:
+        return self._progress_thread is not None and self._progress_thread.is_alive()
 
     def discard_notifs(self, prefix: bytes) -> None:
         with self._lock:

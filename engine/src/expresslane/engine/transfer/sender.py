@@ -1,29 +1,39 @@
-"""Prefill side of the data plane: a background thread that ships staged requests to decode nodes.
+"""Prefill side of the data plane: one worker thread per destination ships staged requests to it.
 
-Per request: TCP connect -> hello (checked: magic, version, layout hash) -> admit -> accept | reject
-(busy/cancelling retried with bounded backoff) -> one-sided NIXL WRITE staging slot -> receive slot ->
-done -> ack. The staging slot is released on every path. The forward loop only ever calls submit(),
-which never blocks.
+Per request: connect (bounded retries with jitter) -> challenge/auth -> hello (magic, version, layout
+hash, model fingerprint checked) -> admit -> accept | reject (busy retried with jittered backoff for at
+most ``busy_retry_s``) -> one-sided NIXL WRITE staging slot -> receive slot -> done{nbytes, checksum}
+-> ack. Every failure after the node was reached is also sent to it as ``abort{rid, reason}`` so its
+waiting ``/pd/decode`` fails at once. The staging slot is released on every path. A slow or dead node
+only delays its own queue (no head-of-line blocking across destinations). The forward loop only ever
+calls submit() / submit_abort(), which never block.
 """
 
 from __future__ import annotations
 
 import logging
 import queue
+import random
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from expresslane.engine.protocol import messages as m
-from expresslane.engine.protocol.errors import ProtocolError, ProtocolMismatch
+from expresslane.engine.protocol.errors import AuthError, ProtocolError, ProtocolMismatch
 from expresslane.engine.protocol.layout import KVLayoutSpec
+from expresslane.engine.transfer.channel import Channel, open_channel
+from expresslane.engine.transfer.checksum import checksum
 from expresslane.engine.transfer.errors import SendError
 from expresslane.engine.transfer.nixl_transport import NixlEndpoint, Region
 from expresslane.engine.transfer.staging import StagingSlot
 
 logger = logging.getLogger(__name__)
+
+# Rejects the node already knows the outcome of: no abort frame needed.
+_NODE_KNOWS = frozenset({m.REJECT_UNKNOWN, m.REJECT_CANCELLED, m.REJECT_EXPIRED, m.REJECT_FAILED})
 
 
 @dataclass(frozen=True)
@@ -31,10 +41,13 @@ class SenderConfig:
     connect_timeout_s: float = 3.0
     io_timeout_s: float = 10.0
     write_timeout_s: float = 30.0
-    busy_retry_s: float = 10.0  # total time spent retrying busy/cancelling rejects
+    busy_retry_s: float = 10.0  # total time spent retrying busy rejects
+    connect_retries: int = 2    # extra connection attempts after a refused/timed-out connect
     backoff_initial_s: float = 0.02
     backoff_max_s: float = 0.5
-    queue_size: int = 64
+    queue_size: int = 64        # per destination
+    max_destinations: int = 64  # worker threads (one per host:port); the allow-list bounds it in practice
+    checksum: bool = True       # put crc32 of the staged bytes in done
 
 
 @dataclass
@@ -43,12 +56,14 @@ class SendJob:
     host: str
     port: int
     num_tokens: int
-    slot: StagingSlot
+    slot: StagingSlot | None
     nbytes: int
     # Called in the sender thread before the WRITE: waits for the device copy into staging (CUDA event).
     ready: Callable[[], None] | None = None
     t_staged: float = field(default_factory=time.monotonic)
     stage_s: float = 0.0
+    abort_reason: str = ""  # set: do not send KV, only tell the node this rid failed (no slot)
+    abort_detail: str = ""
 
 
 class SendObserver:
@@ -60,13 +75,40 @@ class SendObserver:
     def on_failure(self, job: SendJob | None, reason: str) -> None:
         pass
 
+    def on_abort_sent(self, job: SendJob, reason: str) -> None:
+        pass
+
+
+def _jitter(backoff: float) -> float:
+    return backoff * random.uniform(0.5, 1.5)
+
+
+class _Destination:
+    def __init__(self, sender: "KVSender", host: str, port: int) -> None:
+        self.sender = sender
+        self.queue: queue.Queue[SendJob | None] = queue.Queue(sender.config.queue_size)
+        self.thread = threading.Thread(target=self._run, name=f"expresslane-kv-send-{host}:{port}", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while True:
+            job = self.queue.get()
+            if job is None:
+                return
+            try:
+                self.sender.send(job)
+            except SendError:
+                pass  # already logged and counted
+            except Exception:  # never let the thread die
+                logger.exception("expresslane: unexpected error sending rid=%s", job.rid)
+
 
 class KVSender:
     def __init__(
         self,
-        endpoint: NixlEndpoint,
-        staging_region: Region,
-        layout: KVLayoutSpec,
+        endpoint: NixlEndpoint | None,
+        staging_region: Region | None,
+        layout: KVLayoutSpec | None,
         *,
         rank: int = 0,
         world_size: int = 1,
@@ -74,6 +116,9 @@ class KVSender:
         num_heads: int | None = None,
         config: SenderConfig | None = None,
         observer: SendObserver | None = None,
+        peer_secret: bytes | None = None,
+        ssl_context: ssl.SSLContext | None = None,
+        model_fingerprint: str = "",
     ) -> None:
         self.endpoint = endpoint
         self.staging_region = staging_region
@@ -81,136 +126,204 @@ class KVSender:
         self.rank = rank
         self.world_size = world_size
         self.head_start = head_start
-        self.num_heads = layout.num_kv_heads if num_heads is None else num_heads
+        # endpoint/region/layout None: an abort-only sender (the scheduler side's: submit_abort only)
+        self.num_heads = (layout.num_kv_heads if layout is not None else 0) if num_heads is None else num_heads
         self.config = config or SenderConfig()
         self.observer = observer or SendObserver()
-        self._queue: queue.Queue[SendJob | None] = queue.Queue(self.config.queue_size)
-        self._thread: threading.Thread | None = None
+        self.peer_secret = peer_secret
+        self.ssl_context = ssl_context
+        self.model_fingerprint = model_fingerprint
+        self._lock = threading.Lock()
+        self._destinations: dict[tuple[str, int], _Destination] = {}
+        self._stopped = False
 
-    # ------------------------------------------------------------------ thread
+    # ------------------------------------------------------------------ workers
 
     def start(self) -> None:
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="expresslane-kv-sender", daemon=True)
-            self._thread.start()
+        self._stopped = False  # destination workers start on first use
 
     def stop(self, timeout_s: float = 5.0) -> None:
-        if self._thread is not None:
+        with self._lock:
+            self._stopped = True
+            dests, self._destinations = list(self._destinations.values()), {}
+        for d in dests:
             try:
-                self._queue.put(None, timeout=timeout_s)
+                d.queue.put(None, timeout=timeout_s)
             except queue.Full:
                 pass
-            self._thread.join(timeout_s)
-            self._thread = None
+        for d in dests:
+            d.thread.join(timeout_s)
 
     def submit(self, job: SendJob) -> bool:
-        """Hand a staged job to the sender thread. Never blocks; False (slot released) if the queue is full."""
-        try:
-            self._queue.put_nowait(job)
-            return True
-        except queue.Full:
-            job.slot.release()
-            logger.error("expresslane: send queue full, dropping KV of rid=%s", job.rid)
-            self.observer.on_failure(job, "queue_full")
-            return False
-
-    def _run(self) -> None:
-        while True:
-            job = self._queue.get()
-            if job is None:
-                return
+        """Hand a job to its destination's worker. Never blocks; False (slot released) if it cannot queue."""
+        with self._lock:
+            dest = self._destinations.get((job.host, job.port))
+            if dest is None and not self._stopped and len(self._destinations) < self.config.max_destinations:
+                dest = self._destinations[(job.host, job.port)] = _Destination(self, job.host, job.port)
+        reason = "stopped" if self._stopped else "too_many_destinations" if dest is None else ""
+        if not reason:
             try:
-                self.send(job)
-            except SendError:
-                pass  # already logged and counted
-            except Exception:  # never let the thread die
-                logger.exception("expresslane: unexpected error sending rid=%s", job.rid)
+                dest.queue.put_nowait(job)  # type: ignore[union-attr]
+                return True
+            except queue.Full:
+                reason = "queue_full"
+        if job.slot is not None:
+            job.slot.release()
+        logger.error("expresslane: cannot queue rid=%s for %s:%s (%s); not shipping", job.rid, job.host,
+                     job.port, reason)
+        self.observer.on_failure(job, reason)
+        return False
+
+    def submit_abort(self, rid: str, host: str, port: int, reason: str, detail: str = "") -> bool:
+        """Tell the node at host:port that rid failed on this side (e.g. no staging slot): its waiting
+        /pd/decode then fails at once instead of timing out."""
+        return self.submit(SendJob(rid=rid, host=host, port=port, num_tokens=0, slot=None, nbytes=0,
+                                   abort_reason=reason, abort_detail=detail))
 
     # ------------------------------------------------------------------ one request
 
     def send(self, job: SendJob) -> None:
-        """Ship one job synchronously (the thread's body; tests call it directly). Releases the slot."""
+        """Ship one job synchronously (the workers' body; tests call it directly). Releases the slot."""
         try:
+            if job.abort_reason:
+                self._abort_only(job)
+                return
             if job.ready is not None:
                 job.ready()
             self._exchange(job)
         except SendError as e:
-            log = logger.error if e.reason != "rejected_cancelled" else logger.warning
-            log("expresslane: KV send for rid=%s to %s:%s failed: %s", job.rid, job.host, job.port, e)
+            quiet = e.reason in ("rejected_cancelled", "rejected_unknown_rid", "rejected_expired")
+            (logger.warning if quiet else logger.error)(
+                "expresslane: KV send for rid=%s to %s:%s failed: %s", job.rid, job.host, job.port, e)
             self.observer.on_failure(job, e.reason)
             raise
-        except ProtocolMismatch as e:
-            logger.error("expresslane: KV send for rid=%s refused: %s", job.rid, e)
-            self.observer.on_failure(job, "incompatible")
-            raise SendError("incompatible", str(e)) from e
-        except ProtocolError as e:
-            logger.error("expresslane: KV send for rid=%s: protocol error: %s", job.rid, e)
-            self.observer.on_failure(job, "protocol")
-            raise SendError("protocol", str(e)) from e
-        except (TimeoutError, socket.timeout) as e:
-            logger.error("expresslane: KV send for rid=%s: control-plane timeout", job.rid)
-            self.observer.on_failure(job, "timeout")
-            raise SendError("timeout", str(e)) from e
-        except OSError as e:
-            logger.error("expresslane: KV send for rid=%s: network error: %s", job.rid, e)
-            self.observer.on_failure(job, "network")
-            raise SendError("network", str(e)) from e
         else:
-            self.observer.on_sent(job, time.monotonic() - job.t_staged)
+            if not job.abort_reason:
+                self.observer.on_sent(job, time.monotonic() - job.t_staged)
         finally:
-            job.slot.release()
+            if job.slot is not None:
+                job.slot.release()
+
+    def _connect(self, job: SendJob) -> tuple[Channel, m.Hello]:
+        cfg = self.config
+        backoff = cfg.backoff_initial_s
+        for attempt in range(cfg.connect_retries + 1):
+            try:
+                return open_channel(job.host, job.port, secret=self.peer_secret,
+                                    connect_timeout_s=cfg.connect_timeout_s, io_timeout_s=cfg.io_timeout_s,
+                                    ssl_context=self.ssl_context)
+            except AuthError as e:
+                raise SendError("auth", str(e)) from e
+            except ProtocolMismatch as e:
+                raise SendError("incompatible", str(e)) from e
+            except ProtocolError as e:
+                raise SendError("protocol", str(e)) from e
+            except OSError as e:  # refused, unreachable, timed out, TLS failure
+                if attempt == cfg.connect_retries:
+                    raise SendError("connect", f"cannot reach decode node control port {job.host}:{job.port} "
+                                    f"after {attempt + 1} attempt(s): {e}") from e
+                time.sleep(_jitter(backoff))
+                backoff = min(backoff * 2, cfg.backoff_max_s)
+        raise AssertionError("unreachable")
+
+    def _abort_only(self, job: SendJob) -> None:
+        ch, _ = self._connect(job)
+        with ch:
+            ch.send(m.Abort(rid=job.rid, reason=job.abort_reason, detail=job.abort_detail[:2000], write_final=True))
+        self.observer.on_abort_sent(job, job.abort_reason)
+        logger.info("expresslane: told %s:%s that rid=%s failed here (%s)", job.host, job.port, job.rid,
+                    job.abort_reason)
 
     def _exchange(self, job: SendJob) -> None:
-        cfg = self.config
+        ch, hello = self._connect(job)
+        state = {"write_final": True}
+        with ch:
+            try:
+                self._transfer(ch, hello, job, state)
+            except Exception as e:
+                err = _classify(e)
+                if not (err.reason.startswith("rejected_") and err.reason[len("rejected_"):] in _NODE_KNOWS):
+                    self._send_abort(ch, job, err, state["write_final"])
+                if err is e:
+                    raise
+                raise err from e
+
+    def _send_abort(self, ch: Channel, job: SendJob, err: SendError, write_final: bool) -> None:
         try:
-            sock = socket.create_connection((job.host, job.port), timeout=cfg.connect_timeout_s)
-        except OSError as e:
-            raise SendError("connect", f"cannot reach decode node control port {job.host}:{job.port}: {e}") from e
-        with sock:
-            sock.settimeout(cfg.io_timeout_s)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            hello = m.expect(m.recv_msg(sock), m.HELLO)
-            m.check_compat(hello, self.layout, peer=f"decode node {job.host}:{job.port}")
-            transport = hello.get("transport") or {}
-            if transport.get("name") != "nixl":
-                raise SendError("incompatible", f"decode node offers transport {transport.get('name')!r}, "
-                                "this prefill speaks only 'nixl'")
-            remote_agent = self.endpoint.ensure_remote(transport["agent_name"], transport["agent_metadata"])
+            ch.send(m.Abort(rid=job.rid, reason=err.reason, detail=err.detail[:2000], write_final=write_final))
+            self.observer.on_abort_sent(job, err.reason)
+        except (OSError, ProtocolError):
+            pass  # the node sees the connection close instead (sender_vanished)
+
+    def _transfer(self, ch: Channel, hello: m.Hello, job: SendJob, state: dict) -> None:
+        cfg = self.config
+        assert self.endpoint is not None and self.staging_region is not None and self.layout is not None
+        m.check_compat(hello, self.layout, peer=ch.peer, local_fingerprint=self.model_fingerprint)
+        transport = hello.transport
+        if transport.get("name") != "nixl":
+            raise SendError("incompatible", f"decode node offers transport {transport.get('name')!r}, "
+                            "this prefill speaks only 'nixl'")
+        try:
+            remote_agent = self.endpoint.ensure_remote(str(transport["agent_name"]), str(transport["agent_metadata"]))
             remote_region = Region.from_wire(transport["region"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise SendError("protocol", f"unreadable transport in hello: {e}") from e
+        admit = m.admit(rid=job.rid, rank=self.rank, world_size=self.world_size, head_start=self.head_start,
+                        num_heads=self.num_heads, num_tokens=job.num_tokens, nbytes=job.nbytes,
+                        layout=self.layout, model_fingerprint=self.model_fingerprint)
+        assert job.slot is not None
+        crc = checksum(job.slot.bytes(job.nbytes)) if cfg.checksum else ""
+        t_admit = time.monotonic()
+        deadline = t_admit + cfg.busy_retry_s
+        backoff = cfg.backoff_initial_s
+        while True:
+            ch.send(admit)
+            reply = m.expect(ch.recv(), m.Accept, m.Reject)
+            if isinstance(reply, m.Accept):
+                break
+            assert isinstance(reply, m.Reject)
+            wait = _jitter(backoff)
+            if not reply.retryable or time.monotonic() + wait > deadline:
+                suffix = "" if not reply.retryable else f" (gave up after {cfg.busy_retry_s}s)"
+                raise SendError(f"rejected_{reply.reason}", f"decode node rejected rid={job.rid}: "
+                                f"{reply.reason} {reply.detail}{suffix}")
+            time.sleep(wait)
+            backoff = min(backoff * 2, cfg.backoff_max_s)
+        t_accept = time.monotonic()
+        if reply.nbytes != job.nbytes or reply.rid != job.rid:
+            raise SendError("protocol", f"accept for {reply.rid} {reply.nbytes} B, admitted {job.rid} {job.nbytes} B")
 
-            admit = m.admit(rid=job.rid, rank=self.rank, world_size=self.world_size, head_start=self.head_start,
-                            num_heads=self.num_heads, num_tokens=job.num_tokens, nbytes=job.nbytes,
-                            layout=self.layout)
-            t_admit = time.monotonic()
-            deadline = t_admit + cfg.busy_retry_s
-            backoff = cfg.backoff_initial_s
-            while True:
-                m.send_msg(sock, admit)
-                reply = m.expect(m.recv_msg(sock), m.ACCEPT, m.REJECT)
-                if reply["type"] == m.ACCEPT:
-                    break
-                reason = str(reply.get("reason"))
-                if not reply.get("retryable") or time.monotonic() + backoff > deadline:
-                    suffix = "" if not reply.get("retryable") else f" (gave up after {cfg.busy_retry_s}s)"
-                    raise SendError(f"rejected_{reason}", f"decode node rejected rid={job.rid}: "
-                                    f"{reason} {reply.get('detail', '')}{suffix}")
-                time.sleep(backoff)
-                backoff = min(backoff * 2, cfg.backoff_max_s)
-            t_accept = time.monotonic()
-            generation = int(reply["generation"])
-            if int(reply["nbytes"]) != job.nbytes:
-                raise SendError("protocol", f"accept for {reply['nbytes']} B, admitted {job.nbytes} B")
+        def on_timeout() -> None:  # the WRITE is still in flight: the node must keep the slot fenced
+            state["write_final"] = False
+            self._send_abort(ch, job, SendError("write_timeout", f"NIXL WRITE not done after "
+                                                f"{cfg.write_timeout_s}s"), write_final=False)
 
-            self.endpoint.write(
-                local=self.staging_region, local_offset=job.slot.offset, nbytes=job.nbytes,
-                remote_agent=remote_agent, remote=remote_region, remote_offset=int(reply["dest_offset"]),
-                notif=str(reply["notif"]).encode(), timeout_s=cfg.write_timeout_s,
-            )
-            t_written = time.monotonic()
-            m.send_msg(sock, m.done(rid=job.rid, rank=self.rank, generation=generation, nbytes=job.nbytes,
-                                    timings={"stage_s": job.stage_s, "queue_s": t_admit - job.t_staged,
-                                             "admit_s": t_accept - t_admit, "write_s": t_written - t_accept}))
-            ack = m.expect(m.recv_msg(sock), m.ACK)
-            if not ack.get("ok"):
-                raise SendError(f"nack_{ack.get('error') or 'unknown'}",
-                                f"decode node did not take rid={job.rid}: {ack.get('error')}")
+        self.endpoint.write(
+            local=self.staging_region, local_offset=job.slot.offset, nbytes=job.nbytes,
+            remote_agent=remote_agent, remote=remote_region, remote_offset=reply.dest_offset,
+            notif=reply.notif.encode(), timeout_s=cfg.write_timeout_s, on_timeout=on_timeout,
+        )
+        t_written = time.monotonic()
+        ch.send(m.Done(rid=job.rid, rank=self.rank, generation=reply.generation, nbytes=job.nbytes, checksum=crc,
+                       timings={"stage_s": job.stage_s, "queue_s": t_admit - job.t_staged,
+                                "admit_s": t_accept - t_admit, "write_s": t_written - t_accept}))
+        ack = m.expect(ch.recv(), m.Ack)
+        assert isinstance(ack, m.Ack)
+        if not ack.ok:
+            raise SendError(f"nack_{ack.error or 'unknown'}", f"decode node did not take rid={job.rid}: {ack.error}")
+
+
+def _classify(e: Exception) -> SendError:
+    if isinstance(e, SendError):
+        return e
+    if isinstance(e, AuthError):
+        return SendError("auth", str(e))
+    if isinstance(e, ProtocolMismatch):
+        return SendError("incompatible", str(e))
+    if isinstance(e, ProtocolError):
+        return SendError("protocol", str(e))
+    if isinstance(e, (TimeoutError, socket.timeout)):
+        return SendError("timeout", f"control-plane timeout: {e}")
+    if isinstance(e, OSError):
+        return SendError("network", str(e))
+    return SendError("internal", f"{type(e).__name__}: {e}")

