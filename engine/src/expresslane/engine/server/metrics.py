@@ -8,6 +8,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 STATUSES = ("ok", "bad_request", "busy", "not_reserved", "not_ready", "cancelled", "kv_timeout", "kv_transfer_failed",
             "stalled", "deadline", "unsupported", "error")
 # taken: /pd/decode took the reservation over; refused: the KV receiver cannot take the rid.
+# kv_transfer_failures_total{reason}: the part of the receiver's reason before ':' (CONTRACTS.md Receiver API)
+TRANSFER_FAILURE_REASONS = ("aborted", "sender_vanished", "checksum_mismatch", "no_notification", "incompatible_kv",
+                            "transfer_failed", "receive_error")
 RESERVATION_OUTCOMES = ("reserved", "refreshed", "taken", "cancelled", "expired", "busy", "refused", "not_ready")
 PHASES = ("wire_wait", "convert", "inject", "decode")
 
@@ -51,6 +54,8 @@ class DecodeMetrics:
                                    registry=registry)
         for status in STATUSES:
             self.requests.labels(status)
+        for reason in TRANSFER_FAILURE_REASONS:
+            self.kv_transfer_failures.labels(reason)
         for outcome in RESERVATION_OUTCOMES:
             self.reservations.labels(outcome)
         for phase in PHASES:
