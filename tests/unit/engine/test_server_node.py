@@ -109,6 +109,17 @@ def test_reservation_expires_frees_slot_and_refuses_late_kv(node, reference):
     assert r.status_code == 409 and r.json()["error"] == "not_reserved"
 
 
+def test_a_cancelled_rid_is_refused_by_the_receiver_when_reserved_again(node):
+    client, source, _, _ = node
+    refused = metric(client, "expresslane_decode_reservations_total", 'outcome="refused"')
+    assert reserve(client, "once").status_code == 200
+    client.post("/pd/cancel", json={"rid": "once"})
+    again = reserve(client, "once")
+    assert again.status_code == 429 and "cancelled" in again.json()["message"]
+    assert metric(client, "expresslane_decode_reservations_total", 'outcome="refused"') == refused + 1
+    assert client.get("/decode_status").json()["state"] == "idle"  # the refused reservation holds nothing
+
+
 def test_decode_without_reservation_is_409_and_touches_nothing(node):
     client, source, _, _ = node
     r = client.post("/pd/decode", json=body("never-reserved", 5))

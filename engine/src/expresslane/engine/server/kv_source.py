@@ -30,9 +30,18 @@ import torch
 
 from expresslane.engine.transfer.errors import KVCancelled, KVReceiveError, KVTimeout, KVTransferFailed
 
+try:
+    from expresslane.engine.transfer.errors import KVRefused
+except ImportError:  # the receiver's side of the wave-2 contract is merged separately; drop this shim then
+    class KVRefused(KVReceiveError):  # type: ignore[no-redef]
+        def __init__(self, message: str, reason: str = "no_slot") -> None:
+            super().__init__(message)
+            self.reason = reason
+
 __all__ = [
     "KVCancelled",
     "KVReceiveError",
+    "KVRefused",
     "KVSource",
     "KVTimeout",
     "KVTransferFailed",
@@ -116,6 +125,7 @@ class LocalKVSource:
         self._arrived: dict[str, LocalReceivedKV] = {}
         self._failed: dict[str, str] = {}
         self._expected: dict[str, float] = {}  # rid -> monotonic deadline
+        self._cancelled: set[str] = set()  # tombstones: a cancelled rid is never admitted again
         self._waiters: dict[str, list[tuple[asyncio.AbstractEventLoop, asyncio.Future]]] = {}
         self._health = {"control_plane": "ok", "nixl": "ok"}
         self.busy = False
@@ -148,7 +158,9 @@ class LocalKVSource:
     def expect(self, rid: str, ttl_s: float) -> None:
         with self._lock:
             self.calls.append(("expect", rid))
-            self._expected[rid] = time.monotonic() + ttl_s
+            if rid in self._cancelled:
+                raise KVRefused(f"rid {rid} was cancelled on this node", reason="cancelled")
+            self._expected[rid] = max(self._expected.get(rid, 0.0), time.monotonic() + ttl_s)
 
     def expected(self, rid: str) -> bool:
         with self._lock:
@@ -176,6 +188,7 @@ class LocalKVSource:
     def cancel(self, rid: str) -> None:
         with self._lock:
             self.calls.append(("cancel", rid))
+            self._cancelled.add(rid)
             self._expected.pop(rid, None)
             self._arrived.pop(rid, None)
             self._failed.pop(rid, None)

@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 
 from ..decode import DecodeEngine, Generation, SamplingParams
 from .errors import Busy, Cancelled, DeadlineExceeded, DecodeStalled, KVTransferFailed, KVTransferTimeout, NotReserved
-from .kv_source import KVCancelled, KVReceiveError, KVSource, KVTimeout, ReceivedKVLike, transfer_failure_reason
+from .kv_source import (KVCancelled, KVReceiveError, KVRefused, KVSource, KVTimeout, ReceivedKVLike,
+                        transfer_failure_reason)
 from .metrics import DecodeMetrics
 from .slot import ACTIVE_STATES, RequestSlot, SlotBusy, SlotState
 from .slot import NotReserved as SlotNotReserved
@@ -105,7 +106,14 @@ class DecodeRunner:
     def _arm_expiry(self, ttl_s: float) -> None:
         if self._expiry is not None:
             self._expiry.cancel()
-        self._expiry = asyncio.get_running_loop().call_later(ttl_s, self.expire)
+        self._expiry = asyncio.get_running_loop().call_later(ttl_s, self._on_expiry_timer)
+
+    def _on_expiry_timer(self) -> None:
+        self._expiry = None
+        self.expire()
+        v = self.slot.view
+        if v.state is SlotState.RESERVED and v.deadline is not None:  # the loop may fire a hair early
+            self._arm_expiry(max(v.deadline - time.monotonic(), 0.001))
 
     def expire(self) -> None:
         """A reservation past its deadline frees the slot and is cancelled at the KV source."""
@@ -128,10 +136,15 @@ class DecodeRunner:
         if self._expiry is not None:
             self._expiry.cancel()
             self._expiry = None
+        active = ActiveRequest(rid, deadline=time.monotonic() + self.request_deadline_s)
+        self.active = active
+        try:
+            self.source.expect(rid, min(kv_timeout_s, self.request_deadline_s))  # admit the KV for the whole wait
+        except KVReceiveError as e:
+            self.finish(active, ok=False)
+            raise Busy(f"the KV receiver cannot take this request: {e}") from None
         self.metrics.reservations.labels("taken").inc()
-        self.active = ActiveRequest(rid, deadline=time.monotonic() + self.request_deadline_s)
-        self.source.expect(rid, min(kv_timeout_s, self.request_deadline_s))  # admit the KV for the whole wait
-        return self.active
+        return active
 
     def finish(self, active: ActiveRequest, ok: bool) -> None:
         """The handler is done with `active`; free the slot now or when its engine job stops. A request that did
@@ -202,6 +215,8 @@ class DecodeRunner:
             raise KVTransferTimeout(str(e)) from None
         except KVCancelled as e:
             raise Cancelled(str(e)) from None
+        except KVRefused as e:  # the receiver has no slot for it (or it was cancelled there)
+            raise Busy(f"the KV receiver cannot take this request: {e}") from None
         except KVReceiveError as e:  # KVTransferFailed(reason) and anything else the receiver knows failed
             raise KVTransferFailed(transfer_failure_reason(e), str(e)) from None
         self.source.set_busy(True)  # our KV is in: refuse other admissions until the engine is free
