@@ -194,6 +194,12 @@ def test_health_names_the_failing_check_and_requests_are_refused(node):
         assert r.status_code == 503 and r.json()["error"] == "not_ready" and r.json()["detail"]["nixl"] == "agent gone"
         d = client.post("/pd/decode", json=body("sick", 5))
         assert d.status_code == 503
+        source.degrade("nixl", None)
+        assert reserve(client, "sick-held").status_code == 200
+        source.degrade("nixl", "agent gone")
+        d = client.post("/pd/decode", json=body("sick-held", 5))
+        assert d.status_code == 503 and client.get("/decode_status").json()["state"] == "idle"  # not held
+        assert ("cancel", "sick-held") in source.calls
         assert time.monotonic() - t0 < 1.0
         assert metric(client, "expresslane_decode_healthy") == 0
     finally:

@@ -190,7 +190,11 @@ def create_app(config: ServerConfig, engine: DecodeEngine, receiver: KVSource,
     async def decode(request: Request) -> Response:
         try:
             req, params, timeout_s = validate(await request.body())
-            require_healthy()
+            try:
+                require_healthy()
+            except NotReady:
+                runner.cancel_reservation(req.rid)  # the caller goes elsewhere: hold nothing for it
+                raise
             active = runner.acquire(req.rid, timeout_s)
         except DecodeServerError as e:
             metrics.requests.labels(_label(e)).inc()

@@ -168,15 +168,22 @@ class DecodeRunner:
             self.metrics.busy.set(0)
             self.source.set_busy(False)
 
+    def cancel_reservation(self, rid: str) -> bool:
+        """Cancel rid's reservation only (not a request being served). True when rid held it."""
+        if not self.slot.cancel_reservation(rid):
+            return False
+        self.source.cancel(rid)
+        if self._expiry is not None:
+            self._expiry.cancel()
+            self._expiry = None
+        self.metrics.reservations.labels("cancelled").inc()
+        self.metrics.busy.set(0)
+        return True
+
     def cancel(self, rid: str) -> bool:
         """Cancel rid's reservation, KV wait and/or decode. True when rid held the slot."""
         self.source.cancel(rid)  # also refuses KV that is still on its way
-        if self.slot.cancel_reservation(rid):
-            if self._expiry is not None:
-                self._expiry.cancel()
-                self._expiry = None
-            self.metrics.reservations.labels("cancelled").inc()
-            self.metrics.busy.set(0)
+        if self.cancel_reservation(rid):
             return True
         a = self.active
         if a is not None and a.rid == rid:
