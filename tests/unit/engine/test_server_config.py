@@ -56,7 +56,7 @@ def test_placement_on_a_cpu_we_may_not_use_is_a_clear_exit() -> None:
 
 def test_deadline_flags_and_safe_defaults() -> None:
     cfg = parse_args(["--model", "m"], env={})
-    assert (cfg.max_timeout_s, cfg.reservation_ttl_s, cfg.request_deadline_s, cfg.stall_timeout_s) == (300, 30, 600, 30)
+    assert (cfg.max_timeout_s, cfg.reservation_ttl_s, cfg.request_deadline_s, cfg.stall_timeout_s) == (300, 60, 600, 30)
     assert cfg.verify_checksum is True and cfg.node_token is None and cfg.peer_secret is None
     cfg = parse_args(["--model", "m", "--max-timeout-s", "60", "--kv-timeout-s", "20", "--reservation-ttl-s", "5",
                       "--request-deadline-s", "90", "--stall-timeout-s", "3", "--health-interval-s", "0.5",

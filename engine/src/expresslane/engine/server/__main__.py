@@ -1,6 +1,6 @@
 """python -m expresslane.engine.server --model DIR [--dtype float32] [--device cpu] [--max-seq-len 4096]
     [--host 0.0.0.0] [--advertise-host 127.0.0.1] [--ctrl-port 5556] [--http-port 5557] [--kv-timeout-s 120]
-    [--threads N] [--cpu-bind LIST] [--max-timeout-s 300] [--reservation-ttl-s 30] [--request-deadline-s 600]
+    [--threads N] [--cpu-bind LIST] [--max-timeout-s 300] [--reservation-ttl-s 60] [--request-deadline-s 600]
     [--stall-timeout-s 30] [--health-interval-s 2] [--health-probe-timeout-s 5] [--max-connections 64]
     [--no-verify-checksum]
 Secrets from the environment only: EXPRESS_NODE_TOKEN(_FILE), EXPRESSLANE_PEER_SECRET(_FILE)."""

@@ -24,7 +24,7 @@ class ServerConfig:
     kv_timeout_s: float = 120.0  # default /pd/decode timeout_s (wait for the KV) when the request has none
     max_timeout_s: float = 300.0  # a request's timeout_s above this is refused (400)
     # Deadlines: every failure of a request surfaces within a bound.
-    reservation_ttl_s: float = 30.0  # the cap on /pd/reserve's ttl_s (a longer one is shortened to this)
+    reservation_ttl_s: float = 60.0  # the cap on /pd/reserve's ttl_s (a longer one is shortened to this)
     request_deadline_s: float = 600.0  # a /pd/decode from take-over to its last token (KV wait included)
     stall_timeout_s: float = 30.0  # no token for this long mid-decode -> error, cancel, release
     health_interval_s: float = 2.0  # the health monitor's probe period (reserve / decode refuse on its verdict)
@@ -90,7 +90,7 @@ def parse_args(argv: list[str] | None = None, env: Mapping[str, str] | None = No
     ap.add_argument("--kv-timeout-s", type=float, default=120.0, help="default wait for a request's KV")
     ap.add_argument("--max-timeout-s", type=float, default=300.0,
                     help="largest timeout_s a /pd/decode may ask for (400 above it)")
-    ap.add_argument("--reservation-ttl-s", type=float, default=30.0, help="cap on /pd/reserve's ttl_s")
+    ap.add_argument("--reservation-ttl-s", type=float, default=60.0, help="cap on /pd/reserve's ttl_s")
     ap.add_argument("--request-deadline-s", type=float, default=600.0,
                     help="bound on one /pd/decode, KV wait + decode (then deadline_exceeded, cancel, release)")
     ap.add_argument("--stall-timeout-s", type=float, default=30.0,
