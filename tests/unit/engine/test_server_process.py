@@ -16,6 +16,7 @@ import httpx
 import pytest
 
 pytest.importorskip("nixl")
+pytestmark = pytest.mark.integration  # real processes: deselect with -m "not integration"
 
 from ._models import build_model  # noqa: E402
 
