@@ -15,10 +15,33 @@ EXPRESS_CPU_BIND="${EXPRESS_CPU_BIND:-}"
 # compiler (the runtime image has g++), adds about 10 s to the start, and falls back to the plain step with a
 # warning if compiling fails. 0 = the plain step. On CUDA the step is replayed as one CUDA graph either way.
 EXPRESS_COMPILE="${EXPRESS_COMPILE:-1}"
+# Deadlines (seconds; every failure of a request surfaces within a bound). Empty = the node's default.
+EXPRESS_KV_TIMEOUT_S="${EXPRESS_KV_TIMEOUT_S:-}"              # default wait for a request's KV (120)
+EXPRESS_MAX_TIMEOUT_S="${EXPRESS_MAX_TIMEOUT_S:-}"            # largest timeout_s a request may ask (300)
+EXPRESS_RESERVATION_TTL_S="${EXPRESS_RESERVATION_TTL_S:-}"    # cap on /pd/reserve's ttl_s (60)
+EXPRESS_REQUEST_DEADLINE_S="${EXPRESS_REQUEST_DEADLINE_S:-}"  # one /pd/decode, KV wait + decode (600)
+EXPRESS_STALL_TIMEOUT_S="${EXPRESS_STALL_TIMEOUT_S:-}"        # no token for this long -> stall error (30)
+EXPRESS_HEALTH_INTERVAL_S="${EXPRESS_HEALTH_INTERVAL_S:-}"    # the node's own health probe period (2)
+EXPRESS_HEALTH_PROBE_TIMEOUT_S="${EXPRESS_HEALTH_PROBE_TIMEOUT_S:-}"  # engine thread must answer within (5)
+EXPRESS_MAX_CONNECTIONS="${EXPRESS_MAX_CONNECTIONS:-}"        # control-plane connection cap (64)
+# 1 = verify the KV checksum before inject (default); 0 = skip it (a production speed switch).
+EXPRESS_VERIFY_CHECKSUM="${EXPRESS_VERIFY_CHECKSUM:-1}"
+# Secrets are read by the node itself from its environment, never passed on the command line:
+#   EXPRESS_NODE_TOKEN / EXPRESS_NODE_TOKEN_FILE        bearer token of /pd/*, /decode_status, /capabilities
+#   EXPRESSLANE_PEER_SECRET / EXPRESSLANE_PEER_SECRET_FILE  control-plane HMAC secret shared with the prefill
 extra=()
 [[ "$EXPRESS_COMPILE" == 1 ]] && extra+=(--compile)
 [[ -n "$EXPRESS_THREADS" ]] && extra+=(--threads "$EXPRESS_THREADS")
 [[ -n "$EXPRESS_CPU_BIND" ]] && extra+=(--cpu-bind "$EXPRESS_CPU_BIND")
+[[ -n "$EXPRESS_KV_TIMEOUT_S" ]] && extra+=(--kv-timeout-s "$EXPRESS_KV_TIMEOUT_S")
+[[ -n "$EXPRESS_MAX_TIMEOUT_S" ]] && extra+=(--max-timeout-s "$EXPRESS_MAX_TIMEOUT_S")
+[[ -n "$EXPRESS_RESERVATION_TTL_S" ]] && extra+=(--reservation-ttl-s "$EXPRESS_RESERVATION_TTL_S")
+[[ -n "$EXPRESS_REQUEST_DEADLINE_S" ]] && extra+=(--request-deadline-s "$EXPRESS_REQUEST_DEADLINE_S")
+[[ -n "$EXPRESS_STALL_TIMEOUT_S" ]] && extra+=(--stall-timeout-s "$EXPRESS_STALL_TIMEOUT_S")
+[[ -n "$EXPRESS_HEALTH_INTERVAL_S" ]] && extra+=(--health-interval-s "$EXPRESS_HEALTH_INTERVAL_S")
+[[ -n "$EXPRESS_HEALTH_PROBE_TIMEOUT_S" ]] && extra+=(--health-probe-timeout-s "$EXPRESS_HEALTH_PROBE_TIMEOUT_S")
+[[ -n "$EXPRESS_MAX_CONNECTIONS" ]] && extra+=(--max-connections "$EXPRESS_MAX_CONNECTIONS")
+[[ "$EXPRESS_VERIFY_CHECKSUM" == 0 ]] && extra+=(--no-verify-checksum)
 
 exec "$PYTHON" -m expresslane.engine.server \
   --model "$MODEL_DIR" --dtype "$DTYPE" --device "$EXPRESS_DEVICE" \

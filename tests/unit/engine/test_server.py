@@ -62,11 +62,18 @@ def wait_idle(client, within_s: float = 1.0) -> float:
     return time.monotonic() - t0
 
 
-def ship(reference, source, rid, prompt=PROMPT):
-    """What the prefill does: run the prompt, send its KV, return the first token."""
+def reserve(client, rid, ttl_s=5.0):
+    r = client.post("/pd/reserve", json={"rid": rid, "ttl_s": ttl_s})
+    assert r.status_code == 200, r.text
+    return r
+
+
+def ship(client, reference, source, rid, prompt=PROMPT):
+    """What the router + prefill do: reserve the node, run the prompt, send its KV, return the first token."""
+    reserve(client, rid)
     first = int(reference.prefill(prompt).argmax())
     n = len(prompt)
-    source.put(rid, reference.cache.k[:, :n].clone(), reference.cache.v[:, :n].clone())
+    assert source.put(rid, reference.cache.k[:, :n].clone(), reference.cache.v[:, :n].clone())
     return first
 
 
@@ -94,7 +101,7 @@ def metric(client, name: str, labels: str = "") -> float:
 
 def test_non_stream_reply_continues_the_prompt_exactly(node, reference):
     client, source, _ = node
-    first = ship(reference, source, "r-plain")
+    first = ship(client, reference, source, "r-plain")
     r = client.post("/pd/decode", json=body("r-plain", first, max_tokens=24))
     assert r.status_code == 200, r.text
     out = r.json()
@@ -109,7 +116,7 @@ def test_non_stream_reply_continues_the_prompt_exactly(node, reference):
 
 def test_stream_ndjson_shape(node, reference):
     client, source, _ = node
-    first = ship(reference, source, "r-stream")
+    first = ship(client, reference, source, "r-stream")
     with client.stream("POST", "/pd/decode", json=body("r-stream", first, max_tokens=30, stream=True)) as r:
         assert r.status_code == 200
         assert r.headers["content-type"].startswith("application/x-ndjson")
@@ -124,10 +131,10 @@ def test_stream_ndjson_shape(node, reference):
 
 def test_stop_token_ends_with_stop(node, reference):
     client, source, _ = node
-    first = ship(reference, source, "r-stop")
+    first = int(reference.prefill(PROMPT).argmax())
     ref = expected(reference, first, 24, ignore_eos=True)
     stop = ref[5]
-    first = ship(reference, source, "r-stop2")
+    first = ship(client, reference, source, "r-stop2")
     r = client.post("/pd/decode", json=body("r-stop2", first, max_tokens=24, stop_token_ids=[stop]))
     out = r.json()
     assert out["token_ids"] == ref[: ref.index(stop) + 1] and out["finish_reason"] == "stop"
@@ -137,7 +144,7 @@ def test_seeded_sampling_is_reproducible_over_http(node, reference):
     client, source, _ = node
     outs = []
     for i, seed in enumerate((7, 7, 8)):
-        first = ship(reference, source, f"r-seed-{i}")
+        first = ship(client, reference, source, f"r-seed-{i}")
         r = client.post("/pd/decode", json=body(f"r-seed-{i}", first, max_tokens=20, temperature=1.5, top_p=0.9,
                                                   top_k=40, seed=seed))
         outs.append(r.json()["token_ids"])
@@ -148,18 +155,22 @@ def test_busy_while_waiting_for_kv_then_cancel_frees_node(node, reference):
     client, source, _ = node
     results = {}
 
+    reserve(client, "r-wait")
+
     def first_request():
         results["a"] = client.post("/pd/decode", json=body("r-wait", 5))
 
     t = threading.Thread(target=first_request)
     t.start()
     deadline = time.monotonic() + 5
-    while client.get("/decode_status").json() != {"state": "busy", "rid": "r-wait", "phase": "wire_wait"}:
+    while client.get("/decode_status").json() != {"state": "busy", "rid": "r-wait", "phase": "waiting_kv"}:
         assert time.monotonic() < deadline
         time.sleep(0.01)
     assert source.busy is False  # the awaited KV must still be admitted by the control plane
-    busy = client.post("/pd/decode", json=body("r-other", 5))
+    busy = client.post("/pd/reserve", json={"rid": "r-other", "ttl_s": 1})
     assert busy.status_code == 429 and busy.json()["error"] == "busy"
+    unreserved = client.post("/pd/decode", json=body("r-other", 5))
+    assert unreserved.status_code == 409 and unreserved.json()["error"] == "not_reserved"
     c = client.post("/pd/cancel", json={"rid": "r-wait"})
     assert c.json() == {"rid": "r-wait", "cancelled": True}
     t.join(5)
@@ -171,6 +182,7 @@ def test_busy_while_waiting_for_kv_then_cancel_frees_node(node, reference):
 def test_kv_timeout_is_504(node):
     client, _, _ = node
     before = metric(client, "expresslane_decode_kv_timeouts_total")
+    reserve(client, "r-never")
     r = client.post("/pd/decode", json={**body("r-never", 5), "timeout_s": 0.2})
     assert r.status_code == 504 and r.json()["error"] == "kv_transfer_timeout"
     assert metric(client, "expresslane_decode_kv_timeouts_total") == before + 1
@@ -179,7 +191,7 @@ def test_kv_timeout_is_504(node):
 
 def test_cancel_during_decode_frees_node_within_1s(node, reference):
     client, source, _ = node
-    first = ship(reference, source, "r-long")
+    first = ship(client, reference, source, "r-long")
     cancels = metric(client, "expresslane_decode_cancellations_total")
     with client.stream("POST", "/pd/decode", json=body("r-long", first, max_tokens=MAX_SEQ, stream=True)) as r:
         lines = r.iter_lines()
@@ -199,7 +211,7 @@ def test_cancel_during_decode_frees_node_within_1s(node, reference):
 
 def test_client_disconnect_mid_stream_cancels(node, reference):
     client, source, _ = node
-    first = ship(reference, source, "r-gone")
+    first = ship(client, reference, source, "r-gone")
     cancels = metric(client, "expresslane_decode_cancellations_total")
     with httpx.Client(base_url=str(client.base_url), timeout=30) as other:
         with other.stream("POST", "/pd/decode", json=body("r-gone", first, max_tokens=MAX_SEQ, stream=True)) as r:
@@ -238,7 +250,7 @@ def test_bad_requests_get_clear_errors(node, payload, status, needle):
 
 def test_null_sampling_fields_mean_defaults(node, reference):
     client, source, _ = node
-    first = ship(reference, source, "r-null")
+    first = ship(client, reference, source, "r-null")
     payload = {"rid": "r-null", "first_token_id": first, "max_tokens": 6,
                "sampling": {"temperature": 0, "top_p": None, "top_k": None, "seed": None, "ignore_eos": True}}
     r = client.post("/pd/decode", json=payload)
@@ -247,7 +259,8 @@ def test_null_sampling_fields_mean_defaults(node, reference):
 
 def test_info_endpoints(node):
     client, _, _ = node
-    assert client.get("/health").json() == {"status": "ok"}
+    assert client.get("/health").json() == {"status": "ok",
+                                            "checks": {"engine": "ok", "control_plane": "ok", "nixl": "ok"}}
     caps = client.get("/capabilities").json()
     assert caps["max_seq_len"] == MAX_SEQ and caps["max_concurrent_requests"] == 1
     for option in ("temperature", "top_p", "top_k", "repetition_penalty", "presence_penalty", "ignore_eos", "seed",
@@ -268,7 +281,8 @@ def test_metrics_exported_with_zeros_and_counts(node):
         assert name in text, name
     for phase in ("wire_wait", "convert", "inject", "decode"):
         assert f'expresslane_decode_phase_seconds_count{{phase="{phase}"}}' in text
-    for status in ("ok", "busy", "bad_request", "cancelled", "kv_timeout"):
+    for status in ("ok", "busy", "bad_request", "cancelled", "kv_timeout", "not_reserved", "not_ready",
+                   "kv_transfer_failed", "stalled", "deadline"):
         assert f'expresslane_decode_requests_total{{status="{status}"}}' in text
     assert metric(client, "expresslane_decode_busy") == 0
 
@@ -278,7 +292,7 @@ def test_ok_request_updates_metrics(node, reference):
     ok = metric(client, "expresslane_decode_requests_total", 'status="ok"')
     gen = metric(client, "expresslane_decode_generated_tokens_total")
     nbytes = metric(client, "expresslane_decode_handoff_bytes_total")
-    first = ship(reference, source, "r-metrics")
+    first = ship(client, reference, source, "r-metrics")
     assert client.post("/pd/decode", json=body("r-metrics", first, max_tokens=9)).status_code == 200
     assert metric(client, "expresslane_decode_requests_total", 'status="ok"') == ok + 1
     assert metric(client, "expresslane_decode_generated_tokens_total") == gen + 8

@@ -52,3 +52,35 @@ def test_placement_on_a_cpu_we_may_not_use_is_a_clear_exit() -> None:
             "apply_cpu_placement(parse_args(['--model', 'm', '--cpu-bind', '4095']))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode != 0 and "--cpu-bind 4095" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_deadline_flags_and_safe_defaults() -> None:
+    cfg = parse_args(["--model", "m"], env={})
+    assert (cfg.max_timeout_s, cfg.reservation_ttl_s, cfg.request_deadline_s, cfg.stall_timeout_s) == (300, 60, 600, 30)
+    assert cfg.verify_checksum is True and cfg.node_token is None and cfg.peer_secret is None
+    cfg = parse_args(["--model", "m", "--max-timeout-s", "60", "--kv-timeout-s", "20", "--reservation-ttl-s", "5",
+                      "--request-deadline-s", "90", "--stall-timeout-s", "3", "--health-interval-s", "0.5",
+                      "--health-probe-timeout-s", "1", "--max-connections", "8", "--no-verify-checksum"], env={})
+    assert (cfg.max_timeout_s, cfg.kv_timeout_s, cfg.reservation_ttl_s, cfg.request_deadline_s) == (60, 20, 5, 90)
+    assert (cfg.stall_timeout_s, cfg.health_interval_s, cfg.health_probe_timeout_s) == (3, 0.5, 1)
+    assert cfg.max_connections == 8 and cfg.verify_checksum is False
+
+
+@pytest.mark.parametrize("argv", [["--stall-timeout-s", "0"], ["--request-deadline-s", "-1"],
+                                  ["--kv-timeout-s", "400"], ["--max-connections", "0"]])
+def test_bad_deadlines_are_usage_errors(argv, capsys) -> None:
+    with pytest.raises(SystemExit):
+        parse_args(["--model", "m", *argv], env={})
+    assert argv[0] in capsys.readouterr().err
+
+
+def test_secrets_come_from_env_or_file_and_stay_out_of_repr(tmp_path, capsys) -> None:
+    f = tmp_path / "token"
+    f.write_text("tok-from-file\n")
+    cfg = parse_args(["--model", "m"], env={"EXPRESS_NODE_TOKEN_FILE": str(f), "EXPRESSLANE_PEER_SECRET": "peer"})
+    assert cfg.node_token == "tok-from-file" and cfg.peer_secret == b"peer"
+    assert "tok-from-file" not in repr(cfg) and "peer" not in repr(cfg).replace("peer_secret", "")
+    with pytest.raises(SystemExit):
+        parse_args(["--model", "m"], env={"EXPRESS_NODE_TOKEN_FILE": str(f), "EXPRESS_NODE_TOKEN": "x"})
+    err = capsys.readouterr().err
+    assert "both EXPRESS_NODE_TOKEN and EXPRESS_NODE_TOKEN_FILE" in err and "tok-from-file" not in err

@@ -51,6 +51,11 @@ def stack(tmp_path_factory):
         yield client, reference, pool, sender, layout, config
 
 
+def _reserve(client, rid: str) -> None:
+    r = client.post("/pd/reserve", json={"rid": rid, "ttl_s": 10})
+    assert r.status_code == 200, r.text
+
+
 def _prefill_and_send(stack, rid: str) -> int:
     client, reference, pool, sender, layout, config = stack
     first = int(reference.prefill(PROMPT).argmax())
@@ -72,6 +77,7 @@ def _expected(reference, first, n):
 
 def test_kv_sent_before_decode_request(stack):
     client, reference, *_ = stack
+    _reserve(client, "nixl-1")
     first = _prefill_and_send(stack, "nixl-1")
     r = client.post("/pd/decode", json={"rid": "nixl-1", "first_token_id": first, "max_tokens": 20,
                                         "sampling": {"temperature": 0, "ignore_eos": True}})
@@ -82,6 +88,7 @@ def test_kv_sent_before_decode_request(stack):
 def test_decode_request_waits_for_kv(stack):
     client, reference, *_ = stack
     first = int(reference.prefill(PROMPT).argmax())
+    _reserve(client, "nixl-2")
     result = {}
     t = threading.Thread(target=lambda: result.setdefault("r", client.post("/pd/decode", json={
         "rid": "nixl-2", "first_token_id": first, "max_tokens": 12, "stream": False,

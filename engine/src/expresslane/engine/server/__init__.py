@@ -1,8 +1,13 @@
-"""The express decode server: DecodeEngine behind TileRT's decode-node HTTP contract (/pd/decode, /pd/cancel,
-/health, /capabilities, /decode_status, /metrics), fed by a KVSource (the NIXL receiver in production).
+"""The express decode server: DecodeEngine behind TileRT's decode-node HTTP contract plus reservations
+(/pd/reserve, /pd/decode, /pd/cancel, /health, /ready, /capabilities, /decode_status, /metrics), fed by a KVSource
+(the NIXL receiver in production).
 
     python -m expresslane.engine.server --model DIR --ctrl-port 5556 --http-port 5557
     app = create_app(config, engine, receiver, registry=None)
+
+Modules: config (the one typed config), slot (the request slot's state machine), runner (the slot driven for real
++ the decode thread), health (engine / control plane / NIXL checks), auth (bearer token), app (HTTP), kv_source
+(the KVSource contract + LocalKVSource), receiver (the real one), schemas, errors, metrics.
 """
 
 from .app import create_app

@@ -1,6 +1,9 @@
 """python -m expresslane.engine.server --model DIR [--dtype float32] [--device cpu] [--max-seq-len 4096]
     [--host 0.0.0.0] [--advertise-host 127.0.0.1] [--ctrl-port 5556] [--http-port 5557] [--kv-timeout-s 120]
-    [--threads N] [--cpu-bind LIST]"""
+    [--threads N] [--cpu-bind LIST] [--max-timeout-s 300] [--reservation-ttl-s 60] [--request-deadline-s 600]
+    [--stall-timeout-s 30] [--health-interval-s 2] [--health-probe-timeout-s 5] [--max-connections 64]
+    [--no-verify-checksum]
+Secrets from the environment only: EXPRESS_NODE_TOKEN(_FILE), EXPRESSLANE_PEER_SECRET(_FILE)."""
 
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ import torch
 import uvicorn
 
 from ..decode import DecodeEngine
+from ..secrets import NODE_TOKEN, PEER_SECRET, describe
 from .app import create_app
 from .config import ServerConfig, parse_args
 from .receiver import build_receiver
@@ -58,6 +62,12 @@ def main(argv: list[str] | None = None) -> None:
     config = parse_args(argv)
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     apply_cpu_placement(config)
+    for name, value in ((NODE_TOKEN, config.node_token), (PEER_SECRET, config.peer_secret)):
+        if value:
+            log.info("%s", describe(name))
+        else:
+            log.warning("%s not set: %s is open to anyone who can reach it (dev / CI only)", name,
+                        "/pd/*, /decode_status, /capabilities" if name == NODE_TOKEN else "the control plane")
     engine = build_engine(config)
     receiver = build_receiver(config, engine)
     app = create_app(config, engine, receiver)

@@ -1,14 +1,18 @@
-"""The express decode node's HTTP app: TileRT's decode-node contract (docs: /work/shared/TILERT.md).
+"""The express decode node's HTTP app: TileRT's decode-node contract plus reservations, health and auth
+(docs: /work/shared/TILERT.md, /work/coord/CONTRACTS.md "Express node HTTP").
 
+    POST /pd/reserve  {rid, ttl_s} -> {rid, reserved: true, ttl_s}            (429 busy, 503 not_ready)
     POST /pd/decode   {rid, first_token_id, max_tokens, sampling:{...}, stream, timeout_s}
                       -> {rid, token_ids, seq_len, finish_reason, timing_ms} or NDJSON {"t":[..]} ... {"done":..}
+                      (409 not_reserved, 502 kv_transfer_failed, 503 not_ready, 504 kv_transfer_timeout/...)
     POST /pd/cancel   {rid} -> {rid, cancelled}
-    GET  /health, /capabilities, /decode_status, /metrics
+    GET  /health, /ready, /metrics (open); /capabilities, /decode_status (bearer token when configured)
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -17,21 +21,33 @@ from contextlib import asynccontextmanager
 
 from prometheus_client import CollectorRegistry, make_asgi_app
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from ..decode import DecodeEngine, SamplingParams
+from .auth import BearerAuth
 from .config import ServerConfig
-from .errors import BadRequest, Cancelled, DecodeServerError
+from .errors import BadRequest, Cancelled, DecodeServerError, KVTransferFailed, NotReady
+from .health import HealthMonitor
 from .kv_source import KVSource, ReceivedKVLike
 from .metrics import DecodeMetrics
 from .runner import ActiveRequest, DecodeResult, DecodeRunner
-from .schemas import CancelRequest, DecodeRequest, parse_body
+from .schemas import CancelRequest, DecodeRequest, ReserveRequest, parse_body
 
 log = logging.getLogger(__name__)
 
-_STATUS_LABEL = {400: "bad_request", 429: "busy", 499: "cancelled", 501: "unsupported", 504: "kv_timeout"}
+# requests_total{status} label of each error code
+_CODE_LABEL = {"bad_request": "bad_request", "busy": "busy", "not_reserved": "not_reserved", "not_ready": "not_ready",
+               "cancelled": "cancelled", "unsupported": "unsupported", "kv_transfer_timeout": "kv_timeout",
+               "kv_transfer_failed": "kv_transfer_failed", "decode_stalled": "stalled",
+               "deadline_exceeded": "deadline"}
+
+# What this node really honours (the front door routes on it). Everything else is refused (400/501) or absent.
+FEATURES = {"logprobs": False, "top_logprobs": False, "structured_output": False, "tools": False, "n": False,
+            "echo": False, "prompt_logprobs": False, "logit_bias": False, "min_p": False, "stop_token_ids": True,
+            "min_tokens": True, "penalties": True, "seed": True, "speculative": False}
 
 
 class _ASGIEndpoint:
@@ -49,11 +65,15 @@ def error_response(err: DecodeServerError) -> JSONResponse:
 
 
 def _label(err: DecodeServerError) -> str:
-    return "kv_transfer_failed" if err.code == "kv_transfer_failed" else _STATUS_LABEL.get(err.status, "error")
+    return _CODE_LABEL.get(err.code, "error")
 
 
 def _ms(seconds: float) -> float:
     return round(seconds * 1e3, 3)
+
+
+def _ndjson(obj: dict) -> bytes:
+    return (json.dumps(obj) + "\n").encode()
 
 
 class _Request:
@@ -83,8 +103,16 @@ def create_app(config: ServerConfig, engine: DecodeEngine, receiver: KVSource,
                registry: CollectorRegistry | None = None) -> Starlette:
     registry = registry if registry is not None else CollectorRegistry()
     metrics = DecodeMetrics(registry)
-    runner = DecodeRunner(engine, receiver, metrics)
+    runner = DecodeRunner(engine, receiver, metrics, reservation_ttl_s=config.reservation_ttl_s,
+                          request_deadline_s=config.request_deadline_s, stall_timeout_s=config.stall_timeout_s)
+    monitor = HealthMonitor(runner, receiver, metrics, interval_s=config.health_interval_s,
+                            probe_timeout_s=config.health_probe_timeout_s)
     vocab = engine.vocab_size
+
+    def require_healthy() -> None:
+        report = monitor.current()
+        if not report.ok or monitor.draining:
+            raise NotReady(report.checks)
 
     def settle(state: _Request, status: str, result: DecodeResult | None = None) -> None:
         """Count the request's outcome exactly once and free the slot (now or when the engine job stops)."""
@@ -109,7 +137,15 @@ def create_app(config: ServerConfig, engine: DecodeEngine, receiver: KVSource,
             metrics.generated_tokens.inc(generated)
             if generated and result.decode_s > 0:
                 metrics.tokens_per_second.observe(generated / result.decode_s)
-        runner.finish(state.active)
+        runner.finish(state.active, ok=status == "ok")
+
+    def fail(state: _Request, err: DecodeServerError) -> None:
+        if isinstance(err, KVTransferFailed):
+            metrics.kv_transfer_failures.labels(err.reason.split(":", 1)[0]).inc()
+            log.warning("KV transfer for a request failed: %s", err.reason)
+        elif err.code in ("decode_stalled", "deadline_exceeded"):
+            log.warning("request ended by the node's watchdog: %s", err.message)
+        settle(state, _label(err))
 
     def validate(raw: bytes) -> tuple[DecodeRequest, SamplingParams, float]:
         req = parse_body(DecodeRequest, raw)
@@ -133,15 +169,33 @@ def create_app(config: ServerConfig, engine: DecodeEngine, receiver: KVSource,
             if message["type"] == "http.disconnect":
                 break
         if not state.settled:
-            log.info("client of rid %s disconnected: cancelling", state.req.rid)
+            log.info("client of a request disconnected: cancelling")
             runner.cancel(state.req.rid)
             if state.streaming:
                 settle(state, "cancelled")
 
+    async def reserve(request: Request) -> Response:
+        try:
+            body = parse_body(ReserveRequest, await request.body())
+            try:
+                require_healthy()
+            except NotReady:
+                metrics.reservations.labels("not_ready").inc()
+                raise
+            ttl_s = runner.reserve(body.rid, body.ttl_s if body.ttl_s is not None else config.reservation_ttl_s)
+        except DecodeServerError as e:
+            return error_response(e)
+        return JSONResponse({"rid": body.rid, "reserved": True, "ttl_s": ttl_s})
+
     async def decode(request: Request) -> Response:
         try:
             req, params, timeout_s = validate(await request.body())
-            active = runner.acquire(req.rid)
+            try:
+                require_healthy()
+            except NotReady:
+                runner.cancel_reservation(req.rid)  # the caller goes elsewhere: hold nothing for it
+                raise
+            active = runner.acquire(req.rid, timeout_s)
         except DecodeServerError as e:
             metrics.requests.labels(_label(e)).inc()
             return error_response(e)
@@ -163,7 +217,7 @@ def create_app(config: ServerConfig, engine: DecodeEngine, receiver: KVSource,
             return JSONResponse({"rid": req.rid, "token_ids": token_ids, "seq_len": result.seq_len,
                                  "finish_reason": result.finish_reason, "timing_ms": state.timing_ms(result)})
         except DecodeServerError as e:
-            settle(state, _label(e))
+            fail(state, e)
             return error_response(e)
         except asyncio.CancelledError:
             runner.cancel(req.rid)
@@ -171,7 +225,7 @@ def create_app(config: ServerConfig, engine: DecodeEngine, receiver: KVSource,
             state.streaming = False
             raise
         except Exception as e:  # the engine failed: never a traceback to the client
-            log.exception("decode of rid %s failed", req.rid)
+            log.exception("decode of a request failed")
             settle(state, "error")
             return error_response(DecodeServerError(f"{type(e).__name__}: {e}"))
         finally:
@@ -181,24 +235,29 @@ def create_app(config: ServerConfig, engine: DecodeEngine, receiver: KVSource,
     async def stream_body(state: _Request, batches: AsyncIterator[list[int]]) -> AsyncIterator[bytes]:
         n = 0
         try:
-            async for batch in batches:
-                n += len(batch)
-                yield (json.dumps({"t": batch}) + "\n").encode()
+            try:
+                async for batch in batches:
+                    n += len(batch)
+                    yield _ndjson({"t": batch})
+            except DecodeServerError as e:  # the stall watchdog or the deadline
+                runner.cancel(state.req.rid)
+                fail(state, e)
+                yield _ndjson({**e.stream_line(), "n": n})
+                return
             try:
                 result: DecodeResult = state.active.job.result()
             except Exception as e:
-                log.exception("decode of rid %s failed mid-stream", state.req.rid)
+                log.exception("decode of a request failed mid-stream")
                 settle(state, "error")
-                yield (json.dumps({"error": f"{type(e).__name__}: {e}"}) + "\n").encode()
+                yield _ndjson({"error": f"{type(e).__name__}: {e}", "error_type": "internal", "n": n})
                 return
             if result.finish_reason == "abort":
                 settle(state, "cancelled", result)
-                yield (json.dumps({"error": "cancelled", "n": n}) + "\n").encode()
+                yield _ndjson({"error": "cancelled", "error_type": "cancelled", "n": n})
                 return
             settle(state, "ok", result)
-            yield (json.dumps({"done": True, "n": n, "seq_len": result.seq_len,
-                               "finish_reason": result.finish_reason,
-                               "timing_ms": state.timing_ms(result)}) + "\n").encode()
+            yield _ndjson({"done": True, "n": n, "seq_len": result.seq_len, "finish_reason": result.finish_reason,
+                           "timing_ms": state.timing_ms(result)})
         finally:
             if not state.settled:  # the client went away mid-stream (Starlette cancelled us)
                 runner.cancel(state.req.rid)
@@ -212,12 +271,21 @@ def create_app(config: ServerConfig, engine: DecodeEngine, receiver: KVSource,
         return JSONResponse({"rid": body.rid, "cancelled": runner.cancel(body.rid)})
 
     async def health(_: Request) -> Response:
-        return JSONResponse({"status": "ok"})
+        report = await monitor.check()
+        return JSONResponse(report.body(), status_code=200 if report.ok else 503)
+
+    async def ready(_: Request) -> Response:
+        report = monitor.current()
+        ok = report.ok and not monitor.draining
+        body = {**report.body(), "ready": ok, "draining": monitor.draining}
+        return JSONResponse(body, status_code=200 if ok else 503)
 
     async def capabilities(_: Request) -> Response:
         caps = engine.capabilities()
         caps.update({"model": config.model_name, "model_dir": config.model, "max_seq_len": engine.max_seq_len,
-                     "stream": True, "max_concurrent_requests": 1, "default_timeout_s": config.kv_timeout_s})
+                     "stream": True, "max_concurrent_requests": 1, "default_timeout_s": config.kv_timeout_s,
+                     "max_timeout_s": config.max_timeout_s, "reservations": True,
+                     "max_reservation_ttl_s": config.reservation_ttl_s, "features": dict(FEATURES)})
         return JSONResponse(caps)
 
     async def decode_status(_: Request) -> Response:
@@ -226,20 +294,30 @@ def create_app(config: ServerConfig, engine: DecodeEngine, receiver: KVSource,
     @asynccontextmanager
     async def lifespan(app: Starlette):
         receiver.start()
+        await monitor.check()
+        probe = asyncio.create_task(monitor.run(), name="expresslane-health")
         try:
             yield
         finally:
+            monitor.draining = True
+            probe.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await probe
             runner.shutdown()
             receiver.stop()
 
+    middleware = [Middleware(BearerAuth, token=config.node_token)] if config.node_token else []
     app = Starlette(
         routes=[
+            Route("/pd/reserve", reserve, methods=["POST"]),
             Route("/pd/decode", decode, methods=["POST"]),
             Route("/pd/cancel", cancel, methods=["POST"]),
             Route("/health", health, methods=["GET"]),
+            Route("/ready", ready, methods=["GET"]),
             Route("/capabilities", capabilities, methods=["GET"]),
             Route("/decode_status", decode_status, methods=["GET"]),
         ],
+        middleware=middleware,
         lifespan=lifespan,
     )
     # The library's ASGI app served at exactly /metrics (a Mount would answer /metrics with a 307 to /metrics/).
@@ -247,4 +325,5 @@ def create_app(config: ServerConfig, engine: DecodeEngine, receiver: KVSource,
     app.state.config = config
     app.state.metrics = metrics
     app.state.runner = runner
+    app.state.health = monitor
     return app

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
+
+from ..secrets import NODE_TOKEN, PEER_SECRET, SecretError, read_secret
 
 
 @dataclass(frozen=True)
@@ -18,7 +22,19 @@ class ServerConfig:
     ctrl_port: int = 5556
     http_port: int = 5557
     kv_timeout_s: float = 120.0  # default /pd/decode timeout_s (wait for the KV) when the request has none
-    max_timeout_s: float = 3600.0  # a request's timeout_s above this is refused (400)
+    max_timeout_s: float = 300.0  # a request's timeout_s above this is refused (400)
+    # Deadlines: every failure of a request surfaces within a bound.
+    reservation_ttl_s: float = 60.0  # the cap on /pd/reserve's ttl_s (a longer one is shortened to this)
+    request_deadline_s: float = 600.0  # a /pd/decode from take-over to its last token (KV wait included)
+    stall_timeout_s: float = 30.0  # no token for this long mid-decode -> error, cancel, release
+    health_interval_s: float = 2.0  # the health monitor's probe period (reserve / decode refuse on its verdict)
+    health_probe_timeout_s: float = 5.0  # the engine thread must run a no-op job within this
+    # The receiver (control plane + NIXL agent), per the Receiver API contract.
+    max_connections: int = 64
+    verify_checksum: bool = True
+    # Secrets, read once at the entrypoint (expresslane.engine.secrets); never in repr or logs.
+    node_token: str | None = field(default=None, repr=False)  # EXPRESS_NODE_TOKEN: bearer token of /pd/* etc.
+    peer_secret: bytes | None = field(default=None, repr=False)  # EXPRESSLANE_PEER_SECRET: control-plane HMAC
     attention: str | None = None  # None: engine default for the device
     compile: bool = False
     cuda_graph: bool | None = None  # None: on for cuda with masked attention (the engine's default)
@@ -51,7 +67,14 @@ def parse_cpu_list(text: str) -> tuple[int, ...]:
     return tuple(sorted(cpus))
 
 
-def parse_args(argv: list[str] | None = None) -> ServerConfig:
+def _positive(ap: argparse.ArgumentParser, a: argparse.Namespace, *names: str) -> None:
+    for name in names:
+        if getattr(a, name) <= 0:
+            ap.error(f"--{name.replace('_', '-')} must be > 0")
+
+
+def parse_args(argv: list[str] | None = None, env: Mapping[str, str] | None = None) -> ServerConfig:
+    """The command line (and, for the two secrets only, the environment: NAME or NAME_FILE)."""
     ap = argparse.ArgumentParser(
         prog="python -m expresslane.engine.server",
         description="expresslane express decode node (TileRT-compatible /pd/* HTTP contract)",
@@ -65,6 +88,19 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
     ap.add_argument("--ctrl-port", type=int, default=5556)
     ap.add_argument("--http-port", type=int, default=5557)
     ap.add_argument("--kv-timeout-s", type=float, default=120.0, help="default wait for a request's KV")
+    ap.add_argument("--max-timeout-s", type=float, default=300.0,
+                    help="largest timeout_s a /pd/decode may ask for (400 above it)")
+    ap.add_argument("--reservation-ttl-s", type=float, default=60.0, help="cap on /pd/reserve's ttl_s")
+    ap.add_argument("--request-deadline-s", type=float, default=600.0,
+                    help="bound on one /pd/decode, KV wait + decode (then deadline_exceeded, cancel, release)")
+    ap.add_argument("--stall-timeout-s", type=float, default=30.0,
+                    help="no token for this long mid-decode -> decode stalled error, cancel, release")
+    ap.add_argument("--health-interval-s", type=float, default=2.0, help="period of the node's own health probe")
+    ap.add_argument("--health-probe-timeout-s", type=float, default=5.0,
+                    help="the engine thread must answer a no-op job within this, else /health 503")
+    ap.add_argument("--max-connections", type=int, default=64, help="control-plane connection cap")
+    ap.add_argument("--no-verify-checksum", dest="verify_checksum", action="store_false",
+                    help="skip the KV checksum check before inject (production speed switch; on by default)")
     ap.add_argument("--attention", choices=["sliced", "masked"], default=None)
     ap.add_argument("--compile", action="store_true", help="torch.compile the decode step")
     ap.add_argument("--cuda-graph", choices=["auto", "on", "off"], default="auto",
@@ -78,8 +114,15 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
     a = ap.parse_args(argv)
     if a.max_seq_len < 2:
         ap.error("--max-seq-len must be >= 2")
-    if a.kv_timeout_s <= 0:
-        ap.error("--kv-timeout-s must be > 0")
+    _positive(ap, a, "kv_timeout_s", "max_timeout_s", "reservation_ttl_s", "request_deadline_s", "stall_timeout_s",
+              "health_interval_s", "health_probe_timeout_s", "max_connections")
+    if a.kv_timeout_s > a.max_timeout_s:
+        ap.error(f"--kv-timeout-s {a.kv_timeout_s} exceeds --max-timeout-s {a.max_timeout_s}")
+    try:
+        node_token = read_secret(NODE_TOKEN, os.environ if env is None else env)
+        peer_secret = read_secret(PEER_SECRET, os.environ if env is None else env)
+    except SecretError as e:
+        ap.error(str(e))
     cpu_bind = None
     if a.cpu_bind and a.cpu_bind.strip() not in ("", "auto"):
         try:
@@ -99,7 +142,11 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
     return ServerConfig(
         model=a.model, dtype=a.dtype, device=a.device, max_seq_len=a.max_seq_len, host=a.host,
         advertise_host=a.advertise_host, ctrl_port=a.ctrl_port, http_port=a.http_port,
-        kv_timeout_s=a.kv_timeout_s, attention=a.attention, compile=a.compile, cuda_graph=cuda_graph,
+        kv_timeout_s=a.kv_timeout_s, max_timeout_s=a.max_timeout_s, reservation_ttl_s=a.reservation_ttl_s,
+        request_deadline_s=a.request_deadline_s, stall_timeout_s=a.stall_timeout_s,
+        health_interval_s=a.health_interval_s, health_probe_timeout_s=a.health_probe_timeout_s,
+        max_connections=a.max_connections, verify_checksum=a.verify_checksum, node_token=node_token,
+        peer_secret=peer_secret.encode() if peer_secret else None, attention=a.attention, compile=a.compile, cuda_graph=cuda_graph,
         threads=a.threads,
         cpu_bind=cpu_bind, warmup=a.warmup, log_level=a.log_level,
     )

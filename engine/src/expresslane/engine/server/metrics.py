@@ -5,7 +5,13 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-STATUSES = ("ok", "bad_request", "busy", "cancelled", "kv_timeout", "kv_transfer_failed", "unsupported", "error")
+STATUSES = ("ok", "bad_request", "busy", "not_reserved", "not_ready", "cancelled", "kv_timeout", "kv_transfer_failed",
+            "stalled", "deadline", "unsupported", "error")
+# taken: /pd/decode took the reservation over; refused: the KV receiver cannot take the rid.
+# kv_transfer_failures_total{reason}: the part of the receiver's reason before ':' (CONTRACTS.md Receiver API)
+TRANSFER_FAILURE_REASONS = ("aborted", "sender_vanished", "checksum_mismatch", "no_notification", "incompatible_kv",
+                            "transfer_failed", "receive_error")
+RESERVATION_OUTCOMES = ("reserved", "refreshed", "taken", "cancelled", "expired", "busy", "refused", "not_ready")
 PHASES = ("wire_wait", "convert", "inject", "decode")
 
 _SECONDS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -17,8 +23,15 @@ class DecodeMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         self.registry = registry
         p = "expresslane_decode_"
-        self.busy = Gauge(p + "busy", "1 while a request holds this node (KV wait, inject or decode)",
+        self.busy = Gauge(p + "busy", "1 while a request holds this node (reserved, KV wait, inject or decode)",
                           registry=registry)
+        self.healthy = Gauge(p + "healthy", "1 when the engine thread, control plane and NIXL agent are all ok",
+                             registry=registry)
+        self.reservations = Counter(p + "reservations", "/pd/reserve outcomes and what became of reservations",
+                                    ["outcome"], registry=registry)
+        self.kv_transfer_failures = Counter(p + "kv_transfer_failures",
+                                            "KV transfers known failed while a /pd/decode waited (reason before ':')",
+                                            ["reason"], registry=registry)
         self.requests = Counter(p + "requests", "/pd/decode requests by outcome", ["status"], registry=registry)
         self.handoff_bytes = Counter(p + "handoff_bytes", "Prompt KV bytes received from the prefill",
                                      registry=registry)
@@ -41,6 +54,10 @@ class DecodeMetrics:
                                    registry=registry)
         for status in STATUSES:
             self.requests.labels(status)
+        for reason in TRANSFER_FAILURE_REASONS:
+            self.kv_transfer_failures.labels(reason)
+        for outcome in RESERVATION_OUTCOMES:
+            self.reservations.labels(outcome)
         for phase in PHASES:
             self.phase_seconds.labels(phase)
 

@@ -8,11 +8,16 @@ from .kv_source import KVSource
 
 
 def build_receiver(config: ServerConfig, engine: DecodeEngine) -> KVSource:
-    """The control-plane TCP server on --ctrl-port + NIXL receive buffer, sized by the engine's geometry."""
-    from expresslane.engine.transfer.receiver import KVReceiver  # NIXL is only needed when serving for real
+    """The control-plane TCP server on --ctrl-port + NIXL receive buffer, sized by the engine's geometry, with
+    the Receiver API's keyword args (CONTRACTS.md): peer authentication, connection cap, checksum check and the
+    model's fingerprint (same checkpoint directory as the prefill's, so both sides compute the same one)."""
+    from expresslane.engine.protocol.layout import model_fingerprint  # noqa: I001 - NIXL only when serving for real
+    from expresslane.engine.transfer.receiver import KVReceiver
 
     g = engine.geometry
     return KVReceiver(
         g.num_layers, g.num_kv_heads, g.head_dim, str(g.dtype).removeprefix("torch."), g.device,
         g.max_seq_len, host=config.host, advertise_host=config.advertise_host, ctrl_port=config.ctrl_port,
+        peer_secret=config.peer_secret, max_connections=config.max_connections,
+        verify_checksum=config.verify_checksum, model_fingerprint=model_fingerprint(config.model),
     )

@@ -68,6 +68,13 @@ class DecodeRequest(BaseModel):
             raise BadRequest(str(e)) from None
 
 
+class ReserveRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    rid: str = Field(min_length=1, max_length=512)
+    ttl_s: float | None = Field(None, gt=0)  # None: the node's cap (reservation_ttl_s)
+
+
 class CancelRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
