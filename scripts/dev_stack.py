@@ -4,11 +4,19 @@
     python scripts/dev_stack.py up [--model-dir DIR] [--port-base N] [--only prefill,router,...]
     python scripts/dev_stack.py status
     python scripts/dev_stack.py down
+    python scripts/dev_stack.py kill|pause|resume|restart SERVICE   (fault injection, real signals)
 
 Every service is started with the SAME launcher the compose files use (scripts/launch/*.sh) and the
 router reads the same compose/config/router.yaml; only the environment differs (everything on
 127.0.0.1, ports from the defaults or shifted by --port-base). State (pids, logs, env) lives in
 var/dev-stack/. The pytest fixture `live_stack` (tests/conftest.py) drives the same `DevStack` class.
+
+Fault injection acts on one service's whole process group (the launcher execs the server; vLLM's engine
+core is its child), as `docker compose kill|pause|unpause|restart` acts on a container:
+  kill SERVICE     SIGKILL (`--signal TERM` etc. for another signal); the service stays down
+  pause SERVICE    SIGSTOP: the process keeps its sockets but answers nothing (a partition, as seen by peers)
+  resume SERVICE   SIGCONT
+  restart SERVICE  SIGKILL if still running, start it again with its launcher, wait until healthy
 """
 
 from __future__ import annotations
@@ -139,26 +147,34 @@ class DevStack:
         )
         try:
             for name in self.services:
-                launcher = SERVICES[name][0]
-                log = open(self.state_dir / f"{name}.log", "wb")
-                proc = subprocess.Popen(
-                    ["bash", str(LAUNCH / launcher)],
-                    env=env,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,  # so `down` can kill the whole process group
-                )
-                self.procs[name] = proc
-                (self.state_dir / f"{name}.pid").write_text(str(proc.pid))
+                self._launch(name, env, log_mode="wb")
             self.wait_healthy()
         except BaseException:
             self.stop()
             raise
         return self
 
-    def wait_healthy(self) -> None:
-        deadline = time.monotonic() + self.start_timeout_s
-        pending = list(self.services)
+    def _launch(self, name: str, env: dict[str, str], *, log_mode: str = "ab") -> subprocess.Popen:
+        launcher = SERVICES[name][0]
+        with open(self.state_dir / f"{name}.log", log_mode) as log:
+            proc = subprocess.Popen(
+                ["bash", str(LAUNCH / launcher)],
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # its own process group: `down` / `kill` reach the server's children
+            )
+        self.procs[name] = proc
+        (self.state_dir / f"{name}.pid").write_text(str(proc.pid))
+        return proc
+
+    def wait_healthy(self, names: tuple[str, ...] | None = None, timeout_s: float | None = None) -> float:
+        """Wait until every service (or `names`) answers its health path; seconds waited. A service whose
+        process exits meanwhile raises StackError with its log tail at once."""
+        t0 = time.monotonic()
+        timeout_s = self.start_timeout_s if timeout_s is None else timeout_s
+        deadline = t0 + timeout_s
+        pending = list(self.services if names is None else names)
         while pending:
             for name in list(pending):
                 proc = self.procs.get(name)
@@ -169,9 +185,76 @@ class DevStack:
                     pending.remove(name)
             if pending and time.monotonic() > deadline:
                 tails = "\n".join(f"--- {n} ---\n{self.log_tail(n)}" for n in pending)
-                raise StackError(f"not healthy after {self.start_timeout_s:.0f}s: {pending}\n{tails}")
+                raise StackError(f"not healthy after {timeout_s:.0f}s: {pending}\n{tails}")
             if pending:
-                time.sleep(1.0)
+                time.sleep(0.25)
+        return time.monotonic() - t0
+
+    # ---- fault injection (one service's process group, real signals) --------------------------
+    def pid(self, name: str) -> int | None:
+        """Process-group id of a running service (its launcher's pid), or None."""
+        proc = self.procs.get(name)
+        if proc is not None:
+            return proc.pid if proc.poll() is None else None
+        pid_file = self.state_dir / f"{name}.pid"
+        if pid_file.exists():
+            pid = int(pid_file.read_text())
+            return pid if _pid_alive(pid) else None
+        return None
+
+    def send_signal(self, name: str, sig: int) -> int:
+        """Send `sig` to every process of `name`; its pid. StackError if it is not running."""
+        self._check(name)
+        pid = self.pid(name)
+        if pid is None:
+            raise StackError(f"{name} is not running")
+        os.killpg(pid, sig)
+        return pid
+
+    def kill(self, name: str, sig: int = signal.SIGKILL, wait_s: float = 30.0) -> None:
+        """Kill `name` (SIGKILL by default, as `docker compose kill`) and wait until its processes are gone.
+        A stopped (SIGSTOPped) service is killed too: SIGKILL needs no SIGCONT."""
+        pid = self.send_signal(name, sig)
+        if sig != signal.SIGKILL:
+            _kill_group(pid, signal.SIGCONT)  # a paused process must run to handle TERM/INT
+        proc = self.procs.pop(name, None)
+        deadline = time.monotonic() + wait_s
+        if proc is not None:
+            try:
+                proc.wait(timeout=wait_s)
+            except subprocess.TimeoutExpired:
+                _kill_group(pid, signal.SIGKILL)
+                proc.wait(timeout=10)
+        while _group_alive(pid) and time.monotonic() < deadline:  # children (vLLM's engine core) too
+            time.sleep(0.05)
+        if _group_alive(pid):
+            _kill_group(pid, signal.SIGKILL)
+        (self.state_dir / f"{name}.pid").unlink(missing_ok=True)
+
+    def pause(self, name: str) -> None:
+        """SIGSTOP the service: its sockets stay open, nothing answers (a partitioned node)."""
+        self.send_signal(name, signal.SIGSTOP)
+
+    def resume(self, name: str) -> None:
+        self.send_signal(name, signal.SIGCONT)
+
+    def restart(self, name: str, env: dict[str, str] | None = None, wait: bool = True,
+                timeout_s: float | None = None) -> float:
+        """Start `name` again with its launcher (SIGKILL first if it still runs); `env` overrides variables
+        for this start only (e.g. a smaller MAX_MODEL_LEN). Returns the seconds until healthy (0 if not
+        waited for)."""
+        self._check(name)
+        if self.pid(name) is not None:
+            self.kill(name)
+        launch_env = self.env()
+        launch_env.update(env or {})
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        self._launch(name, launch_env)
+        return self.wait_healthy((name,), timeout_s) if wait else 0.0
+
+    def _check(self, name: str) -> None:
+        if name not in SERVICES:
+            raise ValueError(f"unknown service {name!r}; choose from {list(SERVICES)}")
 
     def log_tail(self, name: str, lines: int = 60) -> str:
         path = self.state_dir / f"{name}.log"
@@ -187,6 +270,7 @@ class DevStack:
             pid = proc.pid if proc else (int(pid_file.read_text()) if pid_file.exists() else None)
             if pid is not None:
                 _kill_group(pid)
+                _kill_group(pid, signal.SIGCONT)  # a paused service handles TERM only once it runs
             if proc is not None:
                 try:
                     proc.wait(timeout=30)
@@ -241,6 +325,26 @@ def _pid_alive(pid: int) -> bool:
         return False
 
 
+def _group_alive(pgid: int) -> bool:
+    """Whether any process of group `pgid` still runs (zombies, which only wait for their parent to reap
+    them, do not count; without /proc, any member counts)."""
+    try:
+        os.killpg(pgid, 0)
+    except OSError:
+        return False
+    proc = Path("/proc")
+    if not proc.is_dir():
+        return True
+    for stat in proc.glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            return True
+    return False
+
+
 def _kill_group(pid: int, sig: int = signal.SIGTERM) -> None:
     try:
         os.killpg(pid, sig)
@@ -248,9 +352,14 @@ def _kill_group(pid: int, sig: int = signal.SIGTERM) -> None:
         pass
 
 
+_SIGNALS = {"KILL": signal.SIGKILL, "TERM": signal.SIGTERM, "INT": signal.SIGINT}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("command", choices=["up", "down", "status"])
+    ap.add_argument("command", choices=["up", "down", "status", "kill", "pause", "resume", "restart"])
+    ap.add_argument("service", nargs="?", choices=list(SERVICES), help="for kill / pause / resume / restart")
+    ap.add_argument("--signal", choices=list(_SIGNALS), default="KILL", help="kill: which signal (default KILL)")
     ap.add_argument("--model-dir", type=Path, default=DEFAULT_MODEL_DIR)
     ap.add_argument("--state-dir", type=Path, default=DEFAULT_STATE)
     ap.add_argument("--port-base", type=int, default=0, help="added to every default port")
@@ -262,6 +371,23 @@ def main(argv: list[str] | None = None) -> int:
         port_base=args.port_base,
         services=tuple(s for s in args.only.split(",") if s),
     )
+    if args.command in ("kill", "pause", "resume", "restart"):
+        if args.service is None:
+            ap.error(f"{args.command} needs a SERVICE ({', '.join(SERVICES)})")
+        try:
+            if args.command == "kill":
+                stack.kill(args.service, _SIGNALS[args.signal])
+            elif args.command == "pause":
+                stack.pause(args.service)
+            elif args.command == "resume":
+                stack.resume(args.service)
+            else:
+                print(f"{args.service} healthy after {stack.restart(args.service):.1f}s")
+        except StackError as e:
+            print(f"{args.command} {args.service}: {e}", file=sys.stderr)
+            return 1
+        print(f"{args.command} {args.service}: done")
+        return 0
     if args.command == "up":
         stack.start()
         print(f"up: router {stack.router_url}  (logs in {stack.state_dir}; stop with `dev_stack.py down`)")

@@ -1,0 +1,287 @@
+"""Helpers of the fault tests (test_faults.py) and the chaos soak (scripts/soak.py): a client that records
+what each request got within an explicit bound, Prometheus scraping, a router process of our own, and a
+black-hole control-plane peer (a real socket that accepts and never answers).
+
+Nothing here fakes a component: requests go over real sockets to real processes, faults are real signals
+(scripts/dev_stack.py DevStack.kill / pause / resume / restart).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+
+# ---- one request, recorded -------------------------------------------------------------------------------
+@dataclass
+class Outcome:
+    """What one client request got. `lost`: no complete answer within the bound (the client gave up)."""
+
+    status: int | None = None
+    elapsed_s: float = 0.0
+    first_token_s: float | None = None  # first chunk carrying text (streams)
+    text: str = ""
+    chunks: int = 0
+    done: bool = False  # stream ended with data: [DONE]
+    error_type: str | None = None  # error.type of a JSON error body or of an SSE error event
+    error: str | None = None
+    retry_after: str | None = None
+    finish_reason: str | None = None
+    lost: bool = False
+    disconnected: bool = False  # we closed it on purpose (disconnect_after_s)
+    body: Any = None
+
+    @property
+    def ok(self) -> bool:
+        """A complete, successful answer: 200, no error event, [DONE] for streams."""
+        return self.status == 200 and self.error_type is None and not self.lost and not self.disconnected
+
+    @property
+    def typed_error(self) -> bool:
+        """A failure the client can act on: an OpenAI-style error body / SSE error event with a type."""
+        return not self.lost and self.error_type is not None
+
+    def describe(self) -> str:
+        parts = [f"status={self.status}", f"{self.elapsed_s:.2f}s"]
+        if self.first_token_s is not None:
+            parts.append(f"first_token={self.first_token_s:.2f}s")
+        if self.error_type or self.error:
+            parts.append(f"error={self.error_type}: {(self.error or '')[:160]!r}")
+        if self.retry_after is not None:
+            parts.append(f"retry_after={self.retry_after}")
+        parts.append(f"chunks={self.chunks} done={self.done} lost={self.lost} text_len={len(self.text)}")
+        if self.disconnected:
+            parts.append("disconnected-by-client")
+        return " ".join(parts)
+
+
+def _error_of(obj: Any) -> tuple[str | None, str | None]:
+    if isinstance(obj, dict) and isinstance(obj.get("error"), dict):
+        err = obj["error"]
+        return str(err.get("type") or err.get("code") or "error"), str(err.get("message"))
+    if isinstance(obj, dict) and isinstance(obj.get("error"), str):
+        return str(obj.get("error_type") or obj["error"]), str(obj.get("detail") or obj["error"])
+    return None, None
+
+
+async def request(base: str, path: str, body: dict, *, bound_s: float, stream: bool | None = None,
+                  disconnect_after_s: float | None = None, on_chunk: Callable[[int], None] | None = None,
+                  headers: dict[str, str] | None = None) -> Outcome:
+    """POST `body` and record the outcome. The request is abandoned (the connection closed, as a client
+    with a timeout does) after `bound_s` -> lost, or on purpose after `disconnect_after_s` -> disconnected.
+    `on_chunk(n)` runs after the n-th text chunk of a stream (a place to inject a fault)."""
+    stream = bool(body.get("stream")) if stream is None else stream
+    body = dict(body, stream=stream)
+    out = Outcome()
+    t0 = time.monotonic()
+
+    async def run() -> None:
+        async with httpx.AsyncClient(timeout=httpx.Timeout(bound_s + 5, connect=5.0), trust_env=False) as c:
+            async with c.stream("POST", base + path, json=body, headers=headers) as r:
+                out.status = r.status_code
+                out.retry_after = r.headers.get("retry-after")
+                if not stream or r.status_code != 200 or not r.headers.get("content-type", "").startswith(
+                        "text/event-stream"):
+                    raw = await r.aread()
+                    try:
+                        out.body = json.loads(raw)
+                    except ValueError:
+                        out.body = raw.decode("utf-8", "replace")
+                    out.error_type, out.error = _error_of(out.body)
+                    if out.status == 200 and out.error_type is None and isinstance(out.body, dict):
+                        choice = (out.body.get("choices") or [{}])[0]
+                        out.text = choice.get("text") if "text" in choice else (
+                            (choice.get("message") or {}).get("content") or "")
+                        out.finish_reason = choice.get("finish_reason")
+                    elif out.status != 200 and out.error_type is None:
+                        out.error = str(out.body)[:300]
+                    return
+                async for line in r.aiter_lines():
+                    if not line:
+                        continue
+                    if not line.startswith("data: "):
+                        out.error_type, out.error = "bad_sse", line[:200]
+                        continue
+                    payload = line[len("data: "):]
+                    if payload == "[DONE]":
+                        out.done = True
+                        continue
+                    chunk = json.loads(payload)
+                    etype, emsg = _error_of(chunk)
+                    if etype is not None:
+                        out.error_type, out.error = etype, emsg
+                        continue
+                    for choice in chunk.get("choices") or []:
+                        piece = choice.get("text") if "text" in choice else (choice.get("delta") or {}).get(
+                            "content")
+                        if piece:
+                            out.text += piece
+                            out.chunks += 1
+                            if out.first_token_s is None:
+                                out.first_token_s = time.monotonic() - t0
+                            if on_chunk is not None:
+                                on_chunk(out.chunks)
+                        if choice.get("finish_reason"):
+                            out.finish_reason = choice["finish_reason"]
+                if not out.done and out.error_type is None:
+                    out.error_type, out.error = "truncated", "stream ended without data: [DONE]"
+
+    limit = bound_s if disconnect_after_s is None else min(bound_s, disconnect_after_s)
+    try:
+        await asyncio.wait_for(run(), limit)
+    except asyncio.TimeoutError:
+        if disconnect_after_s is not None and disconnect_after_s <= bound_s:
+            out.disconnected = True
+        else:
+            out.lost = True
+    except (httpx.HTTPError, OSError) as e:
+        out.error_type, out.error = "transport", f"{type(e).__name__}: {e}"
+    out.elapsed_s = time.monotonic() - t0
+    return out
+
+
+def run(coro):
+    """Run one coroutine to completion from synchronous code."""
+    return asyncio.run(coro)
+
+
+# ---- Prometheus text --------------------------------------------------------------------------------------
+_SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)')
+_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
+
+
+def scrape(url: str, timeout_s: float = 5.0) -> list[tuple[str, dict[str, str], float]]:
+    """Every sample of `url` (a /metrics URL): (name, labels, value). [] when the endpoint does not answer."""
+    try:
+        text = httpx.get(url, timeout=timeout_s, trust_env=False).text
+    except httpx.HTTPError:
+        return []
+    out = []
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        m = _SAMPLE.match(line)
+        if m:
+            try:
+                value = float(m.group(3))
+            except ValueError:
+                continue
+            out.append((m.group(1), dict(_LABEL.findall(m.group(2) or "")), value))
+    return out
+
+
+def metric(samples: list[tuple[str, dict[str, str], float]], name: str, **labels: str) -> float | None:
+    """Sum of the samples named `name` whose labels include `labels`; None when no such sample exists."""
+    found = [v for n, lab, v in samples if n == name and all(lab.get(k) == str(x) for k, x in labels.items())]
+    return sum(found) if found else None
+
+
+def wait_until(cond: Callable[[], Any], timeout_s: float, interval_s: float = 0.1) -> tuple[Any, float]:
+    """Poll `cond` until it returns something truthy; (that value, seconds waited). (None, waited) on timeout."""
+    t0 = time.monotonic()
+    while True:
+        value = cond()
+        if value:
+            return value, time.monotonic() - t0
+        if time.monotonic() - t0 > timeout_s:
+            return None, time.monotonic() - t0
+        time.sleep(interval_s)
+
+
+# ---- a router process of our own -------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class RouterProcess:
+    """`python -m expresslane.router --config FILE` on a loopback port (a real process, own config)."""
+
+    config_text: str
+    workdir: Path
+    port: int = field(default_factory=free_port)
+    proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout_s: float = 60.0) -> "RouterProcess":
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        cfg = self.workdir / "router.yaml"
+        cfg.write_text(self.config_text.replace("@PORT@", str(self.port)))
+        log = open(self.workdir / "router.log", "ab")
+        self.proc = subprocess.Popen([sys.executable, "-m", "expresslane.router", "--config", str(cfg)],
+                                     stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1, trust_env=False).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"router exited with {self.proc.returncode}:\n{self.log_tail()}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"router did not start in {timeout_s}s:\n{self.log_tail()}")
+            time.sleep(0.2)
+
+    def log_tail(self, lines: int = 60) -> str:
+        path = self.workdir / "router.log"
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else ""
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+
+
+# ---- a control-plane peer that accepts and never answers ---------------------------------------------------
+class BlackHolePeer:
+    """A TCP listener on loopback that accepts connections and never sends a byte: a decode node's control
+    port whose process hangs. A prefill's sender that ships KV here holds its staging slot until its own
+    timeouts give up (what the staging-exhaustion test needs)."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(64)
+        self.port = self.sock.getsockname()[1]
+        self.accepted: list[socket.socket] = []
+        self._stop = threading.Event()
+        self.sock.settimeout(0.2)
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self.sock.accept()
+            except (socket.timeout, OSError):
+                continue
+            self.accepted.append(conn)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(2)
+        for c in self.accepted:
+            c.close()
+        self.sock.close()
