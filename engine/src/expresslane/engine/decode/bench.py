@@ -125,6 +125,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--attention", choices=ATTENTION_MODES, default=None)
     ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--compile-mode", default=None, help="torch.compile mode, e.g. max-autotune-no-cudagraphs")
     ap.add_argument("--cuda-graph", choices=["auto", "on", "off"], default="auto")
     ap.add_argument("--speculation-k", type=int, default=4, help="most drafts per verify step (0: off)")
     ap.add_argument("--oracle-k", default="", help="acceptance sweep: comma-separated k for the oracle drafter")
@@ -144,7 +145,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         engine = DecodeEngine.from_pretrained(
             args.model, dtype=args.dtype, device=args.device, max_seq_len=max_seq_len, attention=args.attention,
-            compile=args.compile, cuda_graph=CUDA_GRAPH_CHOICES[args.cuda_graph],
+            compile=args.compile or bool(args.compile_mode), compile_mode=args.compile_mode, cuda_graph=CUDA_GRAPH_CHOICES[args.cuda_graph],
             speculation=SpeculationConfig(k=args.speculation_k) if args.speculation_k else None)
         engine.warmup()
     except (OSError, ValueError) as e:  # missing checkpoint, unsupported model, bad option combination
@@ -152,7 +153,7 @@ def main(argv: list[str] | None = None) -> None:
     load_s = time.perf_counter() - t0
     bw = None if args.no_bound else copy_bandwidth(engine.device)
     print(f"model={args.model} type={engine.config.model_type} dtype={args.dtype} device={args.device} "
-          f"attention={engine.attention} step={engine.runner.mode.value} threads={torch.get_num_threads()} "
+          f"attention={engine.attention} step={engine.runner.mode.value} compile_mode={args.compile_mode} threads={torch.get_num_threads()} "
           f"max_seq_len={max_seq_len} load+warmup_s={load_s:.1f} weights={engine.weight_bytes() / 1e9:.3f}GB"
           + (f" copy_bandwidth={bw / 1e9:.0f}GB/s" if bw else ""), flush=True)
     for ctx in contexts:

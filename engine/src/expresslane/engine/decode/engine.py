@@ -93,7 +93,8 @@ class Generation:
 class DecodeEngine:
     def __init__(self, model: Transformer, config: ModelConfig, *, dtype: torch.dtype, device: torch.device,
                  max_seq_len: int, attention: str | AttentionKind = "live", compile: bool = False,
-                 cuda_graph: bool | None = None, speculation: SpeculationConfig | None = SpeculationConfig()) -> None:
+                 cuda_graph: bool | None = None, speculation: SpeculationConfig | None = SpeculationConfig(),
+                 compile_mode: str | None = None) -> None:
         kind = parse_attention(attention)
         cuda_graph = resolve_cuda_graph(cuda_graph, device.type, kind)
         self.model = model
@@ -115,13 +116,15 @@ class DecodeEngine:
         self._drafter_factory = (lambda: PromptLookupDrafter(speculation.ngram_min, speculation.ngram_max)) \
             if speculation else None
         self.runner = StepRunner(model, self.cache, self.cos, self.sin, attention=kind, compile=compile,
-                                 cuda_graph=cuda_graph, max_rows=1 + (speculation.k if speculation else 0))
+                                 cuda_graph=cuda_graph, max_rows=1 + (speculation.k if speculation else 0),
+                                 compile_mode=compile_mode)
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, *, dtype: str | torch.dtype = "float32",
                         device: str | torch.device = "cpu", max_seq_len: int = 4096, attention: str | None = None,
                         compile: bool = False, cuda_graph: bool | None = None,
-                        speculation: SpeculationConfig | None = SpeculationConfig()) -> "DecodeEngine":
+                        speculation: SpeculationConfig | None = SpeculationConfig(),
+                        compile_mode: str | None = None) -> "DecodeEngine":
         config = ModelConfig.from_model_dir(model_dir)
         if dtype == "auto":  # the checkpoint's own dtype, like vLLM's --dtype auto for these dtypes
             dtype = config.checkpoint_dtype or "float32"
@@ -133,7 +136,8 @@ class DecodeEngine:
         parse_attention(attention)  # a bad name fails before the weights load
         model = load_model(model_dir, config, torch_dtype, device)
         return cls(model, config, dtype=torch_dtype, device=device, max_seq_len=max_seq_len,
-                   attention=attention, compile=compile, cuda_graph=cuda_graph, speculation=speculation)
+                   attention=attention, compile=compile, cuda_graph=cuda_graph, speculation=speculation,
+                   compile_mode=compile_mode)
 
     @property
     def compile(self) -> bool:

@@ -32,12 +32,14 @@ class StepMode(str, enum.Enum):
 
 class StepRunner:
     def __init__(self, model: Transformer, cache: StaticKVCache, cos: torch.Tensor, sin: torch.Tensor, *,
-                 attention: AttentionKind, compile: bool, cuda_graph: bool, max_rows: int) -> None:
+                 attention: AttentionKind, compile: bool, cuda_graph: bool, max_rows: int,
+                 compile_mode: str | None = None) -> None:
         if cuda_graph and attention is AttentionKind.LIVE:
             raise ValueError("a CUDA graph needs fixed-shape attention (masked or split), not live")
         self.model, self.cache, self.cos, self.sin = model, cache, cos, sin
         self.attention = attention
         self.compile = compile
+        self.compile_mode = compile_mode  # torch.compile mode, e.g. "max-autotune-no-cudagraphs" (Triton GEMVs)
         self.cuda_graph = cuda_graph
         self.max_rows = max_rows  # the largest T (1 + the most drafts a step verifies)
         device = cache.geometry.device
@@ -56,7 +58,7 @@ class StepRunner:
 
     def _set_step(self) -> None:
         self._graphs.clear()
-        self._step = (torch.compile(self._forward, dynamic=True) if self.compile else self._forward)
+        self._step = (torch.compile(self._forward, dynamic=True, mode=self.compile_mode) if self.compile else self._forward)
 
     def disable_compile(self) -> None:
         """Run the plain step from now on (e.g. torch.compile cannot build kernels on this host)."""
