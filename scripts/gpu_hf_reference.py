@@ -1,6 +1,7 @@
 """transformers' own fastest batch-1 decode on the same checkpoint, as the reference row of
 scripts/gpu_speed.sh: generate() with a static cache and the forward torch.compile'd (transformers' documented
-recipe: cache_implementation="static", compile mode "reduce-overhead" = CUDA graphs).
+recipe: cache_implementation="static", which makes generate() compile the decode forward with mode
+"reduce-overhead" = CUDA graphs).
 
     python scripts/gpu_hf_reference.py MODEL_DIR [--contexts 1024] [--tokens 256]
 """
@@ -21,8 +22,9 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=256)
     args = ap.parse_args()
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.bfloat16, device_map="cuda").eval()
+    # With a static cache, generate() compiles the decoding forward itself (generation_config.compile_config,
+    # mode "reduce-overhead": CUDA graphs); wrapping model.forward by hand breaks its cache updates.
     model.generation_config.cache_implementation = "static"
-    model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
     g = torch.Generator().manual_seed(0)
     for ctx in (int(c) for c in args.contexts.split(",")):
         ids = torch.randint(0, model.config.vocab_size, (1, ctx), generator=g).cuda()

@@ -85,6 +85,23 @@ def time_decode(engine: DecodeEngine, prompt: list[int], first: int, tokens: int
             "token_ids": best[2]}
 
 
+def step_times(engine: DecodeEngine, start: int, reps: int = 50) -> dict[int, float]:
+    """Seconds per forward of T = 1 .. max_rows rows at `start` (graph replay where the engine uses graphs):
+    what a verify step costs against a plain step, whatever the acceptance."""
+    out = {}
+    for t in range(1, engine.runner.max_rows + 1):
+        rows = torch.arange(t, device=engine.device)
+        for _ in range(3):
+            engine.runner.forward(rows, start)
+        _sync(engine)
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            engine.runner.forward(rows, start)
+        _sync(engine)
+        out[t] = (time.perf_counter() - t0) / reps
+    return out
+
+
 def bench_context(engine: DecodeEngine, prompt_len: int, tokens: int, repeats: int, oracle_ks: list[int],
                   bandwidth: float | None, seed: int = 0) -> list[dict]:
     gen_ = torch.Generator().manual_seed(seed)
@@ -106,8 +123,11 @@ def bench_context(engine: DecodeEngine, prompt_len: int, tokens: int, repeats: i
             rows.append({"context": prompt_len, "mode": f"oracle-k{k}", **r})
     finally:
         engine._drafter_factory = saved
+    engine.prefill(prompt)
+    times = step_times(engine, prompt_len)
     for r in rows:
         r.pop("token_ids")
+        r["step_ms_by_rows"] = {t: 1e3 * v for t, v in times.items()}
         r.update(weight_gb=wbytes / 1e9, kv_gb=kv_bytes / 1e9, bound_tok_per_s=bound,
                  of_bound=r["tok_per_s"] / bound if bound else None,
                  speedup=r["tok_per_s"] / plain["tok_per_s"])
@@ -157,7 +177,13 @@ def main(argv: list[str] | None = None) -> None:
           f"max_seq_len={max_seq_len} load+warmup_s={load_s:.1f} weights={engine.weight_bytes() / 1e9:.3f}GB"
           + (f" copy_bandwidth={bw / 1e9:.0f}GB/s" if bw else ""), flush=True)
     for ctx in contexts:
-        for r in bench_context(engine, ctx, args.tokens, args.repeats, oracle_ks, bw):
+        results = bench_context(engine, ctx, args.tokens, args.repeats, oracle_ks, bw)
+        times = results[0]["step_ms_by_rows"]
+        t1 = times[1]
+        print(f"context={ctx} forward ms by rows T: " + " ".join(f"T={t}:{v:.3f}" for t, v in times.items())
+              + " | projected speedup at full acceptance (T tokens per forward): "
+              + " ".join(f"k={t - 1}:{t * t1 / v:.2f}x" for t, v in times.items() if t > 1), flush=True)
+        for r in results:
             s = r["spec"]
             bound = f" bound={r['bound_tok_per_s']:.0f} of_bound={100 * r['of_bound']:.1f}%" if bw else ""
             extra = (f" acceptance={s['mean_acceptance']:.2f} tok/fwd={s['tokens_per_forward']:.2f} "
