@@ -7,9 +7,12 @@ API::
     engine = DecodeEngine.from_pretrained(model_dir, dtype="float32", device="cpu", max_seq_len=4096)
     # model_dir: the HF checkpoint directory vLLM loads (config.json + *.safetensors, sharded index ok);
     # Llama, Qwen2 (qkv bias), Qwen3 (q/k norm). dtype: float32 | bfloat16 | float16.
-    # Optional: attention="sliced" (SDPA over cache[:pos+1], default on CPU) | "masked" (whole cache +
-    # length mask: fixed shapes, default on CUDA / with compile=True); compile=True wraps the step in
-    # torch.compile.
+    # Optional: attention="live" (alias "sliced": the live rows only, default on CPU) | "split" (split-KV
+    # Triton kernel, live rows only with fixed shapes, default on CUDA) | "masked" (SDPA over the whole cache
+    # with a mask: the fixed-shape reference); compile=True wraps the step in torch.compile;
+    # cuda_graph=None|True|False; speculation=SpeculationConfig(k=4, ngram_min=2, ngram_max=4) (default) or
+    # None (off). engine.runner (StepRunner) owns how a step runs; engine.set_drafter(factory) swaps prompt
+    # lookup for another Drafter (DraftModelDrafter, an MTP head).
 
     engine.geometry            # KVGeometry(num_layers, num_kv_heads, head_dim, max_seq_len, dtype, device)
     engine.inject(k, v, num_tokens)
@@ -20,6 +23,8 @@ API::
     for token_id in gen:       # starts WITH first_token_id (sampled by the prefill), then position
         ...                    # num_prompt_tokens onwards
     gen.finish_reason          # "stop" | "length" | "abort" (cancelled); gen.token_ids; gen.seq_len
+    gen.spec                   # SpecStats of this request (verify_steps, drafted/accepted tokens, histogram);
+                               # engine.spec_stats: the same, cumulative
     gen.cancel()               # or engine.cancel(), or set the threading.Event passed as cancel_event=;
                                # checked between steps, from any thread
 
@@ -32,16 +37,20 @@ SamplingParams: max_tokens (counts first_token_id), min_tokens, temperature (0 =
 generation_config.json), repetition_penalty, presence_penalty, frequency_penalty (over the tokens this
 request produced, like vLLM's output-token penalties; the decode node does not see prompt ids, so
 repetition_penalty covers the prompt only when prompt_token_ids is given). Generation also stops when
-prompt + output reaches max_seq_len ("length").
+prompt + output reaches max_seq_len ("length"). speculative=False opts one request out of speculation;
+prompt_token_ids, when given, are also what prompt lookup drafts from (without them it looks up the
+generated text only). Requests with penalties decode without speculation (exactness).
 
-The loop reads exactly one value from the device per token (the token id itself); sampling, penalties and
-the next input stay on the device, step buffers are reused.
+The loop reads one value from the device per step (the token id; with drafts, the verify decision: up to
+k + 1 tokens); sampling, penalties and the next input stay on the device, step buffers are reused.
 """
 
 from .cache import KVGeometry, StaticKVCache
-from .engine import (CUDA_GRAPH_CHOICES, DecodeEngine, Generation, default_attention, parse_dtype,
-                     resolve_cuda_graph)
+from .engine import (CUDA_GRAPH_CHOICES, DecodeEngine, Generation, default_attention, parse_attention,
+                     parse_dtype, resolve_cuda_graph)
+from .runner import StepMode, StepRunner
 from .sampling import HONOURED_SAMPLING_OPTIONS, SamplingParams
+from .speculative import DraftModelDrafter, Drafter, PromptLookupDrafter, SpecStats, SpeculationConfig
 
 __all__ = [
     "DecodeEngine",
@@ -54,4 +63,12 @@ __all__ = [
     "CUDA_GRAPH_CHOICES",
     "default_attention",
     "resolve_cuda_graph",
+    "parse_attention",
+    "StepMode",
+    "StepRunner",
+    "Drafter",
+    "DraftModelDrafter",
+    "PromptLookupDrafter",
+    "SpecStats",
+    "SpeculationConfig",
 ]

@@ -1,25 +1,34 @@
-"""Batch-1 decode micro benchmark: tokens/s and achieved weight bandwidth.
+"""Batch-1 decode micro benchmark: tokens/s against the bandwidth bound, with and without speculation.
 
     python -m expresslane.engine.decode.bench --model DIR [--dtype float32] [--device cpu] [--prompt-len 128]
-        [--tokens 256] [--attention sliced|masked] [--compile] [--cuda-graph auto|on|off] [--threads N]
+        [--contexts 1024,8192] [--tokens 256] [--attention live|masked|split] [--compile]
+        [--cuda-graph auto|on|off] [--speculation off|lookup] [--oracle-k 1,2,3,4] [--threads N] [--json F]
 
-GB/s = weight bytes (read once per token) / step time; "bound" is a device copy's bytes/s (read + write)
-over the weight bytes, the same calibration FACTS.md uses.
+For each context (prompt length) it prints tok/s of plain decoding and, with --oracle-k, of speculative
+decoding with an oracle drafter: the model's own greedy continuation (decoded first without speculation)
+cut at k tokens a step, so acceptance is what the verify forward agrees with (k when logits are exact; less
+where half-precision near-ties flip between a 1-row and a (k+1)-row forward). "bound" is a device copy's
+bytes/s (read + write, the calibration FACTS.md uses) over the bytes one token must read: weights plus the
+live K/V at the mean context of the run. Speculative tok/s may exceed it: that is the point.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import time
 
 import torch
 
-from .engine import CUDA_GRAPH_CHOICES, DecodeEngine
+from .engine import ATTENTION_MODES, CUDA_GRAPH_CHOICES, DecodeEngine
 from .sampling import SamplingParams
+from .speculative import SpeculationConfig
 
 
-def copy_bandwidth(device: torch.device, nbytes: int = 256 << 20, reps: int = 5) -> float:
+def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30, reps: int = 10) -> float:
     """Bytes/s of a device-to-device copy, counting bytes read + written."""
+    if device.type != "cuda":
+        nbytes, reps = 256 << 20, 5
     src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).uniform_()
     dst = torch.empty_like(src)
     dst.copy_(src)
@@ -32,26 +41,97 @@ def copy_bandwidth(device: torch.device, nbytes: int = 256 << 20, reps: int = 5)
     return 2 * nbytes * reps / (time.perf_counter() - t0)
 
 
-def run(engine: DecodeEngine, prompt_len: int, tokens: int, repeats: int = 3, warmup: int = 32) -> dict:
-    """Best and median of `repeats` timed decodes of `tokens` tokens after a `prompt_len` prefill (best-of
-    because shared CI cores are noisy)."""
-    gen_ = torch.Generator().manual_seed(0)
-    prompt = torch.randint(0, engine.vocab_size, (prompt_len,), generator=gen_).tolist()
-    first = int(engine.prefill(prompt).argmax())
-    list(engine.generate(first, prompt_len, SamplingParams(max_tokens=warmup, ignore_eos=True)))
-    times = []
+class OracleDrafter:
+    """Proposes the known greedy continuation, at most `k` tokens a step (the acceptance sweep's drafter)."""
+
+    def __init__(self, continuation: list[int], k: int) -> None:
+        self.continuation, self.k = continuation, k
+        self.i = 1
+
+    def start(self, context) -> None:
+        self.i = 1  # continuation[0] is the first token, already emitted
+
+    def propose(self, k: int) -> list[int]:
+        return self.continuation[self.i:self.i + min(k, self.k)]
+
+    def extend(self, tokens) -> None:
+        self.i += len(tokens)
+
+
+def _sync(engine: DecodeEngine) -> None:
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize(engine.device)
+
+
+def time_decode(engine: DecodeEngine, prompt: list[int], first: int, tokens: int, repeats: int,
+                speculative: bool) -> dict:
+    """Best of `repeats` decodes of `tokens` tokens after a prefill of `prompt` (best-of: shared hosts are
+    noisy). The first token is the prefill's; only decode steps are timed."""
+    best, runs = None, []
     for _ in range(repeats):
         engine.prefill(prompt)
-        gen = engine.generate(first, prompt_len, SamplingParams(max_tokens=tokens + 1, ignore_eos=True))
-        next(gen)  # the first token is the prefill's; time the decode steps only
+        _sync(engine)
+        gen = engine.generate(first, len(prompt), SamplingParams(max_tokens=tokens + 1, ignore_eos=True,
+                                                                 speculative=speculative))
+        next(gen)
         t0 = time.perf_counter()
-        n = sum(1 for _ in gen)
-        times.append((time.perf_counter() - t0) / n)
-    times.sort()
-    step_s, median_s = times[0], times[len(times) // 2]
+        out = [t for t in gen]
+        dt = time.perf_counter() - t0
+        runs.append(len(out) / dt)
+        if best is None or runs[-1] > best[0]:
+            best = (runs[-1], gen.spec.as_dict(), gen.token_ids)
+    runs.sort()
+    return {"tok_per_s": best[0], "median_tok_per_s": runs[len(runs) // 2], "spec": best[1],
+            "token_ids": best[2]}
+
+
+def step_times(engine: DecodeEngine, start: int, reps: int = 50) -> dict[int, float]:
+    """Seconds per forward of T = 1 .. max_rows rows at `start` (graph replay where the engine uses graphs):
+    what a verify step costs against a plain step, whatever the acceptance."""
+    out = {}
+    for t in range(1, engine.runner.max_rows + 1):
+        rows = torch.arange(t, device=engine.device)
+        for _ in range(3):
+            engine.runner.forward(rows, start)
+        _sync(engine)
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            engine.runner.forward(rows, start)
+        _sync(engine)
+        out[t] = (time.perf_counter() - t0) / reps
+    return out
+
+
+def bench_context(engine: DecodeEngine, prompt_len: int, tokens: int, repeats: int, oracle_ks: list[int],
+                  bandwidth: float | None, seed: int = 0) -> list[dict]:
+    gen_ = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(0, engine.vocab_size, (prompt_len,), generator=gen_).tolist()
+    first = int(engine.prefill(prompt).argmax())
     wbytes = engine.weight_bytes()
-    return {"tokens": n, "tok_per_s": 1 / step_s, "median_tok_per_s": 1 / median_s, "ms_per_token": 1e3 * step_s,
-            "weight_gb": wbytes / 1e9, "achieved_gb_per_s": wbytes / step_s / 1e9}
+    kv_bytes = engine.geometry.token_bytes() * (prompt_len + tokens / 2)
+    bound = bandwidth / (wbytes + kv_bytes) if bandwidth else None
+    rows = []
+    plain = time_decode(engine, prompt, first, tokens, repeats, speculative=False)
+    rows.append({"context": prompt_len, "mode": "plain", **plain})
+    saved = engine._drafter_factory
+    try:
+        for k in oracle_ks:
+            cont = plain["token_ids"]
+            engine.set_drafter(lambda c=cont, k=k: OracleDrafter(c, k))
+            r = time_decode(engine, prompt, first, tokens, repeats, speculative=True)
+            r["matches_plain"] = r["token_ids"] == cont
+            rows.append({"context": prompt_len, "mode": f"oracle-k{k}", **r})
+    finally:
+        engine._drafter_factory = saved
+    engine.prefill(prompt)
+    times = step_times(engine, prompt_len)
+    for r in rows:
+        r.pop("token_ids")
+        r["step_ms_by_rows"] = {t: 1e3 * v for t, v in times.items()}
+        r.update(weight_gb=wbytes / 1e9, kv_gb=kv_bytes / 1e9, bound_tok_per_s=bound,
+                 of_bound=r["tok_per_s"] / bound if bound else None,
+                 speedup=r["tok_per_s"] / plain["tok_per_s"])
+    return rows
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -59,38 +139,61 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--model", required=True)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--max-seq-len", type=int, default=4096)
+    ap.add_argument("--max-seq-len", type=int, default=None, help="default: the largest context + tokens + 64")
     ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--contexts", default=None, help="comma-separated prompt lengths (overrides --prompt-len)")
     ap.add_argument("--tokens", type=int, default=256)
-    ap.add_argument("--attention", choices=["sliced", "masked"], default=None)
+    ap.add_argument("--attention", choices=ATTENTION_MODES, default=None)
     ap.add_argument("--compile", action="store_true")
-    ap.add_argument("--cuda-graph", choices=["auto", "on", "off"], default="auto",
-                    help="replay each decode step as one CUDA graph (auto: on for cuda with masked attention)")
+    ap.add_argument("--compile-mode", default=None, help="torch.compile mode, e.g. max-autotune-no-cudagraphs")
+    ap.add_argument("--cuda-graph", choices=["auto", "on", "off"], default="auto")
+    ap.add_argument("--speculation-k", type=int, default=4, help="most drafts per verify step (0: off)")
+    ap.add_argument("--oracle-k", default="", help="acceptance sweep: comma-separated k for the oracle drafter")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--no-bound", action="store_true", help="skip the copy-bandwidth calibration")
+    ap.add_argument("--json", default=None, help="append one JSON line per result to this file")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    contexts = [int(c) for c in args.contexts.split(",")] if args.contexts else [args.prompt_len]
+    oracle_ks = [int(k) for k in args.oracle_k.split(",") if k]
+    max_seq_len = args.max_seq_len or max(contexts) + args.tokens + 64
+    if max(oracle_ks, default=0) > args.speculation_k:
+        ap.error("--oracle-k values must be <= --speculation-k")
     t0 = time.perf_counter()
     try:
-        engine = DecodeEngine.from_pretrained(args.model, dtype=args.dtype, device=args.device,
-                                              max_seq_len=args.max_seq_len, attention=args.attention,
-                                              compile=args.compile,
-                                              cuda_graph=CUDA_GRAPH_CHOICES[args.cuda_graph])
+        engine = DecodeEngine.from_pretrained(
+            args.model, dtype=args.dtype, device=args.device, max_seq_len=max_seq_len, attention=args.attention,
+            compile=args.compile or bool(args.compile_mode), compile_mode=args.compile_mode, cuda_graph=CUDA_GRAPH_CHOICES[args.cuda_graph],
+            speculation=SpeculationConfig(k=args.speculation_k) if args.speculation_k else None)
+        engine.warmup()
     except (OSError, ValueError) as e:  # missing checkpoint, unsupported model, bad option combination
         ap.error(str(e))
     load_s = time.perf_counter() - t0
-    r = run(engine, args.prompt_len, args.tokens, args.repeats)
+    bw = None if args.no_bound else copy_bandwidth(engine.device)
     print(f"model={args.model} type={engine.config.model_type} dtype={args.dtype} device={args.device} "
-          f"attention={engine.attention} compile={args.compile} cuda_graph={engine.cuda_graph} threads={torch.get_num_threads()} "
-          f"load_s={load_s:.2f}")
-    print(f"batch=1 prompt={args.prompt_len} decoded={r['tokens']} tok/s={r['tok_per_s']:.1f} (median {r['median_tok_per_s']:.1f}) "
-          f"ms/token={r['ms_per_token']:.3f} weights={r['weight_gb']:.4f}GB achieved={r['achieved_gb_per_s']:.2f}GB/s")
-    if not args.no_bound:
-        bw = copy_bandwidth(engine.device)
-        bound = bw / (r["weight_gb"] * 1e9)
-        print(f"copy_bandwidth={bw / 1e9:.1f}GB/s bound_tok/s={bound:.0f} of_bound={100 * r['tok_per_s'] / bound:.1f}%")
+          f"attention={engine.attention} step={engine.runner.mode.value} compile_mode={args.compile_mode} threads={torch.get_num_threads()} "
+          f"max_seq_len={max_seq_len} load+warmup_s={load_s:.1f} weights={engine.weight_bytes() / 1e9:.3f}GB"
+          + (f" copy_bandwidth={bw / 1e9:.0f}GB/s" if bw else ""), flush=True)
+    for ctx in contexts:
+        results = bench_context(engine, ctx, args.tokens, args.repeats, oracle_ks, bw)
+        times = results[0]["step_ms_by_rows"]
+        t1 = times[1]
+        print(f"context={ctx} forward ms by rows T: " + " ".join(f"T={t}:{v:.3f}" for t, v in times.items())
+              + " | projected speedup at full acceptance (T tokens per forward): "
+              + " ".join(f"k={t - 1}:{t * t1 / v:.2f}x" for t, v in times.items() if t > 1), flush=True)
+        for r in results:
+            s = r["spec"]
+            bound = f" bound={r['bound_tok_per_s']:.0f} of_bound={100 * r['of_bound']:.1f}%" if bw else ""
+            extra = (f" acceptance={s['mean_acceptance']:.2f} tok/fwd={s['tokens_per_forward']:.2f} "
+                     f"exact={r.get('matches_plain')}" if r["mode"] != "plain" else "")
+            print(f"context={ctx} {r['mode']}: tok/s={r['tok_per_s']:.1f} (median {r['median_tok_per_s']:.1f}) "
+                  f"kv={r['kv_gb']:.3f}GB{bound} speedup={r['speedup']:.2f}x{extra}", flush=True)
+            if args.json:
+                with open(args.json, "a") as f:
+                    f.write(json.dumps({"model": args.model, "dtype": args.dtype, "attention": engine.attention,
+                                        "step": engine.runner.mode.value, **r}) + "\n")
 
 
 if __name__ == "__main__":

@@ -9,12 +9,15 @@ from pathlib import Path
 import torch
 
 from ..models import ModelConfig, Transformer, load_model
+from ..models.attention import ATTENTION_ALIASES, AttentionKind, StepContext
 from ..models.rope import rope_tables
 from .cache import KVGeometry, StaticKVCache
+from .runner import StepRunner
 from .sampling import HONOURED_SAMPLING_OPTIONS, Sampler, SamplingParams
+from .speculative import Drafter, PromptLookupDrafter, SpecStats, SpeculationConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-ATTENTION_MODES = ("sliced", "masked")
+ATTENTION_MODES = tuple(ATTENTION_ALIASES)
 
 
 def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -28,22 +31,32 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return DTYPES[dtype]
 
 
+def parse_attention(attention: str | AttentionKind) -> AttentionKind:
+    if isinstance(attention, AttentionKind):
+        return attention
+    if attention not in ATTENTION_ALIASES:
+        raise ValueError(f"attention must be one of {ATTENTION_MODES}, got {attention!r}")
+    return ATTENTION_ALIASES[attention]
+
+
 # --cuda-graph on the command lines (server, decode bench) -> DecodeEngine(cuda_graph=...)
 CUDA_GRAPH_CHOICES = {"auto": None, "on": True, "off": False}
 
 
 def default_attention(device_type: str) -> str:
-    """Fixed-shape masked attention on a GPU (CUDA-graph friendly), sliced to the live length elsewhere."""
-    return "masked" if device_type == "cuda" else "sliced"
+    """On a GPU the split-KV Triton kernel (live rows only, fixed shapes: CUDA-graph friendly); elsewhere
+    the live-length CPU kernel."""
+    return "split" if device_type == "cuda" else "live"
 
 
-def resolve_cuda_graph(cuda_graph: bool | None, device_type: str, attention: str) -> bool:
-    """Whether to replay the decode step as a CUDA graph. None (auto): wherever the step has fixed shapes
-    (masked attention) and runs on a GPU. True where that does not hold is a ValueError."""
+def resolve_cuda_graph(cuda_graph: bool | None, device_type: str, attention: str | AttentionKind) -> bool:
+    """Whether to replay decode steps as CUDA graphs. None (auto): wherever the step has fixed shapes
+    (masked or split attention) and runs on a GPU. True where that does not hold is a ValueError."""
+    fixed = parse_attention(attention) is not AttentionKind.LIVE
     if cuda_graph is None:
-        return device_type == "cuda" and attention == "masked"
-    if cuda_graph and (device_type != "cuda" or attention != "masked"):
-        raise ValueError(f"cuda_graph needs device cuda and attention 'masked' (fixed shapes), "
+        return device_type == "cuda" and fixed
+    if cuda_graph and (device_type != "cuda" or not fixed):
+        raise ValueError(f"cuda_graph needs device cuda and a fixed-shape attention ('masked' or 'split'), "
                          f"got device {device_type} and attention {attention!r}")
     return cuda_graph
 
@@ -59,6 +72,7 @@ class Generation:
         self.cancel_event = cancel_event or threading.Event()
         self.finish_reason: str | None = None
         self.token_ids: list[int] = []
+        self.spec = SpecStats()  # this request's speculation counters
         self._it = engine._run(self, first_token_id)
 
     def cancel(self) -> None:
@@ -78,54 +92,67 @@ class Generation:
 
 class DecodeEngine:
     def __init__(self, model: Transformer, config: ModelConfig, *, dtype: torch.dtype, device: torch.device,
-                 max_seq_len: int, attention: str = "sliced", compile: bool = False,
-                 cuda_graph: bool | None = None) -> None:
-        if attention not in ATTENTION_MODES:
-            raise ValueError(f"attention must be one of {ATTENTION_MODES}, got {attention!r}")
-        cuda_graph = resolve_cuda_graph(cuda_graph, device.type, attention)
+                 max_seq_len: int, attention: str | AttentionKind = "live", compile: bool = False,
+                 cuda_graph: bool | None = None, speculation: SpeculationConfig | None = SpeculationConfig(),
+                 compile_mode: str | None = None) -> None:
+        kind = parse_attention(attention)
+        cuda_graph = resolve_cuda_graph(cuda_graph, device.type, kind)
         self.model = model
         self.config = config
         self.dtype = dtype
         self.device = device
         self.max_seq_len = max_seq_len
-        self.attention = attention
+        self.attention = kind.value
         self.geometry = KVGeometry(config.num_layers, config.num_kv_heads, config.head_dim, max_seq_len, dtype, device)
         self.cache = StaticKVCache(self.geometry)
         self.cos, self.sin = rope_tables(config.rope, config.head_dim, max_seq_len, dtype, device)
         self.cached_tokens = 0  # positions [0, cached_tokens) hold valid KV
         self._cancel = threading.Event()
-        # Step buffers reused every decode step.
-        self._pos = torch.zeros(1, dtype=torch.long, device=device)
         self._arange = torch.arange(max_seq_len, device=device)
-        # The step launched kernel by kernel (compiled or not). Sliced attention has a growing kv_len: compile
-        # it with a symbolic length instead of recompiling.
-        self.compile = compile
-        self._direct_step = (torch.compile(self._decode_step, dynamic=attention == "sliced") if compile
-                             else self._decode_step)
-        # CUDA graph of one decode step (masked attention: every shape fixed, position read from self._pos on
-        # the device). Replaying it costs one launch instead of one per kernel, which is what bounds batch-1
-        # decode of a small model on a fast GPU. Captured on first use (warmup() does it at start).
-        self.cuda_graph = cuda_graph
-        self._graph: torch.cuda.CUDAGraph | None = None
-        self._graph_token = torch.zeros(1, dtype=torch.long, device=device)
-        self._graph_logits: torch.Tensor | None = None
-        self._step = self._graph_step if cuda_graph else self._direct_step
+        # Speculation: None = off engine-wide; otherwise prompt lookup (or set_drafter) drafts up to k tokens,
+        # verified in one forward of up to k + 1 rows.
+        self.speculation = speculation
+        self.spec_stats = SpecStats()  # cumulative over requests (the server exports these)
+        self._drafter_factory = (lambda: PromptLookupDrafter(speculation.ngram_min, speculation.ngram_max)) \
+            if speculation else None
+        self.runner = StepRunner(model, self.cache, self.cos, self.sin, attention=kind, compile=compile,
+                                 cuda_graph=cuda_graph, max_rows=1 + (speculation.k if speculation else 0),
+                                 compile_mode=compile_mode)
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, *, dtype: str | torch.dtype = "float32",
                         device: str | torch.device = "cpu", max_seq_len: int = 4096, attention: str | None = None,
-                        compile: bool = False, cuda_graph: bool | None = None) -> "DecodeEngine":
+                        compile: bool = False, cuda_graph: bool | None = None,
+                        speculation: SpeculationConfig | None = SpeculationConfig(),
+                        compile_mode: str | None = None) -> "DecodeEngine":
         config = ModelConfig.from_model_dir(model_dir)
         if dtype == "auto":  # the checkpoint's own dtype, like vLLM's --dtype auto for these dtypes
             dtype = config.checkpoint_dtype or "float32"
         torch_dtype, device = parse_dtype(dtype), torch.device(device)
         if max_seq_len < 2:
             raise ValueError(f"max_seq_len must be >= 2, got {max_seq_len}")
-        model = load_model(model_dir, config, torch_dtype, device)
         if attention is None:
             attention = default_attention(device.type)
+        parse_attention(attention)  # a bad name fails before the weights load
+        model = load_model(model_dir, config, torch_dtype, device)
         return cls(model, config, dtype=torch_dtype, device=device, max_seq_len=max_seq_len,
-                   attention=attention, compile=compile, cuda_graph=cuda_graph)
+                   attention=attention, compile=compile, cuda_graph=cuda_graph, speculation=speculation,
+                   compile_mode=compile_mode)
+
+    @property
+    def compile(self) -> bool:
+        return self.runner.compile
+
+    @property
+    def cuda_graph(self) -> bool:
+        return self.runner.cuda_graph
+
+    def set_drafter(self, factory) -> None:
+        """Use another drafter (e.g. `lambda: DraftModelDrafter(small_engine)`): a callable returning a fresh
+        `Drafter` per request. Needs speculation configured (its k bounds the drafts)."""
+        if self.speculation is None:
+            raise ValueError("speculation is off in this engine (speculation=None)")
+        self._drafter_factory = factory
 
     # ------------------------------------------------------------------ introspection
     @property
@@ -154,6 +181,12 @@ class DecodeEngine:
             "device": str(self.device),
             "eos_token_ids": list(self.eos_token_ids),
             "vocab_size": self.vocab_size,
+            "speculative": self.speculation is not None,
+            "speculation": ({"method": "prompt_lookup", "k": self.speculation.k,
+                             "ngram_min": self.speculation.ngram_min, "ngram_max": self.speculation.ngram_max}
+                            if self.speculation else None),
+            "step": self.runner.mode.value,
+            "attention": self.attention,
         }
 
     # ------------------------------------------------------------------ KV in
@@ -167,22 +200,25 @@ class DecodeEngine:
 
     def disable_compile(self) -> None:
         """Decode with the plain (eager) step from now on, e.g. when torch.compile fails on this host."""
-        self.compile = False
-        self._direct_step = self._decode_step
-        self._graph = self._graph_logits = None
-        self._step = self._graph_step if self.cuda_graph else self._direct_step
+        self.runner.disable_compile()
 
     def warmup(self, steps: int = 4) -> None:
         """Run a short prefill + decode so the first request does not pay one-time costs (allocator,
-        kernels, torch.compile). Leaves the cache logically empty."""
+        kernels, torch.compile, each verify bucket's CUDA graph). Leaves the cache logically empty."""
         n = min(8, self.max_seq_len - steps - 1)
         self.prefill(list(range(n)))
+        self.runner.capture()
+        with torch.inference_mode():
+            for t in range(1, self.runner.max_rows + 1):  # every T the speculative path can take
+                if n + t < self.max_seq_len:
+                    self.runner.forward(self._arange[:t], n)
         for _ in self.generate(0, n, SamplingParams(max_tokens=steps, ignore_eos=True)):
             pass
         for _ in self.generate(0, n, SamplingParams(max_tokens=steps, temperature=1.0, top_p=0.9, top_k=5,
                                                     ignore_eos=True, presence_penalty=0.5, seed=0)):
             pass
         self.cached_tokens = 0
+        self.spec_stats = SpecStats()
 
     @torch.inference_mode()
     def prefill(self, token_ids: Sequence[int]) -> torch.Tensor:
@@ -193,44 +229,12 @@ class DecodeEngine:
             raise ValueError(f"prompt of {n} tokens must be in [1, max_seq_len={self.max_seq_len})")
         tokens = torch.tensor(list(token_ids), dtype=torch.long, device=self.device)
         pos = self._arange[:n]
-        logits = self.model(tokens, pos, self.cos[:n], self.sin[:n], self.cache.k_layers, self.cache.v_layers,
-                            kv_len=n, is_causal=True)
+        ctx = StepContext(AttentionKind.LIVE, pos[:1], kv_len=n, prefill=True)
+        logits = self.model(tokens, pos, self.cos[:n], self.sin[:n], self.cache.k_layers, self.cache.v_layers, ctx)
         self.cached_tokens = n
         return logits
 
     # ------------------------------------------------------------------ decode
-    def _decode_step(self, token: torch.Tensor, pos: torch.Tensor, kv_len: int) -> torch.Tensor:
-        cos, sin = self.cos.index_select(0, pos), self.sin.index_select(0, pos)
-        if self.attention == "masked":
-            mask = (self._arange <= pos).unsqueeze(0)
-            return self.model(token, pos, cos, sin, self.cache.k_layers, self.cache.v_layers,
-                              kv_len=self.max_seq_len, attn_mask=mask)
-        return self.model(token, pos, cos, sin, self.cache.k_layers, self.cache.v_layers, kv_len=kv_len)
-
-    def _graph_step(self, token: torch.Tensor, pos: torch.Tensor, kv_len: int) -> torch.Tensor:
-        """One decode step by CUDA-graph replay. `pos` must be self._pos (the graph reads that buffer); the
-        returned logits live in the graph's output buffer until the next step."""
-        self._graph_token.copy_(token)
-        if self._graph is None:
-            self._capture_graph()
-        self._graph.replay()
-        return self._graph_logits
-
-    def _capture_graph(self) -> None:
-        # Warm-up runs on a side stream first (cuBLAS workspaces, torch.compile), as capture requires. They and
-        # the replay that follows compute the same step for the same token and position, so the cache rows they
-        # write are the ones the step writes anyway.
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            for _ in range(3):
-                self._direct_step(self._graph_token, self._pos, self.max_seq_len)
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-            self._graph_logits = self._direct_step(self._graph_token, self._pos, self.max_seq_len)
-        self._graph = graph
-
     def cancel(self) -> None:
         """Stop the running generation between steps (thread-safe)."""
         self._cancel.set()
@@ -256,28 +260,53 @@ class DecodeEngine:
         stop_ids = sampler.stop_ids
         # prompt + output <= max_seq_len, like vLLM's max_model_len.
         limit = min(params.max_tokens, self.max_seq_len - gen.num_prompt_tokens)
+        drafter: Drafter | None = None
+        if self.speculation and self._drafter_factory and params.speculative and sampler.supports_speculation:
+            drafter = self._drafter_factory()
+            drafter.start([*params.prompt_token_ids, first_token_id])
         with torch.inference_mode():
             token = torch.tensor([first_token_id], dtype=torch.long, device=self.device)
             sampler.observe(token)
-        tok, pos = first_token_id, gen.num_prompt_tokens
+        pending = [first_token_id]  # tokens to emit; the last one's KV is not in the cache yet
+        pos = gen.num_prompt_tokens  # where pending[-1] goes
         cancelled = lambda: gen.cancel_event.is_set() or self._cancel.is_set()  # noqa: E731
-        while True:
-            out.append(tok)
-            yield tok
-            if tok in stop_ids and len(out) >= params.min_tokens:
-                gen.finish_reason = "stop"
-                return
-            if len(out) >= limit:
-                gen.finish_reason = "length"
-                return
-            if cancelled():
-                gen.finish_reason = "abort"
-                return
-            with torch.inference_mode():
-                self._pos.fill_(pos)
-                logits = self._step(token, self._pos, pos + 1)
-                token = sampler.sample(logits, len(out))
-                sampler.observe(token)
-            self.cached_tokens = pos + 1
-            pos += 1
-            tok = int(token.item())  # the one host sync per token
+        try:
+            while True:
+                for tok in pending:
+                    out.append(tok)
+                    yield tok
+                    if tok in stop_ids and len(out) >= params.min_tokens:
+                        gen.finish_reason = "stop"
+                        return
+                    if len(out) >= limit:
+                        gen.finish_reason = "length"
+                        return
+                if cancelled():
+                    gen.finish_reason = "abort"
+                    return
+                # Drafts never run past max_tokens / max_seq_len: the last verified row is position
+                # pos + len(drafts), and the step emits at most len(drafts) + 1 tokens.
+                room = min(limit - len(out) - 1, self.max_seq_len - pos - 1)
+                drafts = drafter.propose(min(self.speculation.k, room)) if drafter and room > 0 else []
+                with torch.inference_mode():
+                    if drafts:
+                        rows = torch.tensor([out[-1], *drafts], dtype=torch.long, device=self.device)
+                        logits = self.runner.forward(rows, pos)
+                        pending = sampler.verify(logits, drafts, len(out))
+                    else:
+                        logits = self.runner.forward(token, pos)
+                        token = sampler.sample(logits[-1], len(out))
+                        sampler.observe(token)
+                        pending = [int(token.item())]  # the one host sync per token
+                if drafts:
+                    token = torch.tensor(pending[-1:], dtype=torch.long, device=self.device)
+                # Rollback is the position: rows past pos + len(pending) - 1 hold rejected drafts' K/V, are
+                # never read (attention stops at the live length) and get overwritten.
+                accepted = len(pending) - 1
+                pos += 1 + accepted
+                self.cached_tokens = pos
+                gen.spec.record(len(drafts), accepted)
+                if drafter:
+                    drafter.extend(pending)
+        finally:
+            self.spec_stats.add(gen.spec)

@@ -5,6 +5,13 @@ penalties (repetition, frequency, presence; over the tokens THIS request has pro
 included) -> greedy argmax when temperature == 0, else temperature -> top-k / top-p -> sample with the
 exponential-race trick (argmax(probs / Exp(1)), no torch.multinomial and no host sync).
 
+Speculative verification (`Sampler.verify`) applies the same processing to each of the T rows of a verify
+forward and keeps the target distribution: greedy keeps drafts while they equal the row's argmax; sampling
+is standard rejection sampling for a drafter that proposes one token with certainty (prompt lookup, a greedy
+draft model): keep draft d with probability p(d), else sample from p with d removed (renormalising is
+implicit: the exponential race is scale-free); after k kept drafts, one more token from the last row. The
+penalties depend on every earlier token, so requests that use them decode without speculation.
+
 Deviation from vLLM, by construction: the decode node never sees the prompt's token ids (only its KV),
 so repetition_penalty covers generated tokens unless the caller passes prompt_token_ids.
 """
@@ -46,6 +53,9 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     prompt_token_ids: tuple[int, ...] = field(default=(), repr=False)
+    # Per-request opt-out of speculative decoding (on by default where the engine has it configured).
+    # prompt_token_ids, when given, are also the context prompt lookup drafts from.
+    speculative: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
@@ -108,6 +118,11 @@ class Sampler:
         self._top_k = params.top_k if 0 < params.top_k < vocab_size else 0
         self._top_p = params.top_p if params.top_p < 1.0 else 0.0
 
+    @property
+    def supports_speculation(self) -> bool:
+        """Penalties see every earlier token, so per-row processing of a verify block would not be exact."""
+        return not (self._use_counts or self._use_rep)
+
     def observe(self, token: torch.Tensor) -> None:
         """Record an output token (a [1] long device tensor) for the penalties."""
         if self._use_counts or self._use_rep:
@@ -134,15 +149,52 @@ class Sampler:
         return probs.div(q).argmax(dim=-1, keepdim=True)
 
 
+    def verify(self, logits: torch.Tensor, drafts: list[int], num_output_tokens: int) -> list[int]:
+        """logits: [k+1, vocab] float32 of a verify forward over (current token, d1..dk); row i is the next-token
+        distribution after d1..di. Returns the tokens to emit: the kept drafts, then the target's own token
+        (1..k+1 tokens). One host sync."""
+        p = self.params
+        k = len(drafts)
+        if self._min_tokens_ids is not None and num_output_tokens < p.min_tokens:
+            rows = torch.arange(k + 1, device=logits.device)[:, None]
+            masked = (num_output_tokens + rows) < p.min_tokens
+            cols = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
+            cols[self._min_tokens_ids] = True
+            logits = logits.masked_fill(masked & cols[None, :], float("-inf"))
+        d = torch.tensor(drafts, dtype=torch.long, device=logits.device)
+        if p.greedy:
+            target = logits.argmax(dim=-1).tolist()
+            n = 0
+            while n < k and drafts[n] == target[n]:
+                n += 1
+            return drafts[:n] + [target[n]]
+        logits = logits / p.temperature
+        if self._top_k or self._top_p:
+            logits = _top_k_top_p(logits, self._top_k, self._top_p)
+        probs = logits.softmax(dim=-1)
+        p_draft = probs[:-1].gather(1, d[:, None]).squeeze(1)  # [k]
+        u = torch.rand(k, device=probs.device, generator=self.generator)
+        accept = (u < p_draft).long()
+        residual = probs[:-1].scatter(1, d[:, None], 0.0)  # p with the draft removed (unnormalised)
+        race = torch.cat([residual, probs[-1:]]).div_(
+            torch.empty_like(probs).exponential_(generator=self.generator)).argmax(dim=-1)  # [k+1]
+        decided = torch.cat([accept, race]).tolist()
+        keep, own = decided[:k], decided[k:]
+        n = 0
+        while n < k and keep[n]:
+            n += 1
+        return drafts[:n] + [own[n]]
+
+
 def _top_k_top_p(logits: torch.Tensor, k: int, p: float) -> torch.Tensor:
-    """vLLM's apply_top_k_top_p for one row (k=0 / p=0.0 mean off)."""
+    """vLLM's apply_top_k_top_p over the last dim ([vocab] or [rows, vocab]; k=0 / p=0.0 mean off)."""
     sorted_logits, idx = logits.sort(dim=-1, descending=False)
     if k:
-        kth = sorted_logits[-k]
+        kth = sorted_logits[..., -k:-k + 1] if k > 1 else sorted_logits[..., -1:]
         sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
     if p:
         cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
         drop = cum <= 1 - p
-        drop[-1] = False
+        drop[..., -1] = False
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    return torch.empty_like(logits).scatter_(0, idx, sorted_logits)
+    return torch.empty_like(logits).scatter_(-1, idx, sorted_logits)

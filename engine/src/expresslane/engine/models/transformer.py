@@ -3,8 +3,8 @@
 Activations are [T, hidden] (no batch dimension: the express lane serves one user). Q/K/V and gate/up are
 fused into one matmul each. The KV cache is passed in per layer as [max_seq_len, num_kv_heads, head_dim]
 views; the forward writes the new keys/values in place at `input_pos` and attends over the first `kv_len`
-cache rows, so a decode step has fixed shapes except for `kv_len` (pass kv_len=max_seq_len with a mask for
-fully static shapes).
+cache rows the step's `StepContext` allows (models/attention.py: live rows only, or the whole cache with a
+mask / the split-KV kernel for fixed shapes).
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .attention import StepContext, attend
 from .config import ModelConfig
 from .rope import apply_rope
 
@@ -56,9 +57,7 @@ class Attention(nn.Module):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         input_pos: torch.Tensor,
-        kv_len: int,
-        attn_mask: torch.Tensor | None,
-        is_causal: bool,
+        ctx: StepContext,
     ) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv_proj(x).view(t, self.num_qk_heads + self.num_kv_heads, self.head_dim)
@@ -69,16 +68,8 @@ class Attention(nn.Module):
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         k_cache.index_copy_(0, input_pos, k)
         v_cache.index_copy_(0, input_pos, v)
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1).unsqueeze(0),
-            k_cache[:kv_len].transpose(0, 1).unsqueeze(0),
-            v_cache[:kv_len].transpose(0, 1).unsqueeze(0),
-            attn_mask=attn_mask,
-            is_causal=is_causal,
-            scale=self.scale,
-            enable_gqa=self.gqa,
-        )
-        return self.o_proj(out.squeeze(0).transpose(0, 1).reshape(t, -1))
+        out = attend(q, k_cache, v_cache, ctx, self.scale)
+        return self.o_proj(out.reshape(t, -1))
 
 
 class MLP(nn.Module):
@@ -101,10 +92,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, k_cache, v_cache, input_pos, kv_len, attn_mask, is_causal):
-        x = x + self.self_attn(
-            self.input_layernorm(x), cos, sin, k_cache, v_cache, input_pos, kv_len, attn_mask, is_causal
-        )
+    def forward(self, x, cos, sin, k_cache, v_cache, input_pos, ctx: StepContext):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, input_pos, ctx)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -125,13 +114,12 @@ class Transformer(nn.Module):
         sin: torch.Tensor,
         k_caches: list[torch.Tensor],
         v_caches: list[torch.Tensor],
-        kv_len: int,
-        attn_mask: torch.Tensor | None = None,
-        is_causal: bool = False,
+        ctx: StepContext,
+        num_logits: int = 0,
     ) -> torch.Tensor:
         """tokens, input_pos: [T]; cos/sin: [T, head_dim] rows for input_pos. Returns float32 logits of the
-        LAST position, shape [vocab]."""
+        LAST position, shape [vocab] (num_logits=0), or of the last num_logits positions, [num_logits, vocab]."""
         x = self.embed_tokens(tokens)
         for layer, k_cache, v_cache in zip(self.layers, k_caches, v_caches):
-            x = layer(x, cos, sin, k_cache, v_cache, input_pos, kv_len, attn_mask, is_causal)
-        return self.lm_head(self.norm(x[-1])).float()
+            x = layer(x, cos, sin, k_cache, v_cache, input_pos, ctx)
+        return self.lm_head(self.norm(x[-num_logits:] if num_logits else x[-1])).float()

@@ -1,0 +1,118 @@
+"""StepRunner: owns how one forward of T tokens at positions start .. start+T-1 runs, and its capture.
+
+T = 1 is a plain decode step, T = k + 1 verifies k drafts in one forward. The runner holds the step's device
+buffers (token rows, the start position), picks the attention kernel, and runs the step one of four ways:
+
+* eager: kernel by kernel from Python;
+* compiled: the same step through torch.compile (one compile serves every T and, with live attention, every
+  length: both are symbolic);
+* graph / compiled graph (CUDA, fixed-shape attention): one CUDA graph per T bucket, captured on first use
+  (`capture` does it ahead of time), replayed with the start position read from a device buffer.
+
+The model owns the math, the engine owns the cache; the runner owns nothing else.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+
+from ..models import Transformer
+from ..models.attention import AttentionKind, StepContext, causal_mask
+from .cache import StaticKVCache
+
+
+class StepMode(str, enum.Enum):
+    EAGER = "eager"
+    COMPILED = "compiled"
+    GRAPH = "graph"
+    COMPILED_GRAPH = "compiled-graph"
+
+
+class StepRunner:
+    def __init__(self, model: Transformer, cache: StaticKVCache, cos: torch.Tensor, sin: torch.Tensor, *,
+                 attention: AttentionKind, compile: bool, cuda_graph: bool, max_rows: int,
+                 compile_mode: str | None = None) -> None:
+        if cuda_graph and attention is AttentionKind.LIVE:
+            raise ValueError("a CUDA graph needs fixed-shape attention (masked or split), not live")
+        self.model, self.cache, self.cos, self.sin = model, cache, cos, sin
+        self.attention = attention
+        self.compile = compile
+        self.compile_mode = compile_mode  # torch.compile mode, e.g. "max-autotune-no-cudagraphs" (Triton GEMVs)
+        self.cuda_graph = cuda_graph
+        self.max_rows = max_rows  # the largest T (1 + the most drafts a step verifies)
+        device = cache.geometry.device
+        self.device = device
+        self._arange = torch.arange(cache.geometry.max_seq_len, device=device)
+        self._start = torch.zeros(1, dtype=torch.long, device=device)
+        self._tokens = torch.zeros(max_rows, dtype=torch.long, device=device)
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._set_step()
+
+    @property
+    def mode(self) -> StepMode:
+        if self.cuda_graph:
+            return StepMode.COMPILED_GRAPH if self.compile else StepMode.GRAPH
+        return StepMode.COMPILED if self.compile else StepMode.EAGER
+
+    def _set_step(self) -> None:
+        self._graphs.clear()
+        self._step = (torch.compile(self._forward, dynamic=True, mode=self.compile_mode) if self.compile else self._forward)
+
+    def disable_compile(self) -> None:
+        """Run the plain step from now on (e.g. torch.compile cannot build kernels on this host)."""
+        self.compile = False
+        self._set_step()
+
+    def _forward(self, tokens: torch.Tensor, start: torch.Tensor, kv_len: int | None) -> torch.Tensor:
+        t = tokens.shape[0]
+        pos = start + self._arange[:t]
+        mask = causal_mask(self._arange, start, t) if self.attention is AttentionKind.MASKED else None
+        ctx = StepContext(self.attention, start, kv_len=kv_len, mask=mask)
+        cos, sin = self.cos.index_select(0, pos), self.sin.index_select(0, pos)
+        return self.model(tokens, pos, cos, sin, self.cache.k_layers, self.cache.v_layers, ctx, num_logits=t)
+
+    @torch.inference_mode()
+    def forward(self, tokens: torch.Tensor, start_pos: int) -> torch.Tensor:
+        """tokens: [T] long on the device, at positions start_pos .. start_pos+T-1 (their K/V are written
+        there). Returns float32 logits [T, vocab]; on the graph path they live in the graph's output buffer
+        until the next forward with the same T."""
+        t = tokens.shape[0]
+        if not 1 <= t <= self.max_rows:
+            raise ValueError(f"a step takes 1..{self.max_rows} tokens, got {t}")
+        self._start.fill_(start_pos)
+        if not self.cuda_graph:
+            kv_len = start_pos + t if self.attention is AttentionKind.LIVE else None
+            return self._step(tokens, self._start, kv_len)
+        self._tokens[:t].copy_(tokens)
+        if t not in self._graphs:
+            self._capture(t)
+        graph, logits = self._graphs[t]
+        graph.replay()
+        return logits
+
+    def capture(self, rows: range | None = None) -> None:
+        """Capture the CUDA graph of each T bucket now (no-op off the graph path). Writes cache rows at the
+        current start position, which the caller treats as scratch."""
+        if self.cuda_graph:
+            for t in rows or range(1, self.max_rows + 1):
+                if t not in self._graphs:
+                    with torch.inference_mode():
+                        self._capture(t)
+
+    def _capture(self, t: int) -> None:
+        # Warm-up runs on a side stream first (cuBLAS workspaces, torch.compile, Triton autotune), as capture
+        # requires. They compute the same step for the same tokens and start, so the cache rows they write are
+        # the ones the step writes anyway.
+        tokens = self._tokens[:t]
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(3):
+                self._step(tokens, self._start, None)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            logits = self._step(tokens, self._start, None)
+        self._graphs[t] = (graph, logits)

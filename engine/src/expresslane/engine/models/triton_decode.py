@@ -1,0 +1,128 @@
+"""Split-KV (flash-decoding) attention for T query rows over the static cache, in Triton.
+
+Fixed grid (num_kv_heads, NUM_SPLITS), so one CUDA graph serves every length: each program reads the live
+length from the device (`start_pos` + T), takes its 1/NUM_SPLITS share of the live rows (rounded to
+BLOCK_N) and computes an online-softmax partial for all G*T query rows of its KV head (GQA: the cache rows are
+read once for the G query heads that share them). A second kernel merges the partials of the splits. Rows past
+the live length are never read, whatever max_seq_len is.
+
+Float32 inputs use IEEE dots (no TF32), so the exactness tests compare like with like; bf16/fp16 inputs use
+the tensor cores with float32 accumulation. Runs under TRITON_INTERPRET=1 on CPU tensors too (the unit tests).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _split_kv_partial(q_ptr, k_ptr, v_ptr, start_ptr, acc_ptr, ml_ptr, scale,
+                      stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh,
+                      T: tl.constexpr, G: tl.constexpr, D: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+    hkv = tl.program_id(0)
+    split = tl.program_id(1)
+    start = tl.load(start_ptr)
+    kv_len = start + T
+    chunk = tl.cdiv(tl.cdiv(kv_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = split * chunk
+    hi = tl.minimum(lo + chunk, kv_len)
+
+    rows = tl.arange(0, BLOCK_M)  # row r = g * T + t
+    t_idx = rows % T
+    head = hkv * G + rows // T
+    row_ok = rows < G * T
+    dims = tl.arange(0, D)
+    q = tl.load(q_ptr + t_idx[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
+                mask=row_ok[:, None], other=0.0)
+    row_pos = start + t_idx  # the last key each row may see
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    for n0 in range(lo, hi, BLOCK_N):
+        cols = n0 + tl.arange(0, BLOCK_N)
+        col_ok = cols < hi
+        k = tl.load(k_ptr + cols[None, :] * stride_ks + hkv * stride_kh + dims[:, None],
+                    mask=col_ok[None, :], other=0.0)  # [D, BLOCK_N]
+        if IEEE:
+            s = tl.dot(q, k, input_precision="ieee")
+        else:
+            s = tl.dot(q, k)
+        s = s * scale
+        visible = col_ok[None, :] & (cols[None, :] <= row_pos[:, None])
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_ptr + cols[:, None] * stride_vs + hkv * stride_vh + dims[None, :],
+                    mask=col_ok[:, None], other=0.0)  # [BLOCK_N, D]
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    base = (hkv * NUM_SPLITS + split) * BLOCK_M
+    tl.store(acc_ptr + (base + rows)[:, None] * D + dims[None, :], acc)
+    tl.store(ml_ptr + (base + rows) * 2, m_i)
+    tl.store(ml_ptr + (base + rows) * 2 + 1, l_i)
+
+
+@triton.jit
+def _split_kv_merge(acc_ptr, ml_ptr, out_ptr, stride_ot, stride_oh,
+                    T: tl.constexpr, G: tl.constexpr, D: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                    BLOCK_M: tl.constexpr):
+    hkv = tl.program_id(0)
+    r = tl.program_id(1)  # r = g * T + t
+    splits = tl.arange(0, NUM_SPLITS)
+    idx = (hkv * NUM_SPLITS + splits) * BLOCK_M + r
+    m = tl.load(ml_ptr + idx * 2)
+    l = tl.load(ml_ptr + idx * 2 + 1)
+    m_max = tl.max(m, axis=0)
+    w = tl.where(m == float("-inf"), 0.0, tl.exp(m - m_max))
+    dims = tl.arange(0, D)
+    acc = tl.load(acc_ptr + idx[:, None] * D + dims[None, :])
+    out = tl.sum(acc * w[:, None], axis=0) / tl.sum(l * w, axis=0)
+    t = r % T
+    head = hkv * G + r // T
+    tl.store(out_ptr + t * stride_ot + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty))
+
+
+def num_splits_for(num_kv_heads: int, device: torch.device) -> int:
+    """Enough programs to fill the GPU twice over: a power of two in [1, 64]."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+    want = max(1, (2 * sms) // num_kv_heads)
+    return min(64, 1 << (want.bit_length() - 1))
+
+
+@torch.library.custom_op("expresslane::split_kv_attention", mutates_args=())
+def split_kv_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start_pos: torch.Tensor,
+                       scale: float) -> torch.Tensor:
+    """q [T, H, D] (rows at start_pos .. start_pos+T-1), caches [S, Hkv, D], start_pos [1] long on q's device."""
+    t, h, d = q.shape
+    hkv = k_cache.shape[1]
+    g = h // hkv
+    q = q.contiguous()
+    splits = num_splits_for(hkv, q.device)
+    block_m = max(16, triton.next_power_of_2(g * t))
+    acc = torch.empty(hkv * splits * block_m, d, dtype=torch.float32, device=q.device)
+    ml = torch.empty(hkv * splits * block_m, 2, dtype=torch.float32, device=q.device)
+    out = torch.empty_like(q)
+    ieee = q.dtype == torch.float32
+    _split_kv_partial[(hkv, splits)](
+        q, k_cache, v_cache, start_pos, acc, ml, scale,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        T=t, G=g, D=d, NUM_SPLITS=splits, BLOCK_M=block_m, BLOCK_N=32 if ieee else 64, IEEE=ieee,
+        num_warps=4)
+    _split_kv_merge[(hkv, g * t)](acc, ml, out, out.stride(0), out.stride(1), T=t, G=g, D=d,
+                                  NUM_SPLITS=splits, BLOCK_M=block_m, num_warps=1)
+    return out
+
+
+@split_kv_attention.register_fake
+def _(q, k_cache, v_cache, start_pos, scale):
+    return torch.empty_like(q)

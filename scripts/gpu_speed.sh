@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# The express engine on one CUDA GPU, in one run: exactness tests, copy bandwidth, tok/s and % of the bound
+# (weights + live KV) for Llama-1B- and 8B-shaped bf16 at contexts 1k / 8k / 32k, plain and with an oracle
+# draft at k = 1..4 (acceptance sweep), and transformers' static-cache + compile generate as the reference.
+#
+#   bash scripts/gpu_speed.sh [OUTDIR] [PART]     # PART: all (default) | tests | engine | hf
+#
+# Needs torch with CUDA, triton, safetensors, transformers, pytest (no vLLM, no network). Logs in OUTDIR
+# (default var/gpu-speed): speed.log (the whole output), results.jsonl (one JSON line per engine result).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUTDIR=${1:-var/gpu-speed}
+PART=${2:-all}
+PY=${PYTHON:-python3}
+export PYTHONPATH="$PWD/engine/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+MODELS=${MODELS_DIR:-var/models}
+mkdir -p "$OUTDIR" "$MODELS"
+LOG="$OUTDIR/speed.log"
+exec > >(tee -a "$LOG") 2>&1
+echo "== $(date -u +%FT%TZ) scripts/gpu_speed.sh $* (commit $(cat GIT_HEAD 2>/dev/null || git rev-parse --short HEAD 2>/dev/null || echo unknown))"
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv,noheader
+"$PY" -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
+
+if [[ $PART == all || $PART == tests ]]; then
+  echo "== GPU exactness tests"
+  "$PY" -m pytest -q -p no:cacheprovider tests/unit/engine/test_attention.py tests/unit/engine/test_cuda_graph.py \
+    tests/unit/engine/test_gpu_speculative.py 2>&1 | grep -v "^[0-9.]*s \(call\|setup\|teardown\)" || true
+fi
+
+if [[ $PART == all || $PART == engine || $PART == hf ]]; then
+  for shape in llama-1b llama-8b; do "$PY" scripts/gpu_make_shape_model.py $shape "$MODELS/$shape"; done
+fi
+
+if [[ $PART == all || $PART == engine ]]; then
+  for shape in ${SHAPES:-llama-1b llama-8b}; do
+    for step in ${STEPS:---compile}; do
+      echo "== engine $shape $step"
+      # shellcheck disable=SC2086
+      "$PY" -m expresslane.engine.decode.bench --model "$MODELS/$shape" --device cuda --dtype bfloat16 \
+        --contexts ${CONTEXTS:-1024,8192,32768} --tokens ${TOKENS:-256} --repeats 2 --oracle-k 1,2,3,4 \
+        $step --json "$OUTDIR/results.jsonl"
+    done
+  done
+fi
+
+if [[ $PART == all || $PART == hf ]]; then
+  for shape in ${SHAPES:-llama-1b llama-8b}; do
+    echo "== transformers reference $shape"
+    timeout ${HF_TIMEOUT:-240} "$PY" scripts/gpu_hf_reference.py "$MODELS/$shape" --contexts ${HF_CONTEXTS:-1024} \
+      --tokens ${TOKENS:-256} || echo "transformers reference $shape: failed or timed out (rc $?)"
+  done
+fi
+echo "== done $(date -u +%FT%TZ)"

@@ -1,0 +1,182 @@
+"""Speculative decoding is exact: greedy output token-identical with speculation on and off (and to
+transformers), for prompt lookup, a draft model and drafters that are always wrong (every step a rollback);
+the per-request opt-out, the budget (max_tokens, stop ids, max_seq_len) and the counters behave."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from expresslane.engine.decode import (DecodeEngine, DraftModelDrafter, PromptLookupDrafter, SamplingParams,
+                                       SpeculationConfig)
+
+from .test_engine_vs_transformers import dense_kv, hf_greedy
+
+# A prompt that repeats itself, so prompt lookup finds matches (agentic / code-edit traffic does this).
+LOOP_PROMPT = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38] * 3 + [3, 14, 15]
+N_NEW = 60
+
+
+class WrongDrafter:
+    """Proposes k tokens chosen without the model (almost always wrong): nearly every verify step rejects
+    at row 0, leaving k rows of rejected K/V past the length that must be rolled back."""
+
+    def __init__(self, vocab: int) -> None:
+        self.vocab = vocab
+        self.last = 0
+
+    def start(self, context):
+        self.last = context[-1]
+
+    def propose(self, k):
+        return [(self.last * 7 + i + 1) % self.vocab for i in range(k)]
+
+    def extend(self, tokens):
+        self.last = tokens[-1]
+
+
+@pytest.fixture(scope="module")
+def engines(hf_model):
+    kind, path, model = hf_model
+    spec = DecodeEngine.from_pretrained(path, max_seq_len=256)
+    plain = DecodeEngine.from_pretrained(path, max_seq_len=256, speculation=None)
+    assert spec.speculation is not None and plain.speculation is None
+    return model, spec, plain
+
+
+def _greedy(engine, prompt, n, lookup=None, **kw):
+    first = int(engine.prefill(prompt).argmax())
+    gen = engine.generate(first, len(prompt), SamplingParams(max_tokens=n, ignore_eos=True,
+                                                             prompt_token_ids=lookup or prompt, **kw))
+    return list(gen), gen
+
+
+def test_greedy_identical_with_prompt_lookup(engines):
+    """Random weights do not copy their prompt, so most lookups here miss or are rejected: this is the
+    exactness check under mixed accept / reject (the next test has the drafts mostly right)."""
+    model, spec, plain = engines
+    expected, _ = hf_greedy(model, LOOP_PROMPT, N_NEW)
+    got, gen = _greedy(spec, LOOP_PROMPT, N_NEW)
+    ref, ref_gen = _greedy(plain, LOOP_PROMPT, N_NEW)
+    assert got == ref == expected
+    assert gen.spec.verify_steps > 0, gen.spec.as_dict()
+    assert ref_gen.spec.verify_steps == 0
+
+
+def test_greedy_identical_when_the_context_holds_the_answer(engines):
+    """The lookup context contains the continuation (as an edit request's output copies its input): drafts
+    are mostly accepted, several tokens per forward, and the output is still exactly the target's."""
+    model, spec, plain = engines
+    prompt = LOOP_PROMPT[:13]
+    expected, _ = hf_greedy(model, prompt, N_NEW)
+    got, gen = _greedy(spec, prompt, N_NEW, lookup=prompt + expected)
+    assert got == expected == _greedy(plain, prompt, N_NEW)[0]
+    s = gen.spec
+    assert s.mean_acceptance > 2.5 and s.tokens_per_forward > 3, s.as_dict()
+
+
+def test_every_draft_rejected_rolls_back(engines):
+    """k garbage rows are written past the length at every step; output must not change."""
+    _, spec, plain = engines
+    spec.set_drafter(lambda: WrongDrafter(spec.vocab_size))
+    try:
+        got, gen = _greedy(spec, LOOP_PROMPT, N_NEW)
+    finally:
+        spec.set_drafter(lambda: PromptLookupDrafter(2, 4))
+    ref, _ = _greedy(plain, LOOP_PROMPT, N_NEW)
+    assert got == ref
+    s = gen.spec
+    assert s.verify_steps >= N_NEW // 2 and s.drafted_tokens >= 3 * s.verify_steps
+    assert s.accepted_tokens <= s.verify_steps // 4, "the wrong drafter was right too often to test rollback"
+
+
+def test_injected_kv_then_speculation(engines):
+    model, spec, _ = engines
+    expected, past = hf_greedy(model, LOOP_PROMPT, N_NEW)
+    k, v = dense_kv(past)
+    spec.prefill([5] * 80)  # dirty the cache so a no-op inject cannot pass
+    spec.inject(k, v, len(LOOP_PROMPT))
+    gen = spec.generate(expected[0], len(LOOP_PROMPT),
+                        SamplingParams(max_tokens=N_NEW, ignore_eos=True, prompt_token_ids=LOOP_PROMPT + expected))
+    assert list(gen) == expected and gen.spec.accepted_tokens > 0
+
+
+def test_draft_model_drafter(hf_model):
+    """The target itself as the draft model: every draft is the target's choice (acceptance k each step)."""
+    _, path, model = hf_model
+    target = DecodeEngine.from_pretrained(path, max_seq_len=256, speculation=SpeculationConfig(k=3))
+    draft = DecodeEngine.from_pretrained(path, max_seq_len=256, speculation=None)
+    target.set_drafter(lambda: DraftModelDrafter(draft))
+    prompt = LOOP_PROMPT[:13]
+    expected, _ = hf_greedy(model, prompt, 40)
+    got, gen = _greedy(target, prompt, 40)
+    assert got == expected
+    assert gen.spec.mean_acceptance == pytest.approx(3.0, abs=0.5), gen.spec.as_dict()
+
+
+def test_opt_out_and_penalties_decode_without_drafts(engines):
+    _, spec, plain = engines
+    got, gen = _greedy(spec, LOOP_PROMPT, 30, speculative=False)
+    assert gen.spec.verify_steps == 0 and got == _greedy(plain, LOOP_PROMPT, 30)[0]
+    got, gen = _greedy(spec, LOOP_PROMPT, 30, presence_penalty=1.0)
+    assert gen.spec.verify_steps == 0
+    assert got == _greedy(plain, LOOP_PROMPT, 30, presence_penalty=1.0)[0]
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 7, 12])
+def test_budget_is_exact(engines, n):
+    """max_tokens is honoured even when a verify step could emit more tokens than are left."""
+    _, spec, plain = engines
+    got, gen = _greedy(spec, LOOP_PROMPT, n)
+    assert len(got) == n and gen.finish_reason == "length"
+    assert got == _greedy(plain, LOOP_PROMPT, n)[0]
+
+
+def test_stop_token_inside_accepted_drafts(engines):
+    _, spec, plain = engines
+    ref, _ = _greedy(plain, LOOP_PROMPT, N_NEW)
+    stop = ref[20]
+    cut = ref.index(stop)
+    for engine in (spec, plain):
+        first = int(engine.prefill(LOOP_PROMPT).argmax())
+        gen = engine.generate(first, len(LOOP_PROMPT), SamplingParams(
+            max_tokens=N_NEW, stop_token_ids=[stop], prompt_token_ids=LOOP_PROMPT))
+        assert list(gen) == ref[: cut + 1] and gen.finish_reason == "stop"
+    # min_tokens masks stop ids per verified row
+    got = [_greedy(e, LOOP_PROMPT, N_NEW, stop_token_ids=[stop], min_tokens=cut + 5)[0] for e in (spec, plain)]
+    assert got[0] == got[1]
+
+
+def test_max_seq_len_with_speculation(hf_model):
+    _, path, _ = hf_model
+    spec = DecodeEngine.from_pretrained(path, max_seq_len=64)
+    plain = DecodeEngine.from_pretrained(path, max_seq_len=64, speculation=None)
+    a, gen = _greedy(spec, LOOP_PROMPT, 1000)
+    assert len(a) == 64 - len(LOOP_PROMPT) and gen.finish_reason == "length"
+    assert a == _greedy(plain, LOOP_PROMPT, 1000)[0]
+
+
+def test_counters_accumulate_on_the_engine(engines):
+    _, spec, plain = engines
+    expected, _ = _greedy(plain, LOOP_PROMPT, N_NEW)
+    before = spec.spec_stats.accepted_tokens
+    _, gen = _greedy(spec, LOOP_PROMPT, N_NEW, lookup=LOOP_PROMPT + expected)
+    assert gen.spec.accepted_tokens > 0
+    assert spec.spec_stats.accepted_tokens == before + gen.spec.accepted_tokens
+    d = gen.spec.as_dict()
+    assert sum(d["accepted_histogram"]) == d["verify_steps"]
+    assert spec.capabilities()["speculative"] is True
+
+
+def test_prompt_lookup_drafter():
+    d = PromptLookupDrafter(ngram_min=2, ngram_max=3)
+    d.start([1, 2, 3, 4, 5, 1, 2])
+    assert d.propose(3) == [3, 4, 5]  # "1 2" was followed by 3 4 5
+    d.extend([9])
+    assert d.propose(3) == []  # "2 9" never seen
+    d.start([1, 2, 3, 1, 2, 4, 1, 2])
+    assert d.propose(2) == [4, 1]  # the LATEST earlier occurrence wins
+    d.start([5, 6, 7, 8, 6, 7, 9, 5, 6, 7])
+    assert d.propose(2) == [8, 6]  # longest n-gram first: "5 6 7" -> 8, not "6 7" -> 9
+    with pytest.raises(ValueError):
+        SpeculationConfig(k=0)
