@@ -225,7 +225,7 @@ def test_stuck_engine_thread_makes_the_node_unhealthy(model_dir):
 # ---------------------------------------------------------------- watchdog + deadline
 def _stall_after(engine: DecodeEngine, n_steps: int) -> threading.Event:
     """Fault injection into the real engine: its decode step blocks after n_steps (a hung device)."""
-    gate, step, calls = threading.Event(), engine._step, [0]
+    gate, step, calls = threading.Event(), engine.runner.forward, [0]
 
     def stalling_step(*args):
         calls[0] += 1
@@ -233,7 +233,7 @@ def _stall_after(engine: DecodeEngine, n_steps: int) -> threading.Event:
             gate.wait(30)
         return step(*args)
 
-    engine._step = stalling_step
+    engine.runner.forward = stalling_step
     return gate
 
 

@@ -28,15 +28,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from expresslane.engine.transfer.errors import KVCancelled, KVReceiveError, KVTimeout, KVTransferFailed
-
-try:
-    from expresslane.engine.transfer.errors import KVRefused
-except ImportError:  # the receiver's side of the wave-2 contract is merged separately; drop this shim then
-    class KVRefused(KVReceiveError):  # type: ignore[no-redef]
-        def __init__(self, message: str, reason: str = "no_slot") -> None:
-            super().__init__(message)
-            self.reason = reason
+from expresslane.engine.transfer.errors import KVCancelled, KVReceiveError, KVRefused, KVTimeout, KVTransferFailed
 
 __all__ = [
     "KVCancelled",
