@@ -138,8 +138,9 @@ import json, sys
 services = json.load(sys.stdin)["services"]
 for name, svc in services.items():
     for v in svc.get("volumes", []):
-        if v.get("type") == "bind" and v["source"].rstrip("/").endswith(("/engine/src", "/router/src", "/scripts")):
-            sys.exit(f"{name}: source bind mount {v[\"source\"]} outside the dev overlay")
+        source = v.get("source", "")
+        if v.get("type") == "bind" and source.rstrip("/").endswith(("/engine/src", "/router/src", "/scripts")):
+            sys.exit(name + ": source bind mount " + source + " outside the dev overlay")
 print("no source bind mounts")' || bad=1
   return $bad
 }
