@@ -14,9 +14,14 @@ OUTDIR/../tiny-llama if absent): 1024-token byte-level BPE. 2 layers, hidden 128
 tied embeddings. Same commit + arguments + thread count -> the same weights (seeded, single process).
 
 --measure: greedy decoding with DecodeEngine, speculation on (prompt lookup, k = 4) and off, on a code-edit
-prompt (a repo file, then an instruction to rewrite it with one rename, then the file's first line) and an
-agentic prompt (a tool's JSON result, then the start of an answer quoting it). Prints acceptance, tokens
-per forward, and whether the two decodes are identical.
+prompt (a piece of a repo file, an instruction to rewrite it with one rename, its first line), an agentic
+prompt (a tool's JSON result, then the start of an answer quoting it), both about 260 tokens (inside the
+257-token windows it was trained on), and the code-edit prompt over a whole 1.3k-token file. Prints
+acceptance, tokens per forward, wall time against plain decoding, whether the two decodes are identical.
+
+Measured 2026-12-01 (docs/bench/2026-12-01-copy-model/, 121 s of training on 2 shared CPUs): code-edit 2.33
+drafts kept per verify step, 1.74 tokens per forward; agentic 2.03 and 2.48; the 1.3k-token prompt 0.58 and
+1.24 (past the trained length it does not copy). Greedy output identical with speculation on and off.
 """
 
 from __future__ import annotations
@@ -92,7 +97,7 @@ def train(out: Path, tok_dir: Path, steps: int, seed: int) -> None:
     print(f"copy model in {out} ({time.perf_counter() - t0:.0f}s of training)", flush=True)
 
 
-def measure(out: Path, tokens: int = 200) -> None:
+def measure(out: Path, tokens: int = 100) -> None:
     sys.path.insert(0, str(REPO / "engine" / "src"))
     from tokenizers import Tokenizer
 
@@ -100,11 +105,16 @@ def measure(out: Path, tokens: int = 200) -> None:
 
     tok = Tokenizer.from_file(str(out / "tokenizer.json"))
     source = (REPO / "engine/src/expresslane/engine/decode/cache.py").read_text()
+    snippet = source[source.index("class StaticKVCache"):][:420]
+    doc = (REPO / "docs/protocol.md").read_text()[:360].replace('"', "'")
+    # Short prompts (about 150 tokens): the model was trained on 257-token windows and RoPE positions far
+    # beyond that are outside what it learnt; the long variants show what happens there.
     prompts = {
-        "code-edit": source + "\n\n# The same file with KVGeometry renamed to CacheGeometry:\n\n"
+        "code-edit": snippet + "\n\n# The same code with k renamed to keys:\n\n" + snippet.splitlines()[0] + "\n",
+        "agentic": '{"tool": "read_file", "path": "docs/protocol.md", "result": "' + doc + '"}\n\nThe file says: "'
+        + doc[:20],
+        "code-edit-long (1.3k tokens)": source + "\n\n# The same file with KVGeometry renamed to CacheGeometry:\n\n"
         + source.splitlines()[0] + "\n",
-        "agentic": '{"tool": "read_file", "path": "docs/protocol.md", "result": "'
-        + (REPO / "docs/protocol.md").read_text()[:1500].replace('"', "'") + '"}\n\nThe file says: "',
     }
     spec = DecodeEngine.from_pretrained(out, max_seq_len=4096)
     plain = DecodeEngine.from_pretrained(out, max_seq_len=4096, speculation=None)
