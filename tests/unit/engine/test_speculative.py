@@ -4,6 +4,8 @@ the per-request opt-out, the budget (max_tokens, stop ids, max_seq_len) and the 
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -180,3 +182,22 @@ def test_prompt_lookup_drafter():
     assert d.propose(2) == [8, 6]  # longest n-gram first: "5 6 7" -> 8, not "6 7" -> 9
     with pytest.raises(ValueError):
         SpeculationConfig(k=0)
+
+
+@pytest.mark.skipif(not os.environ.get("EXPRESSLANE_COMPILE_TESTS"),
+                    reason="compiles the step twice (T = 1 and T > 1): about 2 min of CPU; set EXPRESSLANE_COMPILE_TESTS=1 "
+                           "(the express-lane integration tests run the compiled step with speculation too)")
+def test_compiled_cpu_step_with_verify_rows(hf_model):
+    """torch.compile'd live attention (SDPA over the live rows, a [T, L] mask for verify rows) decodes
+    exactly like transformers, with drafts accepted and rejected. One architecture: compiling costs time."""
+    kind, path, model = hf_model
+    if kind != "qwen3":
+        pytest.skip("one architecture is enough for the compiled path (the eager tests cover all three)")
+    torch._dynamo.reset()
+    compiled = DecodeEngine.from_pretrained(path, max_seq_len=256, compile=True)
+    prompt = LOOP_PROMPT[:13]
+    expected, _ = hf_greedy(model, prompt, N_NEW)
+    got, gen = _greedy(compiled, prompt, N_NEW, lookup=prompt + expected[:30] + [1, 2, 3] + expected[33:])
+    assert got == expected
+    assert gen.spec.accepted_tokens > 10 and gen.spec.drafted_tokens > gen.spec.accepted_tokens, gen.spec.as_dict()
+    torch._dynamo.reset()

@@ -58,7 +58,8 @@ class StepRunner:
 
     def _set_step(self) -> None:
         self._graphs.clear()
-        self._step = (torch.compile(self._forward, dynamic=True, mode=self.compile_mode) if self.compile else self._forward)
+        self._step = (torch.compile(self._forward, dynamic=True, mode=self.compile_mode) if self.compile
+                      else self._forward)
 
     def disable_compile(self) -> None:
         """Run the plain step from now on (e.g. torch.compile cannot build kernels on this host)."""

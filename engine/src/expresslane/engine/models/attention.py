@@ -3,10 +3,12 @@
 One step of the decode engine is T = 1 (plain decode) or T = k + 1 (verification of k drafts); row i may
 see cache rows [0, start_pos + i]. Three kernels, chosen per engine (`AttentionKind`):
 
-* ``LIVE`` (CPU default): one query block against the live rows only, as two batched matmuls per KV head
-  (GQA: the query heads of one KV head share one matmul, the cache is never expanded). It is a registered
-  custom op, so torch.compile keeps it one opaque call instead of lowering SDPA into its own loops (what made
-  the compiled step slower than the plain one at long context), and a symbolic `kv_len` serves every length.
+* ``LIVE`` (CPU default): the live rows only. Eager: one query block as two batched matmuls per KV head
+  (GQA: the query heads of one KV head share one matmul, the cache is never expanded); 1.13x PyTorch's CPU
+  SDPA at 3800 rows. Under torch.compile: SDPA over the live rows (with a [T, L] mask when T > 1), which
+  inductor fuses better than it handles an opaque op beside the in-place cache write (measured: the custom
+  op compiled ran at 115 tok/s against 168 for compiled SDPA at 3800 rows); a symbolic `kv_len` serves every
+  length.
 * ``MASKED`` (fixed shapes): PyTorch SDPA over the whole static cache with a [T, max_seq_len] mask built on
   the device from `start_pos`: CUDA-graph friendly, reads every cache row (the reference path).
 * ``SPLIT_KV`` (CUDA default): the flash-decoding Triton kernel in `triton_decode.py`: the length is read on
@@ -50,7 +52,6 @@ class StepContext:
     prefill: bool = False
 
 
-@torch.library.custom_op("expresslane::live_attention", mutates_args=())
 def live_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_len: int,
                    scale: float) -> torch.Tensor:
     """q [T, H, D] at positions kv_len-T .. kv_len-1; caches [S, Hkv, D]. Returns [T, H, D]."""
@@ -72,11 +73,6 @@ def live_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     return out.view(hkv, g, t, d).permute(2, 0, 1, 3).reshape(t, h, d).to(q.dtype)
 
 
-@live_attention.register_fake
-def _(q, k_cache, v_cache, kv_len, scale):
-    return torch.empty_like(q)
-
-
 def causal_mask(arange: torch.Tensor, start_pos: torch.Tensor, t: int) -> torch.Tensor:
     """[T, S] bool: row i may see cache rows <= start_pos + i (built on the device, fixed shape)."""
     positions = start_pos + arange[:t]
@@ -89,7 +85,14 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: S
     if ctx.prefill:
         return _sdpa(q, k_cache[: q.shape[0]], v_cache[: q.shape[0]], None, True, scale)
     if ctx.kind is AttentionKind.LIVE:
-        return live_attention(q, k_cache, v_cache, ctx.kv_len, scale)
+        if not torch.compiler.is_compiling():
+            return live_attention(q, k_cache, v_cache, ctx.kv_len, scale)
+        t, n = q.shape[0], ctx.kv_len
+        mask = None
+        if t > 1:  # row i sees keys [0, n - t + i]
+            cols = torch.arange(n, device=q.device)
+            mask = cols[None, :] <= (n - t + torch.arange(t, device=q.device))[:, None]
+        return _sdpa(q, k_cache[:n], v_cache[:n], mask, False, scale)
     if ctx.kind is AttentionKind.MASKED:
         return _sdpa(q, k_cache, v_cache, ctx.mask, False, scale)
     from .triton_decode import split_kv_attention

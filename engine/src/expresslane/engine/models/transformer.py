@@ -39,7 +39,6 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.num_qk_heads = cfg.num_heads + cfg.num_kv_heads
         self.scale = cfg.head_dim**-0.5
-        self.gqa = cfg.num_heads != cfg.num_kv_heads
         self.qkv_proj = nn.Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=cfg.o_bias)
         # Qwen3: per-head RMSNorm of q and k, applied to q and k together with a per-head weight
