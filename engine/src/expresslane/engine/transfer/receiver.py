@@ -368,9 +368,9 @@ class KVReceiver:
     def _hello(self) -> m.Hello:
         return m.hello(self.layout, self._transport, self._busy, self.node_id, self.model_fingerprint)
 
-    def _connection_closed(self, conn_id: int) -> None:
+    def _connection_closed(self, conn_id: int, peer_closed: bool = True) -> None:
         with self._lock:
-            for outcome in self.table.connection_closed(conn_id, time.monotonic()):
+            for outcome in self.table.connection_closed(conn_id, time.monotonic(), peer_closed=peer_closed):
                 self._apply(outcome)
             self._refresh()
 
@@ -458,6 +458,10 @@ class KVReceiver:
         while True:
             await asyncio.sleep(0.25)
             with self._lock:
-                for outcome in self.table.tick(time.monotonic()):
+                now = time.monotonic()
+                for outcome in self.table.tick(now):
                     self._apply(outcome)
+                for rid, conn_id, gen, rank in self.table.fenced_writes():  # a late write completed
+                    if self._endpoint.take_notif(f"{rid}|{gen}|{rank}".encode()):
+                        self.table.write_final(conn_id, gen, rank, now)
                 self._refresh()
