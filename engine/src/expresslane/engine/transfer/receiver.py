@@ -56,6 +56,8 @@ class ReceivedKV:
             fn()
 
 
+WAIT_GRACE_S = 1.0
+
 _STAT_KEYS = ("accepted", "rejected", "arrived", "claimed", "expired", "cancelled", "failed", "bytes",
               "auth_failures", "refused_unknown_rid", "connections_refused", "checksum_failures", "aborted",
               "slots_in_use", "slots_fencing", "connections_open")
@@ -246,8 +248,8 @@ class KVReceiver:
     def _expect_for_wait(self, rid: str, timeout_s: float) -> None:
         state = self.table.state_of(rid)
         if state is None or state in (ReqState.EXPECTED, ReqState.WRITING, ReqState.ARRIVED):
-            try:
-                self.table.expect(rid, timeout_s, time.monotonic())
+            try:  # held a little past the wait, so a wait that runs out reports KVTimeout, not "expired"
+                self.table.expect(rid, timeout_s + WAIT_GRACE_S, time.monotonic())
             except Refused as e:
                 raise KVRefused(str(e), reason=e.reason) from None
             self._refresh()
