@@ -238,9 +238,13 @@ def test_duplicate_admit_keepalive_cannot_hold_the_slot(rx: KVReceiver) -> None:
         assert "write deadline" in replies.pop().detail
     assert replies and all(isinstance(r, m.Reject) and r.reason == "duplicate" for r in replies)
     deadline = time.monotonic() + 2
-    while rx.stats["slots_in_use"] and time.monotonic() < deadline:
+    while rx.table.state_of("held").value != "failed" and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert rx.stats["slots_in_use"] == 0 and rx.table.state_of("held").value == "failed"
+    assert rx.table.state_of("held").value == "failed"
+    # The node hung up on a live peer that had been accepted for a WRITE: the slot stays fenced (integrity
+    # over liveness) until that write's notification comes; no timer reuses it.
+    assert rx.stats["slots_fencing"] == 1
+    ch.close()
     with pytest.raises(KVTransferFailed) as e:
         asyncio.run(rx.wait_for("held", 1))
     assert e.value.reason == "sender_vanished"
@@ -361,3 +365,27 @@ def test_json_bomb_and_deep_nesting_are_protocol_errors(rx: KVReceiver) -> None:
     s.sendall(struct.pack(">I", len(body)) + body)
     _only_the_challenge(_read_all(s))
     assert json  # (imported for the fuzz helpers' symmetry)
+
+
+def test_a_write_that_may_still_land_fences_the_slot_until_the_sender_is_gone(rx: KVReceiver) -> None:
+    """abort{write_final: false} (the sender's WRITE timed out but may still land): the slot is not reused
+    while that connection lives, however long; its close is the signal that frees it."""
+    from expresslane.engine.transfer import KVRefused
+
+    rx.expect("f1", 30)
+    ch, _ = _authed(rx.ctrl_port)
+    ch.send(_admit("f1"))
+    assert isinstance(ch.recv(), m.Accept)
+    ch.send(m.Abort(rid="f1", reason="write_timeout", write_final=False))
+    deadline = time.monotonic() + 2
+    while rx.table.state_of("f1").value != "failed" and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert rx.stats["slots_fencing"] == 1
+    with pytest.raises(KVRefused):
+        rx.expect("f2", 30)
+    ch.close()
+    deadline = time.monotonic() + 2
+    while rx.stats["slots_fencing"] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert rx.stats["slots_fencing"] == 0
+    rx.expect("f2", 30)

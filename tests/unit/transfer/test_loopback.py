@@ -154,7 +154,7 @@ async def test_too_long_layout_and_model_mismatch_are_not_retried(receiver: KVRe
 async def test_timeout_and_unclaimed_expiry(receiver: KVReceiver) -> None:
     with pytest.raises(KVTimeout):
         await receiver.wait_for("never", 0.2)
-    await asyncio.sleep(0.6)  # the wait's reservation expires with the wait
+    await asyncio.sleep(1.6)  # the wait's reservation expires just after the wait (WAIT_GRACE_S)
     assert receiver.stats["slots_in_use"] == 0
     tx = _Prefill(LAYOUT)
     receiver.expect("rx", 0.5)

@@ -168,3 +168,14 @@ def test_unclaimed_arrival_expires_and_frees() -> None:
     assert t.tick(5) == []  # unclaimed_ttl_s=10 from arrival
     (out,) = t.tick(12)
     assert out.state is ReqState.EXPIRED and t.slots_in_use() == 0
+
+
+def test_a_connection_the_node_closed_keeps_its_writes_fenced_until_their_notification() -> None:
+    t = _table(1)
+    t.expect("a", 30, 0)
+    g = _admit(t, "a", conn=1).generation
+    (out,) = t.connection_closed(1, 1, peer_closed=False)  # e.g. the write deadline passed
+    assert out.reason == "sender_vanished" and t.slots[0].state is SlotState.FENCING
+    assert t.fenced_writes() == [("a", 1, g, 0)]
+    t.write_final(1, g, 0, 2)  # its notification arrived: no byte of it can land any more
+    assert t.slots[0].state is SlotState.FREE

@@ -108,13 +108,14 @@ class ControlServer:
         self.rx._set_gauge("connections_open", self.open_connections)
         conn_id = next(self._ids)
         conn = _Conn(reader, writer, conn_id, a.Session.open(side="decode"))
+        peer_closed = False
         try:
             if await self._handshake(conn):
-                await self._serve(conn)
+                peer_closed = await self._serve(conn)
         finally:
             self.open_connections -= 1
             self.rx._set_gauge("connections_open", self.open_connections)
-            self.rx._connection_closed(conn_id)
+            self.rx._connection_closed(conn_id, peer_closed=peer_closed)
             writer.close()
 
     async def _handshake(self, conn: _Conn) -> bool:
@@ -140,7 +141,8 @@ class ControlServer:
             logger.log(level, "expresslane: control peer %s not authenticated: %s", conn.peer, e)
             return False
 
-    async def _serve(self, conn: _Conn) -> None:
+    async def _serve(self, conn: _Conn) -> bool:
+        """Frames until the connection ends. True when the peer closed it (EOF), False when this node did."""
         try:
             while True:
                 # An admitted write must be done by its deadline however many other frames come (a peer
@@ -164,8 +166,8 @@ class ControlServer:
                     self.rx._on_abort(msg, conn.id, conn.peer)
                 else:
                     raise ProtocolError(f"unexpected {msg.TYPE} from {conn.peer}")
-        except ConnectionClosed:
-            return
+        except (ConnectionClosed, ConnectionResetError, BrokenPipeError):
+            return True  # the peer's socket is gone (closed, or reset by its kernel when the process died)
         except AuthError as e:
             self.rx._count("auth_failures")
             logger.warning("expresslane: control connection from %s: %s; closing", conn.peer, e)
@@ -176,3 +178,4 @@ class ControlServer:
                     await conn.send(m.Error(code="protocol", detail=str(e)[:1000]))
                 except (OSError, ProtocolError):
                     pass
+        return False

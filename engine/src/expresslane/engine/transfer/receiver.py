@@ -56,6 +56,8 @@ class ReceivedKV:
             fn()
 
 
+WAIT_GRACE_S = 1.0
+
 _STAT_KEYS = ("accepted", "rejected", "arrived", "claimed", "expired", "cancelled", "failed", "bytes",
               "auth_failures", "refused_unknown_rid", "connections_refused", "checksum_failures", "aborted",
               "slots_in_use", "slots_fencing", "connections_open")
@@ -246,8 +248,8 @@ class KVReceiver:
     def _expect_for_wait(self, rid: str, timeout_s: float) -> None:
         state = self.table.state_of(rid)
         if state is None or state in (ReqState.EXPECTED, ReqState.WRITING, ReqState.ARRIVED):
-            try:
-                self.table.expect(rid, timeout_s, time.monotonic())
+            try:  # held a little past the wait, so a wait that runs out reports KVTimeout, not "expired"
+                self.table.expect(rid, timeout_s + WAIT_GRACE_S, time.monotonic())
             except Refused as e:
                 raise KVRefused(str(e), reason=e.reason) from None
             self._refresh()
@@ -368,9 +370,9 @@ class KVReceiver:
     def _hello(self) -> m.Hello:
         return m.hello(self.layout, self._transport, self._busy, self.node_id, self.model_fingerprint)
 
-    def _connection_closed(self, conn_id: int) -> None:
+    def _connection_closed(self, conn_id: int, peer_closed: bool = True) -> None:
         with self._lock:
-            for outcome in self.table.connection_closed(conn_id, time.monotonic()):
+            for outcome in self.table.connection_closed(conn_id, time.monotonic(), peer_closed=peer_closed):
                 self._apply(outcome)
             self._refresh()
 
@@ -458,6 +460,10 @@ class KVReceiver:
         while True:
             await asyncio.sleep(0.25)
             with self._lock:
-                for outcome in self.table.tick(time.monotonic()):
+                now = time.monotonic()
+                for outcome in self.table.tick(now):
                     self._apply(outcome)
+                for rid, conn_id, gen, rank in self.table.fenced_writes():  # a late write completed
+                    if self._endpoint.take_notif(f"{rid}|{gen}|{rank}".encode()):
+                        self.table.write_final(conn_id, gen, rank, now)
                 self._refresh()

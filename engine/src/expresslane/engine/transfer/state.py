@@ -21,7 +21,8 @@ serves or is about to serve, and an expected rid can never be refused for want o
 is transfer state, never a timer: the write's NIXL notification arrived (delivered after its data), the
 sender's ``abort{write_final: true}`` said so, or the sender's control connection closed (the sender
 holds it open while any WRITE handle of it is in flight, so a close means the process or the write is
-gone).
+gone; a connection THIS node closed, on a deadline or a protocol error, is no such signal: those writes
+stay fenced until their notification comes).
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ class Slot:
     nbytes: int
     state: SlotState = SlotState.FREE
     rid: str | None = None
+    last_rid: str | None = None  # the rid whose writes a FENCING slot waits out (its notifications clear it)
     # writes that may still land in this slot: (conn_id, generation, rank)
     in_flight: set[tuple[int, int, int]] = field(default_factory=set)
 
@@ -267,8 +269,15 @@ class ReceiveTable:
         self._end(req, ReqState.FAILED, f"aborted:{reason}", now)
         return Outcome(rid, ReqState.FAILED, req.reason)
 
-    def connection_closed(self, conn_id: int, now: float) -> list[Outcome]:
-        """The sender's control connection ended: its writes are final; its unfinished transfers failed."""
+    def fenced_writes(self) -> list[tuple[str, int, int, int]]:
+        """(rid, conn_id, generation, rank) of every write a FENCING slot still waits out."""
+        return [(s.last_rid or "", c, g, r) for s in self.slots if s.state is SlotState.FENCING
+                for (c, g, r) in s.in_flight]
+
+    def connection_closed(self, conn_id: int, now: float, *, peer_closed: bool = True) -> list[Outcome]:
+        """The sender's control connection ended: its unfinished transfers failed. If the PEER closed it, its
+        writes are final too; if this node closed it (deadline, protocol error) a live sender may still be
+        writing, so those slots stay FENCING until each write's notification arrives."""
         out = []
         for req in list(self.requests.values()):
             ranks = [r for r, cid in req.conns.items() if cid == conn_id]
@@ -277,10 +286,11 @@ class ReceiveTable:
             if req.state is ReqState.WRITING and any(r not in req.ranks_landed for r in ranks):
                 self._end(req, ReqState.FAILED, "sender_vanished", now)
                 out.append(Outcome(req.rid, ReqState.FAILED, "sender_vanished"))
-        for slot in self.slots:
-            for item in [i for i in slot.in_flight if i[0] == conn_id]:
-                slot.in_flight.discard(item)
-            self._maybe_unfence(slot)
+        if peer_closed:
+            for slot in self.slots:
+                for item in [i for i in slot.in_flight if i[0] == conn_id]:
+                    slot.in_flight.discard(item)
+                self._maybe_unfence(slot)
         return out
 
     # ------------------------------------------------------------------ internals
@@ -293,7 +303,7 @@ class ReceiveTable:
         slot = req.slot
         if slot is None or slot.rid != req.rid:
             return
-        slot.rid = None
+        slot.rid, slot.last_rid = None, req.rid
         slot.state = SlotState.FENCING if slot.in_flight else SlotState.FREE
 
     def _maybe_unfence(self, slot: Slot) -> None:
