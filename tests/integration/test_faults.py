@@ -141,9 +141,11 @@ class Faults:
         """Staging slots held on the prefill (the connector's gauge; older builds only export `free`)."""
         m = self.connector()
         in_use = metric(m, "expresslane_connector_staging_slots_in_use")
-        if in_use is not None:
-            return in_use
         free = metric(m, "expresslane_connector_staging_slots_free")
+        if in_use is not None:
+            if free is not None:
+                self.staging_total = in_use + free
+            return in_use
         if free is None:
             return None
         if self.staging_total is None or free > self.staging_total:
