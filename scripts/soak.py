@@ -2,7 +2,7 @@
 """Bounded chaos soak: mixed traffic on both lanes while a loop kills and restarts decode nodes.
 
     python scripts/soak.py --dev-stack [--state-dir var/dev-stack] [--port-base 0] --duration 120 --seed 1
-    python scripts/soak.py --compose [--project expresslane] [--compose-file compose/compose.yaml] --duration 120
+    python scripts/soak.py --compose [--project NAME] [--compose-file FILE ...] --duration 120
 
 Traffic: `--concurrency` clients send completions and chat requests (greedy, ignore_eos, 8-48 tokens), on the
 express alias (which spills to native as the shipped router config says) and the native alias, streamed or
@@ -89,8 +89,10 @@ class DevStackTarget:
 class ComposeTarget:
     """`docker compose` on a running project; health through the ports it publishes on loopback."""
 
-    def __init__(self, project: str, files: list[str], ports: dict[str, int]):
-        self.base = ["docker", "compose", "-p", project] + [a for f in files for a in ("-f", f)]
+    def __init__(self, project: str | None, files: list[str], ports: dict[str, int]):
+        # Run from the repo root, so its .env (COMPOSE_PROJECT_NAME, COMPOSE_FILE) applies unless overridden.
+        self.base = ["docker", "compose"] + (["-p", project] if project else []) + [
+            a for f in files for a in ("-f", f)]
         url = {k: f"http://{LOOPBACK}:{v}" for k, v in ports.items()}
         self.endpoints = Endpoints(
             router=url["router"], prefill=url["prefill"],
@@ -100,7 +102,7 @@ class ComposeTarget:
         self._down: set[str] = set()
 
     def _compose(self, *args: str) -> None:
-        subprocess.run(self.base + list(args), check=True, capture_output=True, text=True, timeout=120)
+        subprocess.run(self.base + list(args), check=True, capture_output=True, text=True, timeout=120, cwd=REPO)
 
     def kill(self, service: str) -> None:
         self._compose("kill", "-s", "SIGKILL", service)
@@ -350,9 +352,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--restart-env", default="EXPRESS_COMPILE=0",
                     help="--dev-stack: K=V,... for restarted services (default: the express node skips torch.compile, "
                          "~10 s to healthy instead of ~55 s on 2 CPUs; empty = as first started)")
-    ap.add_argument("--project", default="expresslane", help="--compose: the compose project name")
-    ap.add_argument("--compose-file", action="append", default=None, help="--compose: -f files (default: "
-                    "compose/compose.yaml)")
+    ap.add_argument("--project", default=None, help="--compose: the project name (default: COMPOSE_PROJECT_NAME "
+                    "from the environment or the repo's .env)")
+    ap.add_argument("--compose-file", action="append", default=[], help="--compose: -f files (default: "
+                    "COMPOSE_FILE from the environment or the repo's .env)")
     ap.add_argument("--ports", default="router=8080,prefill=8000,decode-native=8100,decode-express=5557",
                     help="--compose: the loopback ports it publishes")
     a = ap.parse_args(argv)
@@ -375,8 +378,7 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"--restart-env: K=V,... expected, got {a.restart_env!r}")
         target = DevStackTarget(a.state_dir, a.port_base, restart_env)
     else:
-        files = a.compose_file or [str(REPO / "compose" / "compose.yaml")]
-        target = ComposeTarget(a.project, files, ports)
+        target = ComposeTarget(a.project, a.compose_file, ports)
     result = asyncio.run(soak(target, opts))
     print_report(result)
     if a.json:

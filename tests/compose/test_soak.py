@@ -39,7 +39,7 @@ def _up() -> bool:
 
 @pytest.fixture(scope="module")
 def compose_stack():
-    compose = ["docker", "compose", "-p", PROJECT, "-f", str(REPO / "compose" / "compose.yaml")]
+    compose = ["docker", "compose", "-p", PROJECT]  # files: COMPOSE_FILE from the environment or the repo's .env
     started = False
     if not _up():
         proc = subprocess.run(compose + ["up", "-d", "--wait"], cwd=REPO, text=True, stdout=subprocess.PIPE,

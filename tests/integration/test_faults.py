@@ -141,9 +141,11 @@ class Faults:
         """Staging slots held on the prefill (the connector's gauge; older builds only export `free`)."""
         m = self.connector()
         in_use = metric(m, "expresslane_connector_staging_slots_in_use")
-        if in_use is not None:
-            return in_use
         free = metric(m, "expresslane_connector_staging_slots_free")
+        if in_use is not None:
+            if free is not None:
+                self.staging_total = in_use + free
+            return in_use
         if free is None:
             return None
         if self.staging_total is None or free > self.staging_total:
@@ -286,7 +288,7 @@ def test_express_node_sigkill_idle(faults):
 def test_express_node_sigkill_during_handoff(faults):
     """SIGKILL of the express node while its KV is on the way. The window between admit and the end of the
     write lasts milliseconds here, so it is held open with a second signal: the node is SIGSTOPped as soon as
-    the prefill of a 3500-token prompt (7 chunked steps) has started (the connector counted the claim), so
+    the router holds it for a 3500-token prompt (7 chunked prefill steps), before the KV is staged, so
     the prefill's sender then hangs in its control-plane exchange with a node whose kernel accepts TCP but
     whose process answers nothing, and the router's decode leg (or reservation) waits on it; the node is
     SIGKILLed 0.3 s after the prefill copied the KV into staging. Before the first token this is a spill: one
@@ -300,7 +302,10 @@ def test_express_node_sigkill_during_handoff(faults):
 
     def inject() -> None:
         t0 = time.monotonic()
-        got, _ = wait_until(lambda: f.claimed() > claimed0, 30, 0.002)
+        # The router's lease on the node (taken, and the node reserved, before the prefill is sent) or the
+        # connector's claim, whichever shows first: the claim alone became visible only after the staging copy
+        # (seen 14:59), too late to stop the node before its KV was on the way.
+        got, _ = wait_until(lambda: f.gate_state()[0] == 1.0 or f.claimed() > claimed0, 30, 0.002)
         f.stack.pause("decode-express")
         seen["paused_s"] = time.monotonic() - t0
         seen["paused_while_prefill_ran"] = float(bool(got) and f.staging_copies() == copies0)
@@ -317,7 +322,7 @@ def test_express_node_sigkill_during_handoff(faults):
     try:
         o = run(both())
         after_kill = time.monotonic() - seen.get("killed_at", time.monotonic())
-        c(seen.get("paused_while_prefill_ran"), f"node paused while the prefill ran ({seen.get('paused_s', -1):.3f}s "
+        c(seen.get("paused_while_prefill_ran"), f"node paused before its KV was staged ({seen.get('paused_s', -1):.3f}s "
           "after the request), killed 0.3 s after the KV was staged")
         c(o.ok and o.text == want, f"one complete stream equal to the reference: {o.describe()}")
         c(o.ok and after_kill < SERVE_S, f"answered within {SERVE_S}s of the kill (answer came "
