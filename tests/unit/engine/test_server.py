@@ -359,3 +359,21 @@ def test_speculative_must_be_a_boolean(node):
     client, _, _ = node
     r = client.post("/pd/decode", json=body("r-spec-bad", 1, speculative="yes"))
     assert r.status_code == 400 and "speculative" in r.text
+
+
+def test_node_without_speculation_says_so_and_decodes_plain(model_dir, reference):
+    """--speculation off: the engine has no drafter; capabilities say so and every step is plain, even for a
+    request that asks for speculation (the opt-in is a no-op there, not an error)."""
+    engine = DecodeEngine.from_pretrained(model_dir, max_seq_len=MAX_SEQ, speculation=None)
+    source = LocalKVSource()
+    app = create_app(ServerConfig(model=str(model_dir), max_seq_len=MAX_SEQ, speculation=False), engine, source)
+    with LiveServer(app) as url, httpx.Client(base_url=url, timeout=30) as client:
+        caps = client.get("/capabilities").json()
+        assert caps["features"]["speculative"] is False and caps["speculation"] is None
+        first = ship(client, reference, source, "r-nospec")
+        want = expected(reference, first, 12, ignore_eos=True)
+        payload = {**body("r-nospec", first, max_tokens=12, speculative=True), "prompt_token_ids": PROMPT + want}
+        assert client.post("/pd/decode", json=payload).json()["token_ids"] == want
+        assert spec_counters(client) == {"verify_steps": 0, "plain_steps": 11, "drafted_tokens": 0,
+                                         "accepted_tokens": 0}
+        wait_idle(client)
