@@ -54,7 +54,8 @@ def build_engine(config: ServerConfig) -> DecodeEngine:
                         type(e).__name__, str(e).splitlines()[0] if str(e) else "")
             engine.disable_compile()
             engine.warmup()
-    log.info("engine ready in %.1fs: %s %s on %s, max_seq_len=%d, %.1f MB of weights, attention=%s, compile=%s, cuda_graph=%s, speculation=%s",
+    log.info("engine ready in %.1fs: %s %s on %s, max_seq_len=%d, %.1f MB of weights, attention=%s, compile=%s, "
+             "cuda_graph=%s, speculation=%s",
              time.perf_counter() - t0, engine.config.model_type, config.dtype, config.device, config.max_seq_len,
              engine.weight_bytes() / 1e6, engine.attention, engine.compile, engine.cuda_graph,
              f"k={config.spec_k}" if config.speculation else "off")
