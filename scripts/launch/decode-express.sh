@@ -15,6 +15,12 @@ EXPRESS_CPU_BIND="${EXPRESS_CPU_BIND:-}"
 # compiler (the runtime image has g++), adds about 10 s to the start, and falls back to the plain step with a
 # warning if compiling fails. 0 = the plain step. On CUDA the step is replayed as one CUDA graph either way.
 EXPRESS_COMPILE="${EXPRESS_COMPILE:-1}"
+# Attention kernel: live | split | masked (empty = the engine's default: split on cuda, live elsewhere).
+EXPRESS_ATTENTION="${EXPRESS_ATTENTION:-}"
+# Exact speculative decoding by prompt lookup (greedy output identical either way; a request may opt out with
+# sampling.speculative=false): on | off. EXPRESS_SPEC_K: most draft tokens per verify step (1-16; empty = 4).
+EXPRESS_SPECULATION="${EXPRESS_SPECULATION:-on}"
+EXPRESS_SPEC_K="${EXPRESS_SPEC_K:-}"
 # Deadlines (seconds; every failure of a request surfaces within a bound). Empty = the node's default.
 EXPRESS_KV_TIMEOUT_S="${EXPRESS_KV_TIMEOUT_S:-}"              # default wait for a request's KV (120)
 EXPRESS_MAX_TIMEOUT_S="${EXPRESS_MAX_TIMEOUT_S:-}"            # largest timeout_s a request may ask (300)
@@ -31,6 +37,9 @@ EXPRESS_VERIFY_CHECKSUM="${EXPRESS_VERIFY_CHECKSUM:-1}"
 #   EXPRESSLANE_PEER_SECRET / EXPRESSLANE_PEER_SECRET_FILE  control-plane HMAC secret shared with the prefill
 extra=()
 [[ "$EXPRESS_COMPILE" == 1 ]] && extra+=(--compile)
+[[ -n "$EXPRESS_ATTENTION" ]] && extra+=(--attention "$EXPRESS_ATTENTION")
+extra+=(--speculation "$EXPRESS_SPECULATION")
+[[ -n "$EXPRESS_SPEC_K" ]] && extra+=(--spec-k "$EXPRESS_SPEC_K")
 [[ -n "$EXPRESS_THREADS" ]] && extra+=(--threads "$EXPRESS_THREADS")
 [[ -n "$EXPRESS_CPU_BIND" ]] && extra+=(--cpu-bind "$EXPRESS_CPU_BIND")
 [[ -n "$EXPRESS_KV_TIMEOUT_S" ]] && extra+=(--kv-timeout-s "$EXPRESS_KV_TIMEOUT_S")

@@ -298,3 +298,82 @@ def test_ok_request_updates_metrics(node, reference):
     assert metric(client, "expresslane_decode_generated_tokens_total") == gen + 8
     kv_bytes = 2 * reference.geometry.token_bytes() // 2 * len(PROMPT)
     assert metric(client, "expresslane_decode_handoff_bytes_total") == nbytes + kv_bytes
+
+
+
+SPEC_COUNTERS = ("verify_steps", "plain_steps", "drafted_tokens", "accepted_tokens")
+
+
+def spec_counters(client) -> dict[str, float]:
+    return {name: metric(client, f"expresslane_decode_spec_{name}_total") for name in SPEC_COUNTERS}
+
+
+def test_speculative_opt_out_decodes_identically_and_moves_the_counters(node, reference):
+    """Greedy output is the same with sampling.speculative true, false and absent. prompt_token_ids is the
+    lookup context: holding the continuation (as an edit request's output copies its input) the drafts are
+    accepted; holding only the prompt (random weights do not copy it) they mostly miss. Only speculating
+    requests move verify/drafted/accepted; an opted-out one decodes one plain step per token."""
+    client, source, _ = node
+    n = 40
+    first = int(reference.prefill(PROMPT).argmax())
+    want = expected(reference, first, n, ignore_eos=True, speculative=False)
+    cases = (("on", True, PROMPT + want), ("off", False, PROMPT + want), ("default", None, PROMPT + want),
+             ("prompt-only", True, PROMPT))
+    for label, speculative, lookup in cases:
+        rid = f"r-spec-{label}"
+        before = spec_counters(client)
+        first = ship(client, reference, source, rid)
+        payload = {**body(rid, first, max_tokens=n, speculative=speculative), "prompt_token_ids": lookup}
+        r = client.post("/pd/decode", json=payload)
+        assert r.status_code == 200, r.text
+        assert r.json()["token_ids"] == want, label
+        delta = {k: v - before[k] for k, v in spec_counters(client).items()}
+        # every generated token past the first came from a forward: accepted drafts + one per forward
+        assert delta["accepted_tokens"] + delta["verify_steps"] + delta["plain_steps"] == n - 1, (label, delta)
+        assert delta["drafted_tokens"] >= delta["accepted_tokens"]
+        if speculative is False:
+            assert delta == {"verify_steps": 0, "plain_steps": n - 1, "drafted_tokens": 0, "accepted_tokens": 0}
+        elif label != "prompt-only":
+            assert delta["accepted_tokens"] >= n // 2, (label, delta)  # several tokens per forward
+
+
+def test_speculation_histogram_and_capabilities(node, reference):
+    client, source, _ = node
+    caps = client.get("/capabilities").json()
+    assert caps["features"]["speculative"] is True
+    assert caps["speculation"]["method"] == "prompt_lookup" and caps["speculation"]["k"] == 4
+    first = ship(client, reference, source, "r-spec-hist")
+    want = expected(reference, first, 30, ignore_eos=True)
+    payload = {**body("r-spec-hist", first, max_tokens=30), "prompt_token_ids": PROMPT + want}
+    assert client.post("/pd/decode", json=payload).json()["token_ids"] == want
+    name = "expresslane_decode_spec_accepted_per_verify_step"
+    steps = metric(client, f"{name}_count")
+    assert steps == metric(client, "expresslane_decode_spec_verify_steps_total") > 0
+    assert metric(client, f"{name}_sum") == metric(client, "expresslane_decode_spec_accepted_tokens_total")
+    buckets = [metric(client, f"{name}_bucket", f'le="{le}"') for le in ("0", "1", "2", "3", "4", "+Inf")]
+    assert buckets == sorted(buckets) and buckets[-1] == buckets[-2] == steps  # k=4: nothing above 4
+    assert buckets[-1] > buckets[0]  # some verify steps kept drafts
+
+
+def test_speculative_must_be_a_boolean(node):
+    client, _, _ = node
+    r = client.post("/pd/decode", json=body("r-spec-bad", 1, speculative="yes"))
+    assert r.status_code == 400 and "speculative" in r.text
+
+
+def test_node_without_speculation_says_so_and_decodes_plain(model_dir, reference):
+    """--speculation off: the engine has no drafter; capabilities say so and every step is plain, even for a
+    request that asks for speculation (the opt-in is a no-op there, not an error)."""
+    engine = DecodeEngine.from_pretrained(model_dir, max_seq_len=MAX_SEQ, speculation=None)
+    source = LocalKVSource()
+    app = create_app(ServerConfig(model=str(model_dir), max_seq_len=MAX_SEQ, speculation=False), engine, source)
+    with LiveServer(app) as url, httpx.Client(base_url=url, timeout=30) as client:
+        caps = client.get("/capabilities").json()
+        assert caps["features"]["speculative"] is False and caps["speculation"] is None
+        first = ship(client, reference, source, "r-nospec")
+        want = expected(reference, first, 12, ignore_eos=True)
+        payload = {**body("r-nospec", first, max_tokens=12, speculative=True), "prompt_token_ids": PROMPT + want}
+        assert client.post("/pd/decode", json=payload).json()["token_ids"] == want
+        assert spec_counters(client) == {"verify_steps": 0, "plain_steps": 11, "drafted_tokens": 0,
+                                         "accepted_tokens": 0}
+        wait_idle(client)

@@ -84,3 +84,15 @@ def test_secrets_come_from_env_or_file_and_stay_out_of_repr(tmp_path, capsys) ->
         parse_args(["--model", "m"], env={"EXPRESS_NODE_TOKEN_FILE": str(f), "EXPRESS_NODE_TOKEN": "x"})
     err = capsys.readouterr().err
     assert "both EXPRESS_NODE_TOKEN and EXPRESS_NODE_TOKEN_FILE" in err and "tok-from-file" not in err
+
+
+def test_cli_speculation_and_attention_flags() -> None:
+    cfg = parse_args(["--model", "m"])
+    assert cfg.speculation is True and cfg.spec_k == 4 and cfg.attention is None
+    cfg = parse_args(["--model", "m", "--speculation", "off", "--spec-k", "8", "--attention", "split"])
+    assert cfg.speculation is False and cfg.spec_k == 8 and cfg.attention == "split"
+    for attention in ("live", "masked"):
+        assert parse_args(["--model", "m", "--attention", attention]).attention == attention
+    for bad in (["--spec-k", "0"], ["--spec-k", "17"], ["--speculation", "maybe"], ["--attention", "flash"]):
+        with pytest.raises(SystemExit):
+            parse_args(["--model", "m", *bad])

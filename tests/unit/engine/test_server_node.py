@@ -310,7 +310,8 @@ def test_capabilities_features_say_what_the_node_honours(node):
     f = client.get("/capabilities").json()["features"]
     assert set(f) == {"logprobs", "top_logprobs", "structured_output", "tools", "n", "echo", "prompt_logprobs",
                       "logit_bias", "min_p", "stop_token_ids", "min_tokens", "penalties", "seed", "speculative"}
-    assert {k for k, v in f.items() if v} == {"stop_token_ids", "min_tokens", "penalties", "seed"}
+    # speculative: the engine's (on by default; exact, so a request may opt out with sampling.speculative=false)
+    assert {k for k, v in f.items() if v} == {"stop_token_ids", "min_tokens", "penalties", "seed", "speculative"}
     # what is advertised false is refused, not ignored
     r = client.post("/pd/decode", json={**body("x", 5), "top_logprobs": 1})
     assert r.status_code == 501

@@ -2,7 +2,7 @@
     [--host 0.0.0.0] [--advertise-host 127.0.0.1] [--ctrl-port 5556] [--http-port 5557] [--kv-timeout-s 120]
     [--threads N] [--cpu-bind LIST] [--max-timeout-s 300] [--reservation-ttl-s 60] [--request-deadline-s 600]
     [--stall-timeout-s 30] [--health-interval-s 2] [--health-probe-timeout-s 5] [--max-connections 64]
-    [--no-verify-checksum]
+    [--no-verify-checksum] [--attention live|split|masked] [--speculation on|off] [--spec-k 4]
 Secrets from the environment only: EXPRESS_NODE_TOKEN(_FILE), EXPRESSLANE_PEER_SECRET(_FILE)."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import time
 import torch
 import uvicorn
 
-from ..decode import DecodeEngine
+from ..decode import DecodeEngine, SpeculationConfig
 from ..secrets import NODE_TOKEN, PEER_SECRET, describe
 from .app import create_app
 from .config import ServerConfig, parse_args
@@ -41,7 +41,9 @@ def build_engine(config: ServerConfig) -> DecodeEngine:
     t0 = time.perf_counter()
     engine = DecodeEngine.from_pretrained(config.model, dtype=config.dtype, device=config.device,
                                           max_seq_len=config.max_seq_len, attention=config.attention,
-                                          compile=config.compile, cuda_graph=config.cuda_graph)
+                                          compile=config.compile, cuda_graph=config.cuda_graph,
+                                          speculation=SpeculationConfig(k=config.spec_k) if config.speculation
+                                          else None)
     if config.warmup:
         try:
             engine.warmup()  # compiles the decode step when --compile is on
@@ -52,9 +54,11 @@ def build_engine(config: ServerConfig) -> DecodeEngine:
                         type(e).__name__, str(e).splitlines()[0] if str(e) else "")
             engine.disable_compile()
             engine.warmup()
-    log.info("engine ready in %.1fs: %s %s on %s, max_seq_len=%d, %.1f MB of weights, attention=%s, compile=%s, cuda_graph=%s",
+    log.info("engine ready in %.1fs: %s %s on %s, max_seq_len=%d, %.1f MB of weights, attention=%s, compile=%s, "
+             "cuda_graph=%s, speculation=%s",
              time.perf_counter() - t0, engine.config.model_type, config.dtype, config.device, config.max_seq_len,
-             engine.weight_bytes() / 1e6, engine.attention, engine.compile, engine.cuda_graph)
+             engine.weight_bytes() / 1e6, engine.attention, engine.compile, engine.cuda_graph,
+             f"k={config.spec_k}" if config.speculation else "off")
     return engine
 
 

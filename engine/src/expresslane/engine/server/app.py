@@ -32,7 +32,7 @@ from .config import ServerConfig
 from .errors import BadRequest, Cancelled, DecodeServerError, KVTransferFailed, NotReady
 from .health import HealthMonitor
 from .kv_source import KVSource, ReceivedKVLike
-from .metrics import DecodeMetrics
+from .metrics import DecodeMetrics, SpeculationCollector
 from .runner import ActiveRequest, DecodeResult, DecodeRunner
 from .schemas import CancelRequest, DecodeRequest, ReserveRequest, parse_body
 
@@ -47,7 +47,7 @@ _CODE_LABEL = {"bad_request": "bad_request", "busy": "busy", "not_reserved": "no
 # What this node really honours (the front door routes on it). Everything else is refused (400/501) or absent.
 FEATURES = {"logprobs": False, "top_logprobs": False, "structured_output": False, "tools": False, "n": False,
             "echo": False, "prompt_logprobs": False, "logit_bias": False, "min_p": False, "stop_token_ids": True,
-            "min_tokens": True, "penalties": True, "seed": True, "speculative": False}
+            "min_tokens": True, "penalties": True, "seed": True}  # + "speculative": the engine's
 
 
 class _ASGIEndpoint:
@@ -103,6 +103,8 @@ def create_app(config: ServerConfig, engine: DecodeEngine, receiver: KVSource,
                registry: CollectorRegistry | None = None) -> Starlette:
     registry = registry if registry is not None else CollectorRegistry()
     metrics = DecodeMetrics(registry)
+    registry.register(SpeculationCollector(lambda: engine.spec_stats,
+                                           engine.speculation.k if engine.speculation else 0))
     runner = DecodeRunner(engine, receiver, metrics, reservation_ttl_s=config.reservation_ttl_s,
                           request_deadline_s=config.request_deadline_s, stall_timeout_s=config.stall_timeout_s)
     monitor = HealthMonitor(runner, receiver, metrics, interval_s=config.health_interval_s,
@@ -285,7 +287,8 @@ def create_app(config: ServerConfig, engine: DecodeEngine, receiver: KVSource,
         caps.update({"model": config.model_name, "model_dir": config.model, "max_seq_len": engine.max_seq_len,
                      "stream": True, "max_concurrent_requests": 1, "default_timeout_s": config.kv_timeout_s,
                      "max_timeout_s": config.max_timeout_s, "reservations": True,
-                     "max_reservation_ttl_s": config.reservation_ttl_s, "features": dict(FEATURES)})
+                     "max_reservation_ttl_s": config.reservation_ttl_s,
+                     "features": {**FEATURES, "speculative": bool(caps.get("speculative"))}})
         return JSONResponse(caps)
 
     async def decode_status(_: Request) -> Response:

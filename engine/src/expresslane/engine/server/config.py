@@ -35,7 +35,9 @@ class ServerConfig:
     # Secrets, read once at the entrypoint (expresslane.engine.secrets); never in repr or logs.
     node_token: str | None = field(default=None, repr=False)  # EXPRESS_NODE_TOKEN: bearer token of /pd/* etc.
     peer_secret: bytes | None = field(default=None, repr=False)  # EXPRESSLANE_PEER_SECRET: control-plane HMAC
-    attention: str | None = None  # None: engine default for the device
+    attention: str | None = None  # None: engine default for the device (decode.ATTENTION_MODES)
+    speculation: bool = True  # exact prompt-lookup speculative decoding (a request may opt out)
+    spec_k: int = 4  # most draft tokens per verify step
     compile: bool = False
     cuda_graph: bool | None = None  # None: on for cuda with masked attention (the engine's default)
     threads: int | None = None  # torch intra-op threads on CPU; None = one per bound CPU, else torch default
@@ -75,6 +77,9 @@ def _positive(ap: argparse.ArgumentParser, a: argparse.Namespace, *names: str) -
 
 def parse_args(argv: list[str] | None = None, env: Mapping[str, str] | None = None) -> ServerConfig:
     """The command line (and, for the two secrets only, the environment: NAME or NAME_FILE)."""
+    from ..decode import CUDA_GRAPH_CHOICES, SpeculationConfig, default_attention, resolve_cuda_graph
+    from ..decode.engine import ATTENTION_MODES
+
     ap = argparse.ArgumentParser(
         prog="python -m expresslane.engine.server",
         description="expresslane express decode node (TileRT-compatible /pd/* HTTP contract)",
@@ -101,7 +106,12 @@ def parse_args(argv: list[str] | None = None, env: Mapping[str, str] | None = No
     ap.add_argument("--max-connections", type=int, default=64, help="control-plane connection cap")
     ap.add_argument("--no-verify-checksum", dest="verify_checksum", action="store_false",
                     help="skip the KV checksum check before inject (production speed switch; on by default)")
-    ap.add_argument("--attention", choices=["sliced", "masked"], default=None)
+    ap.add_argument("--attention", choices=ATTENTION_MODES, default=None,
+                    help="attention kernel (default: split on cuda, live elsewhere)")
+    ap.add_argument("--speculation", choices=["on", "off"], default="on",
+                    help="exact speculative decoding by prompt lookup (greedy output identical; requests may opt "
+                         "out with sampling.speculative=false)")
+    ap.add_argument("--spec-k", type=int, default=SpeculationConfig.k, help="most draft tokens per verify step")
     ap.add_argument("--compile", action="store_true", help="torch.compile the decode step")
     ap.add_argument("--cuda-graph", choices=["auto", "on", "off"], default="auto",
                     help="replay the decode step as one CUDA graph (auto: on for cuda with masked attention)")
@@ -129,8 +139,6 @@ def parse_args(argv: list[str] | None = None, env: Mapping[str, str] | None = No
             cpu_bind = parse_cpu_list(a.cpu_bind)
         except ValueError as e:
             ap.error(f"--cpu-bind: {e}")
-    from ..decode import CUDA_GRAPH_CHOICES, default_attention, resolve_cuda_graph
-
     cuda_graph = CUDA_GRAPH_CHOICES[a.cuda_graph]
     device_type = a.device.split(":")[0]
     try:
@@ -139,6 +147,10 @@ def parse_args(argv: list[str] | None = None, env: Mapping[str, str] | None = No
         ap.error(f"--cuda-graph {a.cuda_graph}: {e}")
     if a.threads is not None and a.threads < 1:
         ap.error("--threads must be >= 1")
+    try:
+        SpeculationConfig(k=a.spec_k)
+    except ValueError as e:
+        ap.error(f"--spec-k: {e}")
     return ServerConfig(
         model=a.model, dtype=a.dtype, device=a.device, max_seq_len=a.max_seq_len, host=a.host,
         advertise_host=a.advertise_host, ctrl_port=a.ctrl_port, http_port=a.http_port,
@@ -147,6 +159,7 @@ def parse_args(argv: list[str] | None = None, env: Mapping[str, str] | None = No
         health_interval_s=a.health_interval_s, health_probe_timeout_s=a.health_probe_timeout_s,
         max_connections=a.max_connections, verify_checksum=a.verify_checksum, node_token=node_token,
         peer_secret=peer_secret.encode() if peer_secret else None, attention=a.attention, compile=a.compile, cuda_graph=cuda_graph,
+        speculation=a.speculation == "on", spec_k=a.spec_k,
         threads=a.threads,
         cpu_bind=cpu_bind, warmup=a.warmup, log_level=a.log_level,
     )

@@ -3,7 +3,13 @@ factory owns. Every label set is created up front so dashboards show zeros befor
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from ..decode import SpecStats
 
 STATUSES = ("ok", "bad_request", "busy", "not_reserved", "not_ready", "cancelled", "kv_timeout", "kv_transfer_failed",
             "stalled", "deadline", "unsupported", "error")
@@ -66,3 +72,38 @@ class DecodeMetrics:
         if transfer_s > 0:
             self.handoff_seconds.observe(transfer_s)
             self.handoff_gbps.observe(nbytes / transfer_s / 1e9)
+
+
+class SpeculationCollector(Collector):
+    """The engine's cumulative speculation counters (DecodeEngine.spec_stats), read at scrape time: the engine is
+    the one place they are counted, so the node can never count a step twice or miss a cancelled request's steps.
+    The engine adds a request's counters when its generation ends. accepted_per_verify_step: a histogram of
+    draft tokens kept per verify step (buckets 0..k), from the engine's accepted_histogram."""
+
+    PREFIX = "expresslane_decode_spec_"
+
+    def __init__(self, stats: Callable[[], SpecStats], k: int) -> None:
+        self._stats, self._k = stats, k
+
+    def describe(self) -> list[Metric]:
+        return []  # collected lazily: the engine's numbers, not samples the registry must know up front
+
+    def collect(self) -> Iterator[Metric]:
+        s = self._stats()
+        p = self.PREFIX
+        for name, value, doc in (
+                ("verify_steps", s.verify_steps, "Decode forwards that verified >= 1 draft token"),
+                ("plain_steps", s.plain_steps, "Decode forwards without drafts (one token each)"),
+                ("drafted_tokens", s.drafted_tokens, "Draft tokens proposed (prompt lookup)"),
+                ("accepted_tokens", s.accepted_tokens, "Draft tokens accepted (each one a forward saved)")):
+            yield CounterMetricFamily(p + name, doc, value=value)
+        hist = list(s.accepted_histogram)  # one snapshot: count and sum agree with the buckets
+        bounds = max(self._k, len(hist) - 1)
+        buckets, running = [], 0
+        for n in range(bounds + 1):
+            running += hist[n] if n < len(hist) else 0
+            buckets.append((str(n), running))
+        buckets.append(("+Inf", running))
+        total = sum(n * c for n, c in enumerate(hist))
+        yield HistogramMetricFamily(p + "accepted_per_verify_step", "Draft tokens kept per verify step",
+                                    buckets=buckets, sum_value=total)

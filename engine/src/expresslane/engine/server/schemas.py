@@ -2,14 +2,16 @@
 
 Unknown sampling options are refused (400) rather than silently ignored; `null` means "default".
 `prompt_token_ids` is an expresslane extension: when given, repetition_penalty also covers the prompt,
-exactly like vLLM (the node otherwise never sees prompt ids).
+exactly like vLLM (the node otherwise never sees prompt ids), and prompt lookup drafts from the prompt too.
+`sampling.speculative` (expresslane extension): false opts this request out of speculative decoding; null or
+absent = the node's setting. Greedy output is identical either way (the engine's speculation is exact).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, field_validator
 
 from ..decode import SamplingParams
 from .errors import BadRequest, Unsupported
@@ -28,6 +30,7 @@ class SamplingBody(BaseModel):
     seed: int | None = None
     stop_token_ids: list[int] | None = None
     min_tokens: int | None = Field(None, ge=0)
+    speculative: StrictBool | None = None  # per-request opt-out; None = on where the node has speculation
 
 
 class DecodeRequest(BaseModel):
@@ -63,6 +66,7 @@ class DecodeRequest(BaseModel):
                 presence_penalty=s.presence_penalty or 0.0,
                 frequency_penalty=s.frequency_penalty or 0.0,
                 prompt_token_ids=tuple(self.prompt_token_ids or ()),
+                speculative=True if s.speculative is None else s.speculative,
             )
         except ValueError as e:
             raise BadRequest(str(e)) from None
