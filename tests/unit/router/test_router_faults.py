@@ -447,3 +447,16 @@ async def test_node_process_dying_mid_stream_ejects_it_and_fails_over(make_clien
         metrics = (await client.get("/metrics")).text
     assert _text(parse_sse(r.text)[:-1]) == TEXT
     assert 'reason="transport"' in metrics and 'outcome="ok",pool="express"} 1.0' in metrics
+
+
+async def test_a_stop_string_met_after_the_failover_ends_the_stream_and_counts_ok(make_client, upstreams, tokenizer):
+    node = _node(upstreams, tokenizer)
+    node.die_after = 1
+    NativeTokens(upstreams, node)
+    async with make_client() as (client, _):
+        r = await client.post("/v1/completions", json=dict(COMP, stream=True, max_tokens=50, stop=[","]))
+        metrics = (await client.get("/metrics")).text
+    events = parse_sse(r.text)
+    assert _text(events[:-1]) == " hello world" and events[-2]["choices"][0]["stop_reason"] == ","
+    assert 'expresslane_router_midstream_failovers_total{outcome="ok",pool="express"} 1.0' in metrics
+    assert 'expresslane_router_midstream_failovers_total{outcome="client_gone",pool="express"} 0.0' in metrics

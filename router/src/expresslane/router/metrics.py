@@ -88,7 +88,7 @@ class RouterMetrics:
             else:
                 self.retries.labels("native", name, "connect")
             if isinstance(pool, ExpressPool):
-                for outcome in ("ok", "failed", "disabled"):
+                for outcome in ("ok", "failed", "disabled", "client_gone"):
                     self.midstream_failovers.labels(name, outcome)
         for alias, a in config.aliases.items():
             self.requests.labels(config.pools[a.pool].lane, alias, "200")

@@ -327,7 +327,7 @@ class ExpressLane:
             outcome = "ok"
             feed.finish_reason = cont.finish_reason
         except GeneratorExit:
-            outcome = "ok"  # the client's answer finished (stop rule) or the client left
+            outcome = "ok" if asm.finished else "client_gone"  # a stop rule ended the answer, or the client left
             raise
         except RouterError as e2:
             raise UpstreamError(f"{failure.message}; the mid-stream failover to the native lane failed too: "
