@@ -109,7 +109,8 @@ async def test_non_stream_completion_exact_bodies_and_detokenized_text(make_clie
                    "return_token_ids": True, "logprobs": 1, "kv_transfer_params": marker}
     assert upstreams.bodies(EXPRESS, "/pd/decode") == [{
         "rid": marker["expresslane_rid"], "first_token_id": node.answer[0], "max_tokens": 4,
-        "sampling": {"temperature": 0, "seed": 3}, "stream": True, "timeout_s": 3.0}]
+        "sampling": {"temperature": 0, "seed": 3}, "stream": True, "timeout_s": 3.0,
+        "prompt_token_ids": PROMPT_IDS}]  # always sent: prompt-lookup speculation drafts from it
     out = r.json()
     assert out["object"] == "text_completion" and out["model"] == "tiny-x" and out["id"] == "cmpl-abc123-0-1a2b3c4d"
     assert out["choices"][0]["text"] == tokenizer.decode(node.answer[:4])

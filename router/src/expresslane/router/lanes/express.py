@@ -15,8 +15,8 @@ Per request:
    504 -> 504 (the KV never arrived); 400/422/501 (a parameter the node cannot honour) -> 400 with
    the node's message; anything else -> 502. Options the pool's node kind cannot honour (logprobs,
    echo, guided decoding, ...; for TileRT also min_tokens, frequency_penalty) are refused with 400
-   before any work. `kind: expresslane` nodes also get `prompt_token_ids` when a repetition penalty
-   applies (so it covers the prompt, as in vLLM).
+   before any work. `kind: expresslane` nodes also get `prompt_token_ids` (a repetition penalty covers
+   the prompt, as in vLLM; prompt-lookup speculation drafts from it).
 4. The node is released on every exit. If the router stops early (stop string, client gone, error, a node
    504/502, a retry after 429) it first POSTs /pd/cancel {rid} (bounded by timeouts.cancel_s), then releases.
 
@@ -250,8 +250,10 @@ class ExpressLane:
         sampling = sampling_of(req.body, self.model_text.generation_defaults if self.model_text else {}, leg.kind)
         body = {"rid": leg.rid, "first_token_id": leg.first_token_id, "max_tokens": leg.max_tokens,
                 "sampling": sampling, "stream": True, "timeout_s": self.ctx.config.timeouts.kv_wait_s}
-        if leg.kind == "expresslane" and sampling.get("repetition_penalty", 1.0) != 1.0 and leg.prompt_ids:
-            body["prompt_token_ids"] = leg.prompt_ids  # our extension: the penalty covers the prompt, like vLLM
+        if leg.kind == "expresslane" and leg.prompt_ids:
+            # Our extension: a repetition penalty covers the prompt (as in vLLM), and the node's prompt-lookup
+            # speculation drafts from it.
+            body["prompt_token_ids"] = leg.prompt_ids
         return body
 
     def _assembler(self, req: ClientRequest, leg: Leg) -> OutputAssembler:
