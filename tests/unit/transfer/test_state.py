@@ -86,12 +86,23 @@ def test_expect_extends_and_tombstones_are_forgotten() -> None:
     assert t.tick(5) == []
     (out,) = t.tick(21)
     assert out.state is ReqState.EXPIRED and t.slots_in_use() == 0
-    t.expect("r", 5, 22)  # an expired rid may be reserved again
-    t.cancel("r", 23)
+    t.expect("r", 5, 22)  # an expired rid stays expired: its waiter learns that at once
+    assert t.state_of("r") is ReqState.EXPIRED and t.slots_in_use() == 0
+    t.cancel("c", 23)
     with pytest.raises(Refused):
-        t.expect("r", 5, 24)  # a cancelled one may not
+        t.expect("c", 5, 24)  # a cancelled one is refused
     t.tick(200)
-    assert t.state_of("r") is None
+    assert t.state_of("r") is None and t.state_of("c") is None
+
+
+def test_an_abort_before_the_decode_takes_over_is_not_forgotten() -> None:
+    """The prefill aborts (e.g. the node refused the KV as too long) between /pd/reserve and /pd/decode; the
+    decode's own expect() must keep the FAILED outcome, not re-reserve the rid and wait out its timeout."""
+    t = _table(1)
+    t.expect("r", 30, 0)
+    t.abort("r", "rejected_too_long", conn_id=1, write_final=True, now=1)
+    t.expect("r", 30, 2)  # /pd/decode takes the reservation over
+    assert t.state_of("r") is ReqState.FAILED and t.slots_in_use() == 0
 
 
 def test_abandoned_write_fences_the_slot_until_the_connection_ends() -> None:

@@ -150,7 +150,11 @@ class ReceiveTable:
                 return
             if req.state is ReqState.CANCELLED:
                 raise Refused("cancelled", f"rid {rid} was cancelled on this node")
-            del self.requests[rid]  # a FAILED/EXPIRED rid may be reserved again (the router retries)
+            # FAILED / EXPIRED are final: keep the tombstone so the waiting /pd/decode learns the outcome at
+            # once (wait_for raises KVTransferFailed with its reason). Re-reserving here would forget an abort
+            # that reached the node before /pd/decode took the reservation over, and the request would then
+            # wait out its whole timeout. The router uses a fresh rid for every attempt.
+            return
         slot = next((s for s in self.slots if s.state is SlotState.FREE), None)
         if slot is None:
             held = [s.rid for s in self.slots if s.state is SlotState.HELD]
