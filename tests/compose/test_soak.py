@@ -2,10 +2,12 @@
 while its loop SIGKILLs / SIGSTOPs and restarts the decode containers. Passes when nothing was lost, no
 answer was broken, no lease stuck and every completed greedy output equals the single-server reference.
 
-Uses the compose project that is already up (KEEP_STACK=1 .ci/compose-e2e.sh, or `docker compose up -d
---wait`); when none answers, it brings the stack up with `docker compose up -d --wait` (images built by
-test_compose_stack.py earlier in the run are reused) and takes it down again afterwards.
-Runs when EXPRESSLANE_COMPOSE=1 (as .ci/run sets), like test_compose_stack.py.
+Runs against a compose project that is already up (`KEEP_STACK=1 .ci/compose-e2e.sh`, or `docker compose up
+-d --wait` on a machine with a registry) and with EXPRESSLANE_COMPOSE=1; skipped, with the reason, when no stack
+answers. It does not bring a stack up itself: which compose files and base images apply (offline overlay, CA
+bundle, base images) is compose-e2e.sh's business, and a second copy of that logic here brought up the wrong
+stack (registry images) on the offline CI machine. Wiring the soak into compose-e2e.sh as a step is the next
+step (issue 11: it has not yet run against compose).
 """
 
 from __future__ import annotations
@@ -39,18 +41,9 @@ def _up() -> bool:
 
 @pytest.fixture(scope="module")
 def compose_stack():
-    compose = ["docker", "compose", "-p", PROJECT]  # files: COMPOSE_FILE from the environment or the repo's .env
-    started = False
     if not _up():
-        proc = subprocess.run(compose + ["up", "-d", "--wait"], cwd=REPO, text=True, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, timeout=1800)
-        assert proc.returncode == 0, proc.stdout[-5000:]
-        started = True
-    try:
-        yield compose
-    finally:
-        if started and os.environ.get("KEEP_STACK") != "1":
-            subprocess.run(compose + ["down", "-v"], cwd=REPO, timeout=600)
+        pytest.skip(f"no compose stack answers at {ROUTER} (start one with KEEP_STACK=1 .ci/compose-e2e.sh)")
+    return ["docker", "compose", "-p", PROJECT]
 
 
 def test_chaos_soak_loses_nothing_and_stays_exact(compose_stack, tmp_path):
