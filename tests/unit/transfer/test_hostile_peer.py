@@ -77,7 +77,10 @@ def _read_all(s: socket.socket, limit_s: float = 3.0) -> bytes:
     s.settimeout(limit_s)
     out = b""
     while True:
-        chunk = s.recv(65536)
+        try:
+            chunk = s.recv(65536)
+        except ConnectionResetError:  # the node closed with our bytes unread (an RST): closed all the same
+            return out
         if not chunk:
             return out
         out += chunk
@@ -262,7 +265,10 @@ def test_a_thousand_idle_connections_stay_bounded(rx: KVReceiver) -> None:
             socks.append(socket.create_connection(("127.0.0.1", rx.ctrl_port), timeout=3))
         except OSError:
             pass
-    time.sleep(0.3)
+    # The accept loop may lag on a loaded machine: wait (bounded) until it has refused what it will refuse.
+    deadline = time.monotonic() + 10
+    while rx.stats["connections_refused"] < len(socks) - 16 - 64 and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert rx.stats["connections_open"] <= 16  # max_connections
     assert rx.stats["connections_refused"] >= len(socks) - 16 - 64  # (a few may still sit in the backlog)
     assert _threads() - threads_before <= 4  # no thread per connection
@@ -361,9 +367,14 @@ def test_abort_frame_fails_a_waiting_request_within_milliseconds(rx: KVReceiver)
 
 def test_json_bomb_and_deep_nesting_are_protocol_errors(rx: KVReceiver) -> None:
     s = _raw(rx.ctrl_port)
+    s.settimeout(3)
+    first = s.recv(65536)  # the challenge, read before the bomb: the node's close may reset unread bytes away
     body = b"[" * 200000
-    s.sendall(struct.pack(">I", len(body)) + body)
-    _only_the_challenge(_read_all(s))
+    try:
+        s.sendall(struct.pack(">I", len(body)) + body)
+    except (BrokenPipeError, ConnectionResetError):
+        pass  # refused before we finished sending: the node closed on the oversized frame
+    _only_the_challenge(first + _read_all(s))
     assert json  # (imported for the fuzz helpers' symmetry)
 
 
