@@ -35,12 +35,21 @@ def test_express_prefill_body_asks_for_token_ids_and_logprobs_and_carries_the_ma
     body = express_prefill_body(CLIENT_BODY, "served", chat=False, kv_transfer_params=marker)
     assert body == {
         "model": "served", "prompt": "hi", "max_tokens": 1, "stream": False, "temperature": 0.5, "seed": 7,
-        "ignore_eos": True, "stop_token_ids": [5], "min_tokens": 1, "logprobs": 1, "return_token_ids": True,
+        "ignore_eos": True, "stop_token_ids": [5], "min_tokens": 1, "logprobs": 2, "return_token_ids": True,
         "kv_transfer_params": marker,
-    }
+    }  # the client's k: the first token's logprobs entry is taken from this reply
     chat = express_prefill_body({"model": "m", "messages": [{"role": "user", "content": "x"}]}, "served", chat=True,
                                 kv_transfer_params=marker)
     assert (chat["logprobs"], chat["top_logprobs"], "min_tokens" in chat) == (True, 1, False)
+    msgs = [{"role": "user", "content": "x"}]
+    for client, want in [({"logprobs": True}, (True, 1)), ({"logprobs": True, "top_logprobs": 5}, (True, 5)),
+                         ({"logprobs": True, "top_logprobs": 50}, (True, 50)),  # vLLM's own 400 (max 20)
+                         ({"top_logprobs": 3}, (None, 3))]:  # without logprobs: vLLM's own 400
+        b = express_prefill_body({"model": "m", "messages": msgs, **client}, "s", chat=True, kv_transfer_params={})
+        assert (b.get("logprobs"), b["top_logprobs"]) == want, client
+    for client, want in [({"logprobs": 0}, 1), ({"logprobs": 3}, 3), ({"logprobs": 21}, 21)]:
+        b = express_prefill_body({"model": "m", "prompt": "x", **client}, "s", chat=False, kv_transfer_params={})
+        assert b["logprobs"] == want
 
 
 def test_client_body_is_not_mutated_by_rewriting():
