@@ -55,6 +55,7 @@ from ..metrics import RequestRecord, node_label
 from ..openai_shapes import ClientRequest
 from ..prefill import derive_tilert_rid, express_prefill_body, first_token_id, prompt_token_ids, prompt_tokens
 from ..resilience import Deadline
+from ..output_limits import check_requested, effective_max_tokens
 from ..logprobs import Position, TokenStrings, from_node, from_prefill, wanted_k
 from ..structured import node_structured_outputs
 from ..tools import tools_active
@@ -104,6 +105,7 @@ class ExpressLane:
     # ---- admission -----------------------------------------------------------------------------
     async def handle(self, req: ClientRequest, pool: str, record: RequestRecord, queue: QueueConfig) -> Response:
         check_express_supported(req.body, self.pools[pool].kind, tool_parser=self.ctx.config.tool_call_parser)
+        check_requested(req.body, req.kind == "chat", await self._model_len())  # vLLM's limit, before any work
         if self.model_text is None:
             raise RouterError("express lane has no tokenizer loaded (tokenizer_dir)")
         deadline = self.ctx.deadline(record)
@@ -228,7 +230,8 @@ class ExpressLane:
         if leg.kind == "tilert":
             leg.rid = derive_tilert_rid(leg.response_id)
         leg.n_prompt = prompt_tokens(pre)
-        leg.max_tokens = req.max_tokens or await self._default_max_tokens(leg.n_prompt)
+        # vLLM's budget and min_tokens check; a refusal here cancels the node's reservation (closing_on_error)
+        leg.max_tokens = effective_max_tokens(req.body, req.kind == "chat", await self._model_len(), leg.n_prompt)
         leg.first_token_id = first_token_id(pre, chat=req.kind == "chat")
         leg.prompt_ids = prompt_token_ids(pre)
         if wanted_k(req.body, req.kind == "chat") is not None:
@@ -241,7 +244,8 @@ class ExpressLane:
                 return p.kind
         raise KeyError(node.url)
 
-    async def _default_max_tokens(self, n_prompt: int) -> int:
+    async def _model_len(self) -> int:
+        """max_model_len: the config's, else asked once from the prefill's /v1/models."""
         if self._max_model_len is None:
             cfg = self.ctx.config
             models = await post_free_get(self.ctx, cfg.prefill.url + "/v1/models")
@@ -251,7 +255,7 @@ class ExpressLane:
             if self._max_model_len is None:
                 raise UpstreamError(f"cannot learn max_model_len of {cfg.prefill.model!r} from the prefill's "
                                     "/v1/models; set max_model_len in the router config", stage="prefill")
-        return max(1, self._max_model_len - n_prompt)
+        return self._max_model_len
 
     def _decode_body(self, req: ClientRequest, leg: Leg) -> dict[str, Any]:
         sampling = sampling_of(req.body, self.model_text.generation_defaults if self.model_text else {}, leg.kind)
