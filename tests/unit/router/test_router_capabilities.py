@@ -102,6 +102,9 @@ def reroutes(app, alias: str, feature: str) -> float:
     ({"echo": True}, "echo"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}, "structured_output"),
     ({"logit_bias": {"5": 10}}, "logit_bias"),
+    ({"response_format": {"type": "structural_tag", "format": {"type": "any_text"}}}, "structural_tag"),
+    ({"logprob_token_ids": [3]}, "logprob_token_ids"),
+    ({"bad_words": ["x"]}, "bad_words"),
     ({"prompt_logprobs": 0}, "prompt_logprobs"),
     ({"min_p": 0.1}, "min_p"),
     ({"seed": 7}, "seed"),  # the node says seed: false (the relay would carry it)
@@ -115,6 +118,17 @@ async def test_unsupported_feature_is_served_natively_with_header_and_metric(mak
         assert r.json()["choices"][0]["text"] == "native text"
         assert reroutes(app, "tiny-xs", feature) == 1
     assert stack.served_by() == ["native"]
+
+
+async def test_optional_sampling_keys_go_express_when_the_node_announces_them(make_client, upstreams, tokenizer):
+    st = Stack(upstreams, tokenizer, dict(NODE_FEATURES, min_p=True, logit_bias=True))
+    async with make_client(make_config(), secrets=SECRETS) as (c, app):
+        r = await c.post("/v1/completions", json=dict(REQ, min_p=0.1, logit_bias={"5": 1.0}))
+        r0 = await c.post("/v1/completions", json=dict(REQ, min_p=0, logit_bias={}))
+    assert r.headers["x-expresslane-lane"] == "express" == r0.headers["x-expresslane-lane"]
+    dec, dec0 = st.up.bodies(EXPRESS, "/pd/decode")
+    assert (dec["sampling"]["min_p"], dec["sampling"]["logit_bias"]) == (0.1, {"5": 1.0})
+    assert "min_p" not in dec0["sampling"] and "logit_bias" not in dec0["sampling"]  # neutral: not sent
 
 
 async def test_legacy_guided_fields_are_ignored_as_vllm_032_ignores_them(make_client, stack):
