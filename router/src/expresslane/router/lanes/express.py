@@ -234,6 +234,8 @@ class ExpressLane:
         leg.max_tokens = effective_max_tokens(req.body, req.kind == "chat", await self._model_len(), leg.n_prompt)
         leg.first_token_id = first_token_id(pre, chat=req.kind == "chat")
         leg.prompt_ids = prompt_token_ids(pre)
+        leg.constrained = node_structured_outputs(req.body, chat=req.kind == "chat",
+                                                  tool_parser=cfg.tool_call_parser) is not None
         if wanted_k(req.body, req.kind == "chat") is not None:
             leg.first_lp = from_prefill(pre, leg.first_token_id, chat=req.kind == "chat")
             leg.positions = []
@@ -372,7 +374,8 @@ class ExpressLane:
                 return  # every token is in: nothing to continue
             target = self._failover_pool(req.alias, pool)
             if (not self.ctx.config.resilience.midstream_failover_for(req.alias) or target is None
-                    or not leg.prompt_ids or leg.positions is not None):  # the continuation carries no logprobs
+                    or not leg.prompt_ids or leg.positions is not None or leg.constrained):
+                # a native continuation carries no logprobs, and cannot resume a grammar mid-way
                 self.ctx.metrics.midstream_failovers.labels(pool, "disabled").inc()
                 raise
             failure = e
