@@ -247,15 +247,15 @@ class HermesParser:
         return None
 
 
-def chat_message_and_finish(text: str, body: dict[str, Any], finish_reason: str) -> tuple[dict[str, Any], str]:
+def chat_message_and_finish(text: str, tc: ToolChoice, finish_reason: str, *,
+                            parallel_tool_calls: bool | None = None) -> tuple[dict[str, Any], str]:
     """The non-stream message fields {content, tool_calls} and finish_reason for a tools request."""
-    tc = tool_choice_of(body)
     content, calls = HermesParser.extract(text)
     if tc.mode in ("required", "named") and not calls and (content is None or not content.strip()):
         content = None
     if calls and content is not None and content.strip() == "":
         content = None
-    if body.get("parallel_tool_calls") is False:
+    if parallel_tool_calls is False:
         calls = calls[:1]
     if tc.mode in ("required", "named"):
         content = content or ""
@@ -264,6 +264,6 @@ def chat_message_and_finish(text: str, body: dict[str, Any], finish_reason: str)
     return msg, "tool_calls" if tool_finish else finish_reason
 
 
-def stream_finish(parser: HermesParser, body: dict[str, Any], finish_reason: str) -> str:
-    named = tool_choice_of(body).mode == "named"
+def stream_finish(parser: HermesParser, tc: ToolChoice, finish_reason: str) -> str:
+    named = tc.mode == "named"
     return "tool_calls" if parser.tools_streamed and not named and finish_reason == "stop" else finish_reason

@@ -56,9 +56,8 @@ from ..openai_shapes import ClientRequest
 from ..prefill import derive_tilert_rid, express_prefill_body, first_token_id, prompt_token_ids, prompt_tokens
 from ..resilience import Deadline
 from ..output_limits import check_requested, effective_max_tokens
-from ..logprobs import Position, TokenStrings, from_node, from_prefill, wanted_k
+from ..logprobs import Position, TokenStrings, from_node, from_prefill
 from ..structured import node_structured_outputs
-from ..tools import tools_active
 from ..upstream import map_transport_error, post_json, read_json
 from .base import EJECTING_KINDS, LaneContext, ManagedStream, closing_on_error, count_upstream_error
 from .continuation import Continuation
@@ -105,7 +104,7 @@ class ExpressLane:
     # ---- admission -----------------------------------------------------------------------------
     async def handle(self, req: ClientRequest, pool: str, record: RequestRecord, queue: QueueConfig) -> Response:
         check_express_supported(req.body, self.pools[pool].kind, tool_parser=self.ctx.config.tool_call_parser)
-        check_requested(req.body, req.kind == "chat", await self._model_len())  # vLLM's limit, before any work
+        check_requested(req.opts, await self._model_len())  # vLLM's limit, before any work
         if self.model_text is None:
             raise RouterError("express lane has no tokenizer loaded (tokenizer_dir)")
         deadline = self.ctx.deadline(record)
@@ -231,12 +230,12 @@ class ExpressLane:
             leg.rid = derive_tilert_rid(leg.response_id)
         leg.n_prompt = prompt_tokens(pre)
         # vLLM's budget and min_tokens check; a refusal here cancels the node's reservation (closing_on_error)
-        leg.max_tokens = effective_max_tokens(req.body, req.kind == "chat", await self._model_len(), leg.n_prompt)
+        leg.max_tokens = effective_max_tokens(req.opts, await self._model_len(), leg.n_prompt)
         leg.first_token_id = first_token_id(pre, chat=req.kind == "chat")
         leg.prompt_ids = prompt_token_ids(pre)
         leg.constrained = node_structured_outputs(req.body, chat=req.kind == "chat",
                                                   tool_parser=cfg.tool_call_parser) is not None
-        if wanted_k(req.body, req.kind == "chat") is not None:
+        if req.opts.logprobs_k is not None:
             leg.first_lp = from_prefill(pre, leg.first_token_id, chat=req.kind == "chat")
             leg.positions = []
 
@@ -263,9 +262,8 @@ class ExpressLane:
         sampling = sampling_of(req.body, self.model_text.generation_defaults if self.model_text else {}, leg.kind)
         body = {"rid": leg.rid, "first_token_id": leg.first_token_id, "max_tokens": leg.max_tokens,
                 "sampling": sampling, "stream": True, "timeout_s": self.ctx.config.timeouts.kv_wait_s}
-        k = wanted_k(req.body, req.kind == "chat")
-        if k is not None:
-            body["top_logprobs"] = k
+        if req.opts.logprobs_k is not None:
+            body["top_logprobs"] = req.opts.logprobs_k
         if leg.kind == "expresslane":
             so = node_structured_outputs(req.body, chat=req.kind == "chat",
                                          tool_parser=self.ctx.config.tool_call_parser)
@@ -278,13 +276,13 @@ class ExpressLane:
         return body
 
     def _logprob_out(self, req: ClientRequest) -> LogprobOut | None:
-        k = wanted_k(req.body, req.kind == "chat")
+        k = req.opts.logprobs_k
         if k is None:
             return None
         if self._token_strings is None:
             assert self.model_text is not None
             self._token_strings = TokenStrings(self.model_text.tokenizer)
-        as_ids = req.body.get("return_tokens_as_token_ids")
+        as_ids = req.opts.return_tokens_as_token_ids
         if as_ids is None:
             as_ids = self.ctx.config.return_tokens_as_token_ids
         return LogprobOut(self._token_strings, k, req.kind == "chat", bool(as_ids))
@@ -292,14 +290,11 @@ class ExpressLane:
     def _assembler(self, req: ClientRequest, leg: Leg) -> OutputAssembler:
         mt = self.model_text
         assert mt is not None
-        b = req.body
-        # vLLM's hermes parser keeps special tokens whenever tools are in play (tools.py)
-        skip = b.get("skip_special_tokens", True) is not False and not (req.kind == "chat" and tools_active(b))
-        detok = IncrementalDetokenizer(mt.tokenizer, leg.prompt_ids, skip_special_tokens=skip)
-        return OutputAssembler(detok, max_tokens=leg.max_tokens, stop=req.stop_strings(),
-                               stop_token_ids=b.get("stop_token_ids") or (), eos_token_ids=mt.eos_token_ids,
-                               ignore_eos=bool(b.get("ignore_eos")), min_tokens=int(b.get("min_tokens") or 0),
-                               include_stop_str_in_output=bool(b.get("include_stop_str_in_output")))
+        o = req.opts  # skip_special_tokens is already false with tools (vLLM's hermes parser: request.py)
+        detok = IncrementalDetokenizer(mt.tokenizer, leg.prompt_ids, skip_special_tokens=o.skip_special_tokens)
+        return OutputAssembler(detok, max_tokens=leg.max_tokens, stop=o.stop, stop_token_ids=o.stop_token_ids,
+                               eos_token_ids=mt.eos_token_ids, ignore_eos=o.ignore_eos, min_tokens=o.min_tokens,
+                               include_stop_str_in_output=o.include_stop_str_in_output)
 
     # ---- the answer's tokens: the node's, then (mid-stream failover) the native lane's ----------------
     async def _open_after_first(self, req: ClientRequest, leg: Leg, stack: contextlib.AsyncExitStack,
