@@ -155,8 +155,9 @@ def features_from_node(node_features: dict[str, Any]) -> dict[str, bool]:
 # What our engine's node announces at this commit (CONTRACTS2.md "Node /pd/decode additions").
 EXPRESSLANE_ENGINE: dict[str, bool] = features_from_node(
     {"logprobs": True, "top_logprobs": True, "structured_output": True, "tools": False, "n": False,
-     "echo": False, "prompt_logprobs": False, "logit_bias": False, "min_p": False, "stop_token_ids": True,
-     "min_tokens": True, "penalties": True, "seed": True, "speculative": False})
+     "echo": False, "prompt_logprobs": False, "logit_bias": True, "min_p": True, "allowed_token_ids": True,
+     "bad_words": False, "stop_token_ids": True, "min_tokens": True, "penalties": True, "seed": True,
+     "speculative": False})
 
 
 def requested_features(body: dict[str, Any], chat: bool) -> list[str]:
