@@ -27,6 +27,10 @@ def _int(v: Any, default: int = 0) -> int:
     return v if isinstance(v, int) and not isinstance(v, bool) else default
 
 
+def _list(v: Any) -> list:
+    return v if isinstance(v, list) else []  # an odd type is vLLM's to refuse (the prefill leg carries it)
+
+
 @dataclass(frozen=True)
 class RequestOptions:
     chat: bool
@@ -67,8 +71,8 @@ def options_of(body: dict[str, Any], chat: bool) -> RequestOptions:
     return RequestOptions(
         chat=chat, requested_max_tokens=_int(requested, None) if requested is not None else None,  # type: ignore[arg-type]
         max_tokens_param=param,
-        stop=(stop,) if isinstance(stop, str) else tuple(s for s in stop or () if isinstance(s, str)),
-        stop_token_ids=tuple(t for t in body.get("stop_token_ids") or () if isinstance(t, int)),
+        stop=(stop,) if isinstance(stop, str) else tuple(s for s in _list(stop) if isinstance(s, str)),
+        stop_token_ids=tuple(t for t in _list(body.get("stop_token_ids")) if _int(t, -1) >= 0),
         min_tokens=_int(body.get("min_tokens")), ignore_eos=bool(body.get("ignore_eos")),
         skip_special_tokens=body.get("skip_special_tokens", True) is not False and not tools,
         include_stop_str_in_output=bool(body.get("include_stop_str_in_output")),

@@ -69,8 +69,10 @@ def tools_active(body: dict[str, Any]) -> bool:
 
 
 def _functions(body: dict[str, Any]) -> list[dict[str, Any]]:
-    return [t["function"] for t in body.get("tools") or ()
-            if isinstance(t, dict) and t.get("type", "function") == "function" and isinstance(t.get("function"), dict)]
+    tools = body.get("tools")
+    return [t["function"] for t in (tools if isinstance(tools, list) else ())
+            if isinstance(t, dict) and t.get("type", "function") == "function" and isinstance(t.get("function"), dict)
+            and isinstance(t["function"].get("name"), str)]  # anything else is vLLM's 400 on the prefill leg
 
 
 def _tags(functions: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -13,10 +13,15 @@ Per request:
    are detokenized here (detokenizer.OutputAssembler: stop strings, stop ids, EOS, length).
    Node replies: 429 busy -> release and requeue (at most `busy_retries` times, then `when_full`);
    504 -> 504 (the KV never arrived); 400/422/501 (a parameter the node cannot honour) -> 400 with
-   the node's message; anything else -> 502. Options the pool's node kind cannot honour (logprobs,
-   echo, guided decoding, ...; for TileRT also min_tokens, frequency_penalty) are refused with 400
-   before any work. `kind: expresslane` nodes also get `prompt_token_ids` (a repetition penalty covers
-   the prompt, as in vLLM; prompt-lookup speculation drafts from it).
+   the node's message; anything else -> 502. Options the pool's node kind cannot honour (prompt_logprobs,
+   echo, ...; for TileRT also logprobs, structured outputs, tools, min_tokens, frequency_penalty) are
+   refused with 400 before any work (express_options.py; capability routing usually sends them native
+   first). `kind: expresslane` nodes also get `prompt_token_ids` (a repetition penalty covers the prompt,
+   as in vLLM; prompt-lookup speculation drafts from it), `structured_outputs` (structured.py / tools.py:
+   as vLLM builds them) and `top_logprobs` (the client's k; the answer's logprobs: logprobs.py).
+   vLLM's output limits are applied here (output_limits.py): over the context before any work, min_tokens
+   against the budget once the prefill reply gave the prompt length (the reservation is cancelled).
+   The client body is read once, into req.opts (request.py).
 4. The node is released on every exit. If the router stops early (stop string, client gone, error, a node
    504/502, a retry after 429) it first POSTs /pd/cancel {rid} (bounded by timeouts.cancel_s), then releases.
 
@@ -104,6 +109,8 @@ class ExpressLane:
     # ---- admission -----------------------------------------------------------------------------
     async def handle(self, req: ClientRequest, pool: str, record: RequestRecord, queue: QueueConfig) -> Response:
         check_express_supported(req.body, self.pools[pool].kind, tool_parser=self.ctx.config.tool_call_parser)
+        if self._max_model_len is None:
+            self.native.require_prefill_up()  # a prefill known down: its typed 503 before asking it anything
         check_requested(req.opts, await self._model_len())  # vLLM's limit, before any work
         if self.model_text is None:
             raise RouterError("express lane has no tokenizer loaded (tokenizer_dir)")
