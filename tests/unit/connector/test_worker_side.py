@@ -102,9 +102,9 @@ def test_stages_and_ships_byte_exact(worker) -> None:
     assert m["sent_requests"] == 1 and len(m["send_seconds"]) == 1 and len(m["staging_copy_seconds"]) == 1
     assert m["sent_bytes"] == m["staging_bytes"] == 2 * 2 * T * HEADS * HEAD_DIM * 4
     assert w.pool.num_free == 1 and m["staging_slots_in_use"] == {"0": 0} and m["staging_slots_free"] == {"0": 1}
-    assert w.get_stats() is None  # drained
-    # the scheduler side learns the rid is done (it keeps vLLM stepping until then)
+    # the scheduler side learns the rid is done (it keeps vLLM stepping until then), after its numbers left
     assert w.build_worker_meta().done == {"rid-1": 1} and w.build_worker_meta() is None
+    assert w.get_stats() is None  # drained
 
 
 def test_unclaimed_step_touches_nothing(worker) -> None:
@@ -148,7 +148,9 @@ def test_no_free_slot_fails_loudly_without_blocking(worker) -> None:
         assert e.value.reason == "aborted:no_staging_slot"
         held.release()
         assert _stats(w)["staging_slots_in_use"] == {"0": 0}
-        w.sender.stop()  # the abort jobs have ended: both rids are done for the scheduler side
+        w.sender.stop()  # the abort jobs have ended: both rids are done for the scheduler side ...
+        assert w.build_worker_meta() is None  # ... once their numbers have been handed to vLLM
+        w.get_stats()
         assert w.build_worker_meta().done == {"rid": 1, "rid2": 1}
     finally:
         rx.stop()
@@ -163,4 +165,5 @@ def test_unreachable_decode_node_counts_a_failure_and_frees_the_slot(worker) -> 
     w.sender.stop()
     assert _stats(w)["send_failures"] == {"connect": 1}
     assert w.pool.num_free == 1 and _stats(w)["staging_slots_in_use"] == {"0": 0}
+    w.get_stats()
     assert w.build_worker_meta().done == {"rid": 1}

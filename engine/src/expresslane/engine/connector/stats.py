@@ -115,11 +115,26 @@ class ExpressLaneStats(KVConnectorStats):
 
 class StatsRecorder:
     """Thread-safe accumulator for a role whose events come from several threads (the worker: the
-    forward thread stages, the sender threads ack or fail). ``drain`` hands the events over once."""
+    forward thread stages, the sender threads ack or fail). ``drain`` hands the events over once.
+
+    It also keeps the rids whose send has ended (``mark_done``), and ``take_done`` gives only those whose
+    events the last ``drain`` handed over: the scheduler stops stepping vLLM for an rid only once its
+    numbers (the ack, the slot's release) are on their way to /metrics."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._stats = ExpressLaneStats()
+        self._done: dict[str, int] = {}   # ended, events not drained yet
+        self._ready: dict[str, int] = {}  # ended, events drained
+
+    def mark_done(self, rid: str) -> None:
+        with self._lock:
+            self._done[rid] = self._done.get(rid, 0) + 1
+
+    def take_done(self) -> dict[str, int]:
+        with self._lock:
+            out, self._ready = self._ready, {}
+            return out
 
     def inc(self, key: str, n: float = 1, label: str | None = None) -> None:
         with self._lock:
@@ -135,6 +150,9 @@ class StatsRecorder:
 
     def drain(self) -> ExpressLaneStats | None:
         with self._lock:
+            for rid, n in self._done.items():
+                self._ready[rid] = self._ready.get(rid, 0) + n
+            self._done = {}
             if self._stats.is_empty():
                 return None
             out, self._stats = self._stats, ExpressLaneStats()

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 import time
 from typing import TYPE_CHECKING
 
@@ -47,12 +46,17 @@ class _StatsObserver(SendObserver):
         stats.inc("sent_requests")
         stats.inc("sent_bytes", job.nbytes)
         stats.observe("send_seconds", seconds)
-        self.worker.job_done(job.rid)
+        self._end(job)
 
     def on_failure(self, job: SendJob | None, reason: str) -> None:
         self.worker.stats.inc("send_failures", 1, reason)
         if job is not None:
-            self.worker.job_done(job.rid)
+            self._end(job)
+
+    def _end(self, job: SendJob) -> None:
+        if job.slot is not None:
+            job.slot.release()  # idempotent (the sender releases it too): its gauge change comes before done
+        self.worker.job_done(job.rid)
 
     def on_abort_sent(self, job: SendJob, reason: str) -> None:
         self.worker.stats.inc("send_aborts", 1, reason)
@@ -91,8 +95,6 @@ class ExpressLaneWorker:
         self.kv_cache_config = kv_cache_config
         self.config = config
         self.stats = StatsRecorder()  # drained by get_stats each step (vLLM's get_kv_connector_stats)
-        self._done_lock = threading.Lock()
-        self._done: dict[str, int] = {}  # rids whose job ended since the last step
         self.tp_rank, self.tp_size, pp_size = _parallel_ranks()
         self.side_port: SidePortMetrics | None = (
             SidePortMetrics(config.staging_slots, self.tp_rank) if config.metrics_port else None)
@@ -211,8 +213,7 @@ class ExpressLaneWorker:
     # ------------------------------------------------------------------ stats (vLLM's interface)
 
     def job_done(self, rid: str) -> None:
-        with self._done_lock:
-            self._done[rid] = self._done.get(rid, 0) + 1
+        self.stats.mark_done(rid)
 
     def get_stats(self) -> ExpressLaneStats | None:
         """This step's events (None: nothing happened); also fed to the side port when it is on."""
@@ -222,11 +223,10 @@ class ExpressLaneWorker:
         return stats
 
     def build_worker_meta(self) -> ExpressLaneWorkerMeta | None:
-        with self._done_lock:
-            if not self._done:
-                return None
-            done, self._done = self._done, {}
-        return ExpressLaneWorkerMeta(done)
+        """Rids whose send ended and whose numbers the last get_stats handed over (vLLM calls get_stats
+        first in every step)."""
+        done = self.stats.take_done()
+        return ExpressLaneWorkerMeta(done) if done else None
 
     # ------------------------------------------------------------------ per step
 
