@@ -114,3 +114,17 @@ async def test_typed_errors(server):
         with pytest.raises(UpstreamUnavailable) as refused:
             await post_json(c, f"http://127.0.0.1:{_free_port()}/x", {}, stage="prefill", timeout=T)
         assert refused.value.kind == "connect"
+
+
+async def test_the_router_sends_upstream_calls_through_aiohttp_by_default(model_text):
+    """FAILS until app.py's lifespan wires it (issue 15.7, ops report): `transport=transport or
+    AiohttpTransport()` in the httpx.AsyncClient of create_app's lifespan (tests still pass their own)."""
+    from prometheus_client import CollectorRegistry
+
+    from expresslane.router.app import create_app
+
+    from ._kit import make_config
+
+    app = create_app(make_config(), registry=CollectorRegistry(), model_text=model_text)
+    async with app.router.lifespan_context(app):
+        assert isinstance(app.state.lanes.ctx.client._transport, AiohttpTransport)
