@@ -154,3 +154,28 @@ def test_side_port_gets_the_same_numbers_when_configured() -> None:
     assert side.value("expresslane_connector_staging_slots_free", {"rank": "0"}) == 2
     assert ExpressLaneScheduler(ExpressLaneConnectorConfig(), 1024).build_connector_meta(
         type("So", (), {})()).stats_delta == {}  # side port off: nothing extra travels
+
+
+def test_built_twice_in_one_process_on_the_global_registry(model_dir) -> None:
+    """vLLM re-creates its stat loggers (and unregisters its own vllm:* metrics first); ours must not raise
+    'Duplicated timeseries' on the default registry either."""
+    from prometheus_client import REGISTRY, Counter, Gauge, Histogram
+    from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiConnector
+
+    from .conftest import make_vllm_config
+
+    vc = make_vllm_config(model_dir, connector=DEPLOYED)
+    types = {Gauge: Gauge, Counter: Counter, Histogram: Histogram}
+    try:
+        from vllm.v1.metrics.prometheus import unregister_vllm_metrics
+
+        for _ in range(2):
+            unregister_vllm_metrics()  # what PrometheusStatLogger does first
+            MultiConnector.build_prom_metrics(vc, types, ["model_name", "engine"], {0: ["m", "0"]})
+        assert REGISTRY.get_sample_value("expresslane_connector_staging_slots_free",
+                                         {"model_name": "m", "engine": "0", "rank": "0"}) == 3
+    finally:
+        from expresslane.engine.connector.stats import _unregister_ours
+
+        _unregister_ours()
+        unregister_vllm_metrics()

@@ -164,6 +164,17 @@ class StatsRecorder:
             return ExpressLaneStats(copy.deepcopy(self._stats.data))
 
 
+def _unregister_ours() -> None:
+    """What vLLM's unregister_vllm_metrics does for ``vllm:*`` at every PrometheusStatLogger start, for our
+    names in the global registry: a second stat logger in one process must not fail on duplicates."""
+    from prometheus_client import REGISTRY
+
+    ours = {s.name for s in METRICS}
+    for collector in list(REGISTRY._collector_to_names):
+        if getattr(collector, "_name", None) in ours:
+            REGISTRY.unregister(collector)
+
+
 class ExpressLanePromMetrics(KVConnectorPromMetrics):
     """The METRICS table as Prometheus metrics of the classes vLLM hands in (its own registry), labelled
     ``labelnames`` (vLLM's model_name, engine) + the spec's label; ``observe`` applies one payload."""
@@ -181,6 +192,8 @@ class ExpressLanePromMetrics(KVConnectorPromMetrics):
                 metric_types.get(Histogram, Histogram))
             self._labelnames, self.per_engine_labelvalues = labelnames, per_engine_labelvalues
         extra = {} if registry is None else {"registry": registry}
+        if registry is None:
+            _unregister_ours()
         self.metrics: dict[str, Any] = {}
         for spec in METRICS:
             names = list(labelnames) + ([spec.label] if spec.label else [])
