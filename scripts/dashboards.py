@@ -55,7 +55,6 @@ class Job:
 JOBS: tuple[Job, ...] = (
     Job("router", "router:8080", 8080, "OpenAI router (expresslane.router)"),
     Job("prefill", "prefill:8000", 8000, "stock vLLM prefill server"),
-    Job("connector", "prefill:9400", 9400, "ExpressLaneConnector inside the prefill process"),
     Job("decode-native", "decode-native:8100", 8100, "stock vLLM native-lane decode server"),
     Job("decode-express", "decode-express:5557", 5557, "express-lane decode server"),
     Job("prometheus", "prometheus:9090", 9090, "Prometheus itself (by service name: production binds it to the node address)"),
@@ -121,7 +120,7 @@ def dev_targets(port_base: int = 0, host: str = "127.0.0.1") -> dict[str, str]:
     return {j.name: f"{host}:{j.dev_port + port_base}" for j in JOBS}
 
 
-# GPU overlays: the same jobs plus NVIDIA's DCGM exporter (GPU metrics; port 9401, the connector has 9400).
+# GPU overlays: the same jobs plus NVIDIA's DCGM exporter (GPU metrics; port 9401).
 PROMETHEUS_GPU_YML = REPO / "compose" / "prometheus" / "prometheus-gpu.yml"  # production: one per GPU node
 PROMETHEUS_GPU_SINGLE_YML = REPO / "compose" / "prometheus" / "prometheus-gpu-single.yml"
 DCGM_JOBS_PRODUCTION = {"dcgm": ["prefill:9401", "decode-native:9401", "decode-express:9401"]}
@@ -152,56 +151,51 @@ def _m(type_: str, labels: str, jobs: str) -> Metric:
     return Metric(type_, tuple(labels.split()), tuple(jobs.split()))
 
 
-_ROUTER = {
-    "expresslane_router_requests_total": _m("counter", "lane alias status", "router"),
-    "expresslane_router_time_to_first_token_seconds": _m("histogram", "lane", "router"),
-    "expresslane_router_inter_token_latency_seconds": _m("histogram", "lane", "router"),
-    "expresslane_router_e2e_request_latency_seconds": _m("histogram", "lane", "router"),
-    "expresslane_router_user_tokens_per_second": _m("histogram", "lane", "router"),
-    # The contract says {pool}; the router labels it {lane}. Dashboards use neither (sum by (le)).
-    "expresslane_router_queue_wait_seconds": _m("histogram", "pool lane", "router"),
-    "expresslane_router_queue_depth": _m("gauge", "pool", "router"),
-    "expresslane_router_inflight_requests": _m("gauge", "pool node", "router"),
-    "expresslane_router_rejected_total": _m("counter", "pool reason", "router"),
-    "expresslane_router_spillover_total": _m("counter", "from_pool to_pool", "router"),
-    "expresslane_router_upstream_errors_total": _m("counter", "lane stage type", "router"),
-    "expresslane_router_generated_tokens_total": _m("counter", "lane", "router"),
-    # Health and failover (router health monitor / resilience).
-    "expresslane_router_upstream_healthy": _m("gauge", "lane pool node", "router"),
-    "expresslane_router_upstream_ejections_total": _m("counter", "lane pool node reason", "router"),
-    "expresslane_router_failovers_total": _m("counter", "alias from_lane to_lane reason", "router"),
-    "expresslane_router_midstream_failovers_total": _m("counter", "pool outcome", "router"),
-    "expresslane_router_retries_total": _m("counter", "lane pool reason", "router"),
-}
-_DECODE = {
-    "expresslane_decode_busy": _m("gauge", "", "decode-express"),
-    "expresslane_decode_requests_total": _m("counter", "status", "decode-express"),
-    "expresslane_decode_handoff_bytes_total": _m("counter", "", "decode-express"),
-    "expresslane_decode_handoff_seconds": _m("histogram", "", "decode-express"),
-    "expresslane_decode_handoff_throughput_gigabytes_per_second": _m("histogram", "", "decode-express"),
-    "expresslane_decode_phase_seconds": _m("histogram", "phase", "decode-express"),
-    "expresslane_decode_tokens_per_second": _m("histogram", "", "decode-express"),
-    "expresslane_decode_generated_tokens_total": _m("counter", "", "decode-express"),
-    "expresslane_decode_cancellations_total": _m("counter", "", "decode-express"),
-    "expresslane_decode_kv_timeouts_total": _m("counter", "", "decode-express"),
-    "expresslane_decode_reservations_total": _m("counter", "outcome", "decode-express"),
-    "expresslane_decode_healthy": _m("gauge", "", "decode-express"),
-}
-_CONNECTOR = {
-    "expresslane_connector_claimed_requests_total": _m("counter", "", "connector"),
-    "expresslane_connector_unclaimed_requests_total": _m("counter", "", "connector"),
-    "expresslane_connector_staging_copies_total": _m("counter", "", "connector"),
-    "expresslane_connector_staging_bytes_total": _m("counter", "", "connector"),
-    "expresslane_connector_sent_requests_total": _m("counter", "", "connector"),
-    "expresslane_connector_sent_bytes_total": _m("counter", "", "connector"),
-    "expresslane_connector_send_seconds": _m("histogram", "", "connector"),
-    "expresslane_connector_send_failures_total": _m("counter", "reason", "connector"),
-    "expresslane_connector_staging_copy_seconds": _m("histogram", "", "connector"),
-    "expresslane_connector_staging_slots_free": _m("gauge", "", "connector"),
-    "expresslane_connector_staging_slots_in_use": _m("gauge", "", "connector"),
-    "expresslane_connector_send_aborts_total": _m("counter", "reason", "connector"),
-    "expresslane_connector_refused_destinations_total": _m("counter", "", "connector"),
-}
+# Our components' metrics are read from the code's own registries (never a hand-kept copy): the router's
+# RouterMetrics and the decode node's DecodeMetrics built on a fresh registry (the router with the compose
+# config, so every per-pool series exists), and the connector's METRICS table (connector/metric_table.py,
+# standard library only, read by path so vLLM is not imported). The connector reports through vLLM's
+# KV-connector stats interface, so its series are on the prefill's /metrics with vLLM's labels.
+CONNECTOR_TABLE = REPO / "engine" / "src" / "expresslane" / "engine" / "connector" / "metric_table.py"
+ROUTER_CONFIG = REPO / "compose" / "config" / "router.yaml"
+
+
+def _registry_catalog(registry, job: str) -> dict[str, Metric]:
+    out = {}
+    for collector in list(registry._collector_to_names):
+        names = getattr(collector, "_labelnames", None)
+        for fam in collector.collect():
+            labels = tuple(names) if names is not None else tuple(
+                sorted({k for smp in fam.samples for k in smp.labels} - {"le"}))
+            name = fam.name + "_total" if fam.type == "counter" else fam.name
+            out[name] = Metric(fam.type, labels, (job,))
+    return out
+
+
+def _code_catalog() -> dict[str, Metric]:
+    for src in (REPO / "engine" / "src", REPO / "router" / "src"):
+        if str(src) not in sys.path:
+            sys.path.insert(0, str(src))
+    import importlib.util
+
+    from prometheus_client import CollectorRegistry
+
+    from expresslane.engine.server.metrics import DecodeMetrics
+    from expresslane.router.config import load_config
+    from expresslane.router.metrics import RouterMetrics
+
+    router, decode = CollectorRegistry(), CollectorRegistry()
+    RouterMetrics(load_config(ROUTER_CONFIG, {}), router)
+    DecodeMetrics(decode)
+    spec = importlib.util.spec_from_file_location("expresslane_connector_metric_table", CONNECTOR_TABLE)
+    table = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = table  # dataclasses looks its module up
+    spec.loader.exec_module(table)
+    connector = {s.exposed_name: Metric(s.prom_type, ("model_name", "engine") + ((s.label,) if s.label else ()),
+                                        ("prefill",)) for s in table.METRICS}
+    return {**_registry_catalog(router, "router"), **_registry_catalog(decode, "decode-express"), **connector}
+
+
 _VLLM_JOBS = "prefill decode-native"
 _VLLM_LABELS = "model_name engine"
 # Exact names as vLLM 0.32 exports them (vllm/v1/metrics/loggers.py, .../kv_connector/v1/nixl/stats.py);
@@ -229,7 +223,7 @@ _VLLM = {
 }
 _PROMETHEUS = {"up": _m("gauge", "", " ".join(JOB_NAMES))}  # synthesized by Prometheus per target
 
-METRICS: dict[str, Metric] = {**_ROUTER, **_DECODE, **_CONNECTOR, **_VLLM, **_PROMETHEUS}
+METRICS: dict[str, Metric] = {**_code_catalog(), **_VLLM, **_PROMETHEUS}
 VLLM_METRICS = tuple(_VLLM)
 GENERIC_LABELS = {"job", "instance"}
 
@@ -522,7 +516,7 @@ def lanes_overview() -> Built:
               "{{lane}} {{stage}} {{type}}")],
            "Failed router-to-upstream calls per second by lane, stage (prefill/decode) and error type.", w=8),
         stat("Scrape targets up", "bool_on_off",
-             [T('up{job=~"router|prefill|connector|decode-native|decode-express"}', "{{job}}")],
+             [T('up{job=~"router|prefill|decode-native|decode-express"}', "{{job}}")],
              "Whether Prometheus reached each component's /metrics on its last scrape.", w=8, h=8),
     ]
     return dashboard("expresslane-lanes", "expresslane / Lanes overview",
@@ -695,11 +689,12 @@ def kv_handoff() -> Built:
             Z(or_zero(rate(C + "send_failures_total", ("reason",))), "failed {{reason}}")],
            "Requests whose KV was sent per second, and failed sends by reason (0 when none).", w=6),
         ts("Free staging slots", "short",
-           [T(f"sum by (instance) ({C}staging_slots_free)", "{{instance}}")],
-           "Staging buffer slots free per prefill worker; 0 means claimed requests wait for a slot.", w=6),
+           [T(f"sum by (instance, rank) ({C}staging_slots_free)", "{{instance}} rank {{rank}}")],
+           "Staging buffer slots free per prefill TP rank; 0 means a claimed request finds no slot and fails "
+           "(no_staging_slot).", w=6),
         ts("Staging slots in use", "short",
-           [Z(f"sum by (instance) ({C}staging_slots_in_use)", "{{instance}}")],
-           "Staging buffer slots holding a request's KV per prefill worker.", w=8),
+           [Z(f"sum by (instance, rank) ({C}staging_slots_in_use)", "{{instance}} rank {{rank}}")],
+           "Staging buffer slots holding a request's KV per prefill TP rank (0 when idle).", w=8),
         ts("Send aborts/s", "reqps",
            [Z(or_zero(rate(C + "send_aborts_total", ("reason",))), "{{reason}}")],
            "Background sends given up after the claim and reported to the node as an abort frame, by reason.",
@@ -716,6 +711,10 @@ def kv_handoff() -> Built:
         ts("Wire wait", "s",
            [T(quantile(0.5, D + "phase_seconds", ("phase",), sel='{phase="wire_wait"}'), "wire_wait p50")],
            "Median time the decode node waited for KV bytes on the wire.", w=8),
+        ts("KV transfer failures/s (decode side)", "reqps",
+           [Z(or_zero(rate(D + "kv_transfer_failures_total", ("reason",))), "{{reason}}")],
+           "Handoffs the decode node's KV receiver failed, by reason (aborted by the prefill, sender vanished, "
+           "checksum mismatch, ...); 0 when none.", w=24),
         Row("Native path: vLLM NIXL"),
         ts("NIXL transfer time", "s", _p50_p95("vllm:nixl_xfer_time_seconds", ("job",), "{{job}}"),
            "Duration of NIXL KV transfers, p50 and p95, on the side that moves the bytes (the decode server "

@@ -53,8 +53,7 @@ def stack_targets(stack) -> dict[str, str]:
     """job -> base URL, from an object with the live_stack attributes."""
     return {
         "router": stack.router_url,
-        "prefill": stack.prefill_url,
-        "connector": stack.connector_metrics_url,
+        "prefill": stack.prefill_url,  # vLLM's /metrics, with our connector's series
         "decode-native": stack.native_url,
         "decode-express": stack.express_url,
     }

@@ -8,6 +8,7 @@ variables substituted the way Grafana would substitute them.
 
 from __future__ import annotations
 
+import re
 import sys
 import time
 from pathlib import Path
@@ -42,6 +43,42 @@ def test_smoke_traffic_went_through_both_lanes(smoke_traffic):
     assert set(by_alias[NATIVE_ALIAS]) == {200}, by_alias
     assert set(by_alias[EXPRESS_ALIAS]) == {200}, by_alias
     assert by_alias["no-such-model"] == [404], by_alias
+
+
+def _samples(text: str, name: str) -> list[tuple[dict[str, str], float]]:
+    out = []
+    for m in re.finditer(rf"^{re.escape(name)}(?:\{{([^}}]*)\}})? ([0-9.e+-]+)$", text, re.M):
+        labels = dict(re.findall(r'([a-zA-Z_]+)="([^"]*)"', m.group(1) or ""))
+        out.append((labels, float(m.group(2))))
+    return out
+
+
+def test_connector_numbers_are_on_the_prefills_own_metrics(live_stack, prometheus, smoke_traffic):  # noqa: F811
+    """After express handoffs, vLLM's /metrics (not a side port) has the connector's counters, with vLLM's
+    labels, and the sends' numbers have arrived (the connector keeps vLLM stepping until the send ends)."""
+    import httpx
+
+    text = httpx.get(f"{live_stack.prefill_url}/metrics", timeout=10, trust_env=False).text
+    express = sum(1 for alias, _, status in smoke_traffic.statuses if alias == EXPRESS_ALIAS and status == 200)
+    assert express > 0
+    got = {}
+    for name in ("expresslane_connector_claimed_requests_total", "expresslane_connector_staging_copies_total",
+                 "expresslane_connector_sent_requests_total", "expresslane_connector_sent_bytes_total",
+                 "expresslane_connector_unclaimed_requests_total"):
+        samples = _samples(text, name)
+        assert samples, f"{name} is not on the prefill's /metrics"
+        assert all({"model_name", "engine"} <= set(lab) for lab, _ in samples), samples
+        got[name] = sum(v for _, v in samples)
+    print(f"\nprefill /metrics after {express} express requests: {got}")
+    assert got["expresslane_connector_claimed_requests_total"] >= express
+    assert got["expresslane_connector_staging_copies_total"] >= express
+    assert got["expresslane_connector_sent_requests_total"] >= express
+    assert got["expresslane_connector_sent_bytes_total"] > 0
+    in_use = _samples(text, "expresslane_connector_staging_slots_in_use")
+    assert in_use and all(lab.get("rank") == "0" for lab, _ in in_use) and sum(v for _, v in in_use) == 0, in_use
+    # Prometheus has them from the prefill job (there is no connector job any more)
+    jobs = {r["metric"].get("job") for r in prometheus.instant("expresslane_connector_sent_requests_total")}
+    assert jobs == {"prefill"}, jobs
 
 
 def test_every_dashboard_metric_is_exported(prometheus, smoke_traffic):  # noqa: F811

@@ -124,7 +124,7 @@ def test_prometheus_config_jobs():
     cfg = yaml.safe_load((REPO / "compose" / "prometheus" / "prometheus.yml").read_text())
     jobs = {c["job_name"]: c["static_configs"][0]["targets"] for c in cfg["scrape_configs"]}
     assert jobs == {
-        "router": ["router:8080"], "prefill": ["prefill:8000"], "connector": ["prefill:9400"],
+        "router": ["router:8080"], "prefill": ["prefill:8000"],
         "decode-native": ["decode-native:8100"], "decode-express": ["decode-express:5557"],
         "prometheus": ["prometheus:9090"],
     }
@@ -138,7 +138,8 @@ def test_prometheus_config_jobs():
 def test_dev_config_and_url_targets():
     cfg = dashboards.prometheus_config(dashboards.dev_targets(port_base=100), "1s")
     targets = {c["job_name"]: c["static_configs"][0]["targets"][0] for c in cfg["scrape_configs"]}
-    assert targets["router"] == "127.0.0.1:8180" and targets["connector"] == "127.0.0.1:9500"
+    assert targets["router"] == "127.0.0.1:8180" and targets["prefill"] == "127.0.0.1:8100"
+    assert "connector" not in targets  # the connector's numbers are on the prefill's own /metrics
     cfg = dashboards.prometheus_config({"router": "https://h:1/base", "prefill": "http://h:2"}, "1s")
     router, prefill = cfg["scrape_configs"]
     assert router["scheme"] == "https" and router["metrics_path"] == "/base/metrics"
@@ -340,3 +341,22 @@ def test_compose_mounts_match_provisioning():
     for job in dashboards.JOBS:
         host = job.compose_target.split(":")[0]
         assert host == "localhost" or host in services, job
+
+
+def test_metric_catalog_is_the_code_registries():
+    """The catalog is read from the code (router and decode registries, the connector's table), so a metric
+    added, renamed or relabelled there changes it; spot-check that it is not a stale copy."""
+    from prometheus_client import CollectorRegistry
+
+    from expresslane.engine.server.metrics import DecodeMetrics
+
+    reg = CollectorRegistry()
+    DecodeMetrics(reg)
+    for name in reg._names_to_collectors:
+        if name.endswith(("_created", "_bucket", "_sum", "_count")) and name not in dashboards.METRICS:
+            continue
+        assert name in dashboards.METRICS or name + "_total" in dashboards.METRICS, name
+    connector = {n: m for n, m in dashboards.METRICS.items() if n.startswith("expresslane_connector_")}
+    assert len(connector) == 13 and all(m.jobs == ("prefill",) for m in connector.values())
+    assert connector["expresslane_connector_send_failures_total"].labels == ("model_name", "engine", "reason")
+    assert connector["expresslane_connector_staging_slots_free"].labels == ("model_name", "engine", "rank")

@@ -70,7 +70,7 @@ def scheduler(model_dir):
     from vllm.v1.structured_output import StructuredOutputManager
 
     vc = make_vllm_config(model_dir)
-    return Scheduler(vc, make_kv_cache_config(), StructuredOutputManager(vc), block_size=BLOCK)
+    return Scheduler(vc, make_kv_cache_config(), StructuredOutputManager(vc), block_size=BLOCK, log_stats=True)
 
 
 def make_request(req_id: str, num_tokens: int, kv_transfer_params: dict | None = None, max_tokens: int = 1):
@@ -102,6 +102,12 @@ def step(sched, sampled: dict[str, int] | None = None):
             if out.finish_reason is not None:
                 finished[out.request_id] = out.kv_transfer_params
     sched.finished_kv_params = finished
+    # What the engine core sends the API server's stat loggers: the connector stats payload of the step
+    payloads = getattr(sched, "connector_stats", [])
+    for eco in outputs.values():
+        if eco.scheduler_stats is not None and eco.scheduler_stats.kv_connector_stats:
+            payloads.append(eco.scheduler_stats.kv_connector_stats)
+    sched.connector_stats = payloads
     return so
 
 

@@ -34,10 +34,13 @@ def test_unclaimed_requests_are_a_strict_noop(scheduler) -> None:
     metas = _run(scheduler)
     assert all(m.ship == [] for m in metas)
     sched_side = conn.connector_scheduler
-    assert sched_side.totals == {"unclaimed": 3}
+    assert sched_side.totals == {"unclaimed_requests": 3}
     assert sched_side._tracked == {}
-    # The only thing that reaches the worker is the counter increment, once.
-    assert [m.stats_delta for m in metas if m.stats_delta] == [{"unclaimed": 3}]
+    # Nothing reaches the worker (the side port is off); the count goes to vLLM's stats once.
+    assert all(m.is_empty() for m in metas)
+    # through vLLM's scheduler into SchedulerStats (what the API server's Prometheus logger observes)
+    assert scheduler.connector_stats == [{"unclaimed_requests": 3}]
+    assert not conn.has_pending_push_work()
 
 
 def test_claimed_ships_once_with_all_blocks_and_never_holds_blocks(scheduler) -> None:
@@ -49,7 +52,7 @@ def test_claimed_ships_once_with_all_blocks_and_never_holds_blocks(scheduler) ->
     ship = ships[0]
     assert (ship.req_id, ship.claim.rid, ship.claim.port, ship.num_tokens) == ("a", "rid-a", 5556, 40)
     assert len(ship.block_ids) == 1 and len(ship.block_ids[0]) == 3  # ceil(40 / 16)
-    assert conn.connector_scheduler.totals == {"claimed": 1}
+    assert conn.connector_scheduler.totals == {"claimed_requests": 1}
     assert scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == 100 - 1  # all freed (1 null block)
 
 
@@ -77,8 +80,10 @@ def test_abort_before_completion_drops_and_counts(scheduler) -> None:
     scheduler.finish_requests("ab", RequestStatus.FINISHED_ABORTED)
     metas = [step(scheduler).kv_connector_metadata]  # the next step carries the counter to the worker
     assert all(m.ship == [] for m in metas)
-    assert conn.connector_scheduler.totals == {"claimed": 1, "failure:finished_before_ship": 1}
-    assert {"failure:finished_before_ship": 1} in [m.stats_delta for m in metas]
+    assert conn.connector_scheduler.totals == {"claimed_requests": 1, "send_failures:finished_before_ship": 1,
+                                               "send_aborts:finished_before_ship": 1}
+    assert scheduler.connector_stats == [{"claimed_requests": 1}, {"send_failures": {"finished_before_ship": 1},
+                                                                   "send_aborts": {"finished_before_ship": 1}}]
 
 
 def test_malformed_marker_is_not_claimed_and_counted(scheduler) -> None:
@@ -86,7 +91,7 @@ def test_malformed_marker_is_not_claimed_and_counted(scheduler) -> None:
     scheduler.add_request(make_request("bad", 8, {"expresslane_host": "h", "expresslane_rid": "r"}))
     metas = _run(scheduler)
     assert all(m.ship == [] for m in metas)
-    assert conn.connector_scheduler.totals == {"failure:bad_params": 1}
+    assert conn.connector_scheduler.totals == {"send_failures:bad_params": 1}
 
 
 def test_mixed_batch_ships_only_the_claimed_one(scheduler) -> None:
@@ -134,7 +139,7 @@ def test_preemption_and_resume_ship_the_resumed_blocks() -> None:
     assert sched.build_connector_meta(output(cached=cached(None, 100, False), scheduled={"p": 1})).ship == []
     assert sched.request_finished(req) == (False, {"expresslane_rid": "rid-p", "expresslane_status": "staged",
                                                    "expresslane_error": ""})
-    assert sched.totals == {"claimed": 1}
+    assert sched.totals == {"claimed_requests": 1}
 
 
 def test_producer_contract_and_hma(model_dir) -> None:
@@ -233,7 +238,7 @@ def test_allow_list_and_too_long_are_decided_before_anything_is_sent(model_dir, 
     assert got["evil"] == {"expresslane_rid": "rid-evil", "expresslane_status": "failed",
                            "expresslane_error": "not_allowed"}
     assert got["long"]["expresslane_error"] == "too_long" and got["fine"]["expresslane_status"] == "staged"
-    assert ours.totals["refused_destination"] == 1 and ours.totals["failure:not_allowed"] == 1
+    assert ours.totals["refused_destinations"] == 1 and ours.totals["send_failures:not_allowed"] == 1
 
 
 def test_allow_list_parsing_is_strict() -> None:

@@ -1,9 +1,11 @@
 """Express-lane detokenization: token ids from the decode node -> text deltas, stop rules, finish reason.
 
-`IncrementalDetokenizer` is the prefix/read-offset scheme of vLLM's incremental detokenizer: decode a
-small window twice and emit only what the newest tokens added, holding back text that still ends in
-U+FFFD (a multi-byte character split across tokens). It is primed with the tail of the prompt so the
-first generated token gets the same leading-space treatment it gets inside vLLM.
+`IncrementalDetokenizer` is what vLLM's fast path does (FastIncrementalDetokenizer in
+vllm/v1/engine/detokenizer.py): a `tokenizers.decoders.DecodeStream` primed with the prompt's token ids,
+stepped once per token; it returns text only when the newest tokens complete a character (a multi-byte
+character split across byte tokens yields nothing until its last byte), and the priming gives the first
+generated token the same leading-space treatment it gets inside vLLM. Same recovery as vLLM's for the
+"Invalid prefix" error (a new stream), and the same handling of an invalid id (no text).
 
 `OutputAssembler` applies vLLM's finishing rules on top: EOS (unless `ignore_eos`) and
 `stop_token_ids` finish with "stop" (their text is not emitted unless `include_stop_str_in_output`),
@@ -14,19 +16,18 @@ held back while streaming), `max_tokens` finishes with "length"; `min_tokens` su
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 __all__ = ["IncrementalDetokenizer", "ModelText", "OutputAssembler", "load_model_text"]
 
-_REPLACEMENT = "\ufffd"
-_PRIME_MIN, _PRIME_MAX = 5, 24
+logger = logging.getLogger(__name__)
 
-
-class Tokenizer(Protocol):
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
+# tokenizers' message when its stream state breaks (tokenizers src/tokenizer/mod.rs; vLLM matches the same)
+_INVALID_PREFIX = "Invalid prefix encountered"
 
 
 @dataclass(frozen=True)
@@ -79,33 +80,29 @@ def load_model_text(model_dir: str | Path) -> ModelText:
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = (), *, skip_special_tokens: bool = True):
-        self._tok = tokenizer
+    def __init__(self, tokenizer: Any, prompt_ids: Sequence[int] = (), *, skip_special_tokens: bool = True):
+        from tokenizers.decoders import DecodeStream
+
+        self._tok = tokenizer  # a tokenizers.Tokenizer (what load_model_text gives)
         self._skip = skip_special_tokens
-        self.tokens: list[int] = self._prime(list(prompt_ids))
-        self._prefix = 0
-        self._read = len(self.tokens)
-
-    def _decode(self, ids: list[int]) -> str:
-        return self._tok.decode(ids, skip_special_tokens=self._skip)
-
-    def _prime(self, prompt: list[int]) -> list[int]:
-        # The shortest prompt tail (>= 5 tokens) that decodes without a split character.
-        for n in range(_PRIME_MIN, min(len(prompt), _PRIME_MAX) + 1):
-            tail = prompt[-n:]
-            if _REPLACEMENT not in self._decode(tail):
-                return tail
-        return prompt[-_PRIME_MIN:] if prompt else []
+        self._new_stream = DecodeStream
+        self._stream = DecodeStream(ids=list(prompt_ids), skip_special_tokens=skip_special_tokens)
 
     def push(self, token_id: int) -> str:
         """Add one token; return the text it completes ('' while a character is still split)."""
-        self.tokens.append(token_id)
-        prefix_text = self._decode(self.tokens[self._prefix:self._read])
-        new_text = self._decode(self.tokens[self._prefix:])
-        if len(new_text) > len(prefix_text) and not new_text.endswith(_REPLACEMENT):
-            self._prefix, self._read = self._read, len(self.tokens)
-            return new_text[len(prefix_text):]
-        return ""
+        try:
+            text = self._stream.step(self._tok, token_id)
+        except (OverflowError, TypeError):
+            logger.error("express detokenizer: invalid token id %r (no text)", token_id)
+            return ""
+        except Exception as e:  # tokenizers raises a plain Exception for this one
+            if not str(e).startswith(_INVALID_PREFIX):
+                raise
+            # Non-monotonic UTF-8 output broke the stream's state (vLLM issue 17448): start a new one.
+            logger.warning("express detokenizer: invalid prefix; resetting the decode stream")
+            self._stream = self._new_stream(skip_special_tokens=self._skip)
+            text = self._stream.step(self._tok, token_id)
+        return text or ""
 
 
 class OutputAssembler:
@@ -168,17 +165,20 @@ class OutputAssembler:
             self.finish_reason = "length"
 
     def _check_stop_strings(self, new_chars: int) -> bool:
+        # vLLM's check_stop_strings: of the stop strings found in the new text, the one that completes
+        # earliest wins (ties: stop-list order).
+        best: tuple[int, int, str] | None = None  # (end, index, stop string)
         for s in self.stop:
             idx = self.text.find(s, max(0, len(self.text) - new_chars - len(s) + 1))
-            if idx == -1:
-                continue
-            if self.include_stop:
-                idx += len(s)
-            self.text = self.text[:idx]
-            self.finish_reason = "stop"
-            self.stop_reason = s
-            return True
-        return False
+            if idx != -1 and (best is None or idx + len(s) < best[0]):
+                best = (idx + len(s), idx, s)
+        if best is None:
+            return False
+        end, idx, s = best
+        self.text = self.text[:end if self.include_stop else idx]
+        self.finish_reason = "stop"
+        self.stop_reason = s
+        return True
 
     def _take(self) -> str:
         end = len(self.text) if self.finished else len(self.text) - self._hold

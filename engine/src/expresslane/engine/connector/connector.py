@@ -5,6 +5,8 @@ worker-side calls to ExpressLaneWorker; the two talk only through ExpressLaneCon
 It never loads KV, never delays block freeing, and does nothing for requests without the marker.
 Implements SupportsHMA: without it MultiConnector turns the hybrid KV cache manager off on the prefill
 only, and every native-lane NixlConnector request fails the compatibility-hash check.
+Its numbers go through vLLM's KV-connector stats interface (``get_kv_connector_stats``,
+``build_kv_connector_stats``, ``build_prom_metrics``; see stats.py) onto the prefill's own /metrics.
 """
 
 from __future__ import annotations
@@ -18,12 +20,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorWorkerMetadata,
     SupportsHMA,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
 from expresslane.engine.connector.config import ExpressLaneConnectorConfig
-from expresslane.engine.connector.metadata import ExpressLaneConnectorMetadata
+from expresslane.engine.connector.metadata import ExpressLaneConnectorMetadata, ExpressLaneWorkerMeta
 from expresslane.engine.connector.scheduler import ExpressLaneScheduler
+from expresslane.engine.connector.stats import ExpressLanePromMetrics, ExpressLaneStats
 from expresslane.engine.connector.worker import ExpressLaneWorker
 
 if TYPE_CHECKING:
@@ -33,6 +38,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 
@@ -60,7 +66,8 @@ class ExpressLaneConnector(KVConnectorBase_V1, SupportsHMA):
         if role == KVConnectorRole.SCHEDULER:
             self.config.warn_if_open()
             self.connector_scheduler = ExpressLaneScheduler(
-                self.config, self.config.staging_max_tokens or vllm_config.model_config.max_model_len)
+                self.config, self.config.staging_max_tokens or vllm_config.model_config.max_model_len,
+                world_size=vllm_config.parallel_config.tensor_parallel_size)
         else:
             self.connector_worker = ExpressLaneWorker(vllm_config, kv_cache_config, self.config)
 
@@ -94,7 +101,40 @@ class ExpressLaneConnector(KVConnectorBase_V1, SupportsHMA):
         assert self.connector_scheduler is not None
         return self.connector_scheduler.request_finished(request)
 
+    def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
+        assert self.connector_scheduler is not None
+        meta = connector_output.kv_connector_worker_meta  # MultiConnector hands each child its own
+        self.connector_scheduler.update_worker_meta(meta if isinstance(meta, ExpressLaneWorkerMeta) else None)
+
+    def has_pending_push_work(self) -> bool:
+        # Keeps vLLM stepping while a shipped rid's send is in flight, so its numbers reach /metrics.
+        return self.connector_scheduler is not None and self.connector_scheduler.has_pending_push_work()
+
+    # ---------------------------------------------------------------- stats (both roles)
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        if self.connector_worker is not None:
+            return self.connector_worker.get_stats()
+        assert self.connector_scheduler is not None
+        return self.connector_scheduler.get_stats()
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return ExpressLaneStats(data=data) if data is not None else ExpressLaneStats()
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: "VllmConfig", metric_types: dict, labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> KVConnectorPromMetrics:
+        config = ExpressLaneConnectorConfig.from_extra_config(
+            vllm_config.kv_transfer_config.kv_connector_extra_config)
+        return ExpressLanePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues,
+                                      staging_slots=config.staging_slots,
+                                      tp_size=vllm_config.parallel_config.tensor_parallel_size)
+
     # ---------------------------------------------------------------- worker side
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        return self.connector_worker.build_worker_meta() if self.connector_worker is not None else None
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         assert self.connector_worker is not None

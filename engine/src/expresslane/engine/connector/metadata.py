@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
 from expresslane.engine.protocol import CLAIM_HOST, CLAIM_PORT, CLAIM_RID
 
@@ -60,9 +60,24 @@ class AbortRequest:
 class ExpressLaneConnectorMetadata(KVConnectorMetadata):
     ship: list[ShipRequest] = field(default_factory=list)
     abort: list[AbortRequest] = field(default_factory=list)
-    # Scheduler-side counter increments since the last step (claimed, unclaimed, failures by reason);
-    # the rank-0 worker adds them to the Prometheus counters it serves.
-    stats_delta: dict[str, int] = field(default_factory=dict)
+    # Only with the side port on (metrics_port): the scheduler's stats payload since the last step
+    # (stats.py form), which the rank-0 worker adds to the side port. vLLM's /metrics gets them directly.
+    stats_delta: dict[str, Any] = field(default_factory=dict)
 
     def is_empty(self) -> bool:
         return not self.ship and not self.abort and not self.stats_delta
+
+
+@dataclass
+class ExpressLaneWorkerMeta(KVConnectorWorkerMetadata):
+    """What a worker tells the scheduler side each step: rids whose send finished here (sent, failed or
+    aborted), with how many ranks; vLLM sums the TP ranks' metas with ``aggregate``."""
+
+    done: dict[str, int] = field(default_factory=dict)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> "ExpressLaneWorkerMeta":
+        assert isinstance(other, ExpressLaneWorkerMeta)
+        merged = dict(self.done)
+        for rid, n in other.done.items():
+            merged[rid] = merged.get(rid, 0) + n
+        return ExpressLaneWorkerMeta(merged)

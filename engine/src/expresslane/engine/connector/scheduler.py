@@ -14,18 +14,32 @@ the request's kv_transfer_params (``expresslane_rid``, ``expresslane_status`` st
 ``expresslane_error``); MultiConnector merges them with NixlConnector's (whose keys never start with
 ``expresslane_``) into the prefill's HTTP response. Failures for an allowed node also go to it as an
 abort (through the worker), so its waiting /pd/decode fails at once.
+
+Numbers: this role's counts (claimed, unclaimed, refusals it finds) go to vLLM through
+``get_kv_connector_stats`` (stats.py). Each shipped rid stays "pending push work" until every TP rank's
+worker reports it done (sent, failed or aborted) in its worker metadata: vLLM keeps stepping the engine
+meanwhile (``has_pending_push_work``), so the sends' numbers, recorded in the sender threads, reach
+/metrics in the following steps instead of waiting for the next request. The wait is bounded
+(``pending_bound_s``: every sender timeout plus a margin); an rid past it is dropped with an error.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from expresslane.engine.connector.config import ExpressLaneConnectorConfig
-from expresslane.engine.connector.metadata import AbortRequest, Claim, ExpressLaneConnectorMetadata, ShipRequest
-from expresslane.engine.connector.metrics import CLAIMED, FAIL_PREFIX, REFUSED_DESTINATION, UNCLAIMED
+from expresslane.engine.connector.metadata import (
+    AbortRequest,
+    Claim,
+    ExpressLaneConnectorMetadata,
+    ExpressLaneWorkerMeta,
+    ShipRequest,
+)
+from expresslane.engine.connector.stats import ExpressLaneStats
 from expresslane.engine.protocol import CLAIM_RID
 from expresslane.engine.transfer.sender import KVSender, SenderConfig
 
@@ -48,21 +62,66 @@ class _Tracked:
     block_ids: list[list[int]] | None = None  # None until scheduled (or after a preemption)
 
 
+CLAIMED, UNCLAIMED, REFUSED_DESTINATION = "claimed_requests", "unclaimed_requests", "refused_destinations"
+FAILURES, ABORTS = "send_failures", "send_aborts"
+
+
+def pending_bound_s(c: ExpressLaneConnectorConfig) -> float:
+    """The longest a worker's send can take before it reports (connect attempts, busy wait, I/O, WRITE)."""
+    return (c.connect_retries + 1) * (c.connect_timeout_s + 2.0) + c.busy_retry_s + 2 * c.io_timeout_s \
+        + c.write_timeout_s + 10.0
+
+
 class ExpressLaneScheduler:
-    def __init__(self, config: ExpressLaneConnectorConfig | None = None, max_tokens: int | None = None) -> None:
+    def __init__(self, config: ExpressLaneConnectorConfig | None = None, max_tokens: int | None = None,
+                 world_size: int = 1, clock=time.monotonic) -> None:
         self.config = config or ExpressLaneConnectorConfig()
         self.max_tokens = max_tokens  # longest prompt the staging slots take; None: not checked here
+        self.world_size = world_size  # TP ranks whose workers each report a shipped rid done
+        self._clock = clock
         self._tracked: dict[str, _Tracked] = {}
         self._outcome: dict[str, dict[str, Any]] = {}  # req_id -> kv_transfer_params for request_finished
         self._aborts: list[AbortRequest] = []
         self._notifier: KVSender | None = None  # abort frames for failures found here (TCP only, no NIXL)
-        self._delta: Counter[str] = Counter()
-        # Totals, for tests and logs (the Prometheus counters live in the worker process).
+        self._stats = ExpressLaneStats()  # for vLLM (get_kv_connector_stats)
+        # The same counts for the rank-0 worker's side port (only when metrics_port is set).
+        self._side_delta: ExpressLaneStats | None = ExpressLaneStats() if self.config.metrics_port else None
+        self._pending: dict[str, list] = {}  # rid -> [ranks not done yet, deadline]
+        # Totals, for tests and logs.
         self.totals: Counter[str] = Counter()
 
-    def _count(self, key: str, n: int = 1) -> None:
-        self._delta[key] += n
-        self.totals[key] += n
+    def _count(self, key: str, label: str | None = None) -> None:
+        self._stats.inc(key, 1, label)
+        if self._side_delta is not None:
+            self._side_delta.inc(key, 1, label)
+        self.totals[f"{key}:{label}" if label else key] += 1
+
+    # ------------------------------------------------------------------ vLLM stats / push-work hooks
+
+    def get_stats(self) -> ExpressLaneStats | None:
+        if self._stats.is_empty():
+            return None
+        out, self._stats = self._stats, ExpressLaneStats()
+        return out
+
+    def update_worker_meta(self, meta: ExpressLaneWorkerMeta | None) -> None:
+        for rid, n in (meta.done.items() if meta is not None else ()):
+            entry = self._pending.get(rid)
+            if entry is None:
+                continue  # dropped past its bound, or an abort-only job of an rid never shipped
+            entry[0] -= n
+            if entry[0] <= 0:
+                del self._pending[rid]
+
+    def has_pending_push_work(self) -> bool:
+        if self._pending:
+            now = self._clock()
+            for rid in [r for r, (_, deadline) in self._pending.items() if now > deadline]:
+                logger.error("expresslane: rid=%s: %d worker(s) did not report the send done within %.0f s; "
+                             "no longer keeping the engine stepping for it", rid, self._pending[rid][0],
+                             pending_bound_s(self.config))
+                del self._pending[rid]
+        return bool(self._pending)
 
     # ------------------------------------------------------------------ hooks
 
@@ -73,7 +132,7 @@ class ExpressLaneScheduler:
         except ValueError as e:
             logger.error("expresslane: request %s has a malformed express-lane marker, not shipping: %s",
                          request.request_id, e)
-            self._count(FAIL_PREFIX + "bad_params")
+            self._count(FAILURES, "bad_params")
             rid = params.get(CLAIM_RID) if isinstance(params, dict) else None
             self._outcome[request.request_id] = _failed(rid if isinstance(rid, str) else "", "bad_params")
             return
@@ -85,13 +144,13 @@ class ExpressLaneScheduler:
             logger.error("expresslane: request %s names destination %s:%d, which is not in the allow-list; "
                          "nothing is sent", request.request_id, claim.host, claim.port)
             self._count(REFUSED_DESTINATION)
-            self._count(FAIL_PREFIX + "not_allowed")
+            self._count(FAILURES, "not_allowed")
             self._outcome[request.request_id] = _failed(claim.rid, "not_allowed")
             return
         if self.max_tokens is not None and request.num_prompt_tokens > self.max_tokens:
             logger.error("expresslane: rid=%s has %d prompt tokens > staging_max_tokens %d; not shipping",
                          claim.rid, request.num_prompt_tokens, self.max_tokens)
-            self._count(FAIL_PREFIX + "too_long")
+            self._count(FAILURES, "too_long")
             self._fail(request.request_id, claim, "too_long")
             return
         self._tracked[request.request_id] = _Tracked(claim, request.num_prompt_tokens)
@@ -102,9 +161,8 @@ class ExpressLaneScheduler:
             self._scan(scheduler_output, meta)
         if self._aborts:  # already sent by the notifier; the worker only logs/counts them
             meta.abort, self._aborts = self._aborts, []
-        if self._delta:
-            meta.stats_delta = dict(self._delta)
-            self._delta.clear()
+        if self._side_delta is not None and not self._side_delta.is_empty():
+            meta.stats_delta, self._side_delta = self._side_delta.data, ExpressLaneStats()
         return meta
 
     def request_finished(self, request: "Request") -> tuple[bool, dict[str, Any] | None]:
@@ -115,7 +173,7 @@ class ExpressLaneScheduler:
             logger.warning("expresslane: rid=%s (request %s) finished before its prompt was computed "
                            "(status %s); nothing shipped", tracked.claim.rid, request.request_id,
                            getattr(request, "status", "?"))
-            self._count(FAIL_PREFIX + "finished_before_ship")
+            self._count(FAILURES, "finished_before_ship")
             self._fail(request.request_id, tracked.claim, "finished_before_ship")
         return False, self._outcome.pop(request.request_id, None)
 
@@ -124,6 +182,7 @@ class ExpressLaneScheduler:
         not schedule another step for a while, so this cannot wait for the worker."""
         self._outcome[req_id] = _failed(claim.rid, reason)
         self._aborts.append(AbortRequest(claim, reason))
+        self._count(ABORTS, reason)  # handed to the notifier now (it runs on its own thread)
         if self._notifier is None:
             c = self.config
             self._notifier = KVSender(None, None, None, peer_secret=c.peer_secret, config=SenderConfig(
@@ -155,7 +214,7 @@ class ExpressLaneScheduler:
             if req_id in cached.resumed_req_ids or tracked.block_ids is None:
                 if new_ids is None:
                     logger.error("expresslane: request %s resumed without block ids; dropping", req_id)
-                    self._count(FAIL_PREFIX + "internal")
+                    self._count(FAILURES, "internal")
                     del self._tracked[req_id]
                     continue
                 tracked.block_ids = [list(g) for g in new_ids]
@@ -172,6 +231,7 @@ class ExpressLaneScheduler:
         meta.ship.append(ShipRequest(req_id, tracked.claim, tracked.prompt_len,
                                      tuple(list(g) for g in tracked.block_ids)))
         del self._tracked[req_id]
+        self._pending[tracked.claim.rid] = [self.world_size, self._clock() + pending_bound_s(self.config)]
         # Staged in this step's forward; later failures reach the node as an abort frame.
         self._outcome[req_id] = {CLAIM_RID: tracked.claim.rid, STATUS: STAGED, ERROR: ""}
 

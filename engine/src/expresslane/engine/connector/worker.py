@@ -19,8 +19,9 @@ import torch
 
 from expresslane.engine.connector.config import ExpressLaneConnectorConfig
 from expresslane.engine.connector.cpu_affinity import restore_forward_affinity
-from expresslane.engine.connector.metadata import ExpressLaneConnectorMetadata, ShipRequest
-from expresslane.engine.connector.metrics import ConnectorMetrics
+from expresslane.engine.connector.metadata import ExpressLaneConnectorMetadata, ExpressLaneWorkerMeta, ShipRequest
+from expresslane.engine.connector.metrics import SidePortMetrics
+from expresslane.engine.connector.stats import ExpressLaneStats, StatsRecorder
 from expresslane.engine.kv_layout import PagedKVLayout, UnsupportedKVLayout, derive_paged_layout, layer_index
 from expresslane.engine.protocol.layout import KVLayoutSpec, dtype_name, model_fingerprint
 from expresslane.engine.transfer.nixl_transport import NixlEndpoint
@@ -34,20 +35,33 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-class _MetricsObserver(SendObserver):
-    def __init__(self, metrics: ConnectorMetrics) -> None:
-        self.metrics = metrics
+class _StatsObserver(SendObserver):
+    """Sender-thread events -> the worker's stats, and each job's end -> a done rid for the scheduler."""
+
+    def __init__(self, worker: "ExpressLaneWorker") -> None:
+        self.worker = worker
 
     def on_sent(self, job: SendJob, seconds: float) -> None:
-        self.metrics.sent.inc()
-        self.metrics.sent_bytes.inc(job.nbytes)
-        self.metrics.send_seconds.observe(seconds)
+        stats = self.worker.stats
+        stats.inc("sent_requests")
+        stats.inc("sent_bytes", job.nbytes)
+        stats.observe("send_seconds", seconds)
+        self._end(job)
 
     def on_failure(self, job: SendJob | None, reason: str) -> None:
-        self.metrics.send_failures.labels(reason).inc()
+        self.worker.stats.inc("send_failures", 1, reason)
+        if job is not None:
+            self._end(job)
+
+    def _end(self, job: SendJob) -> None:
+        if job.slot is not None:
+            job.slot.release()  # idempotent (the sender releases it too): its gauge change comes before done
+        self.worker.job_done(job.rid)
 
     def on_abort_sent(self, job: SendJob, reason: str) -> None:
-        self.metrics.send_aborts.labels(reason).inc()
+        self.worker.stats.inc("send_aborts", 1, reason)
+        if job.abort_reason:  # an abort-only job ends here (a KV job's abort precedes its on_failure)
+            self.worker.job_done(job.rid)
 
 
 def _model_fingerprint(vllm_config: "VllmConfig") -> str:
@@ -76,12 +90,14 @@ def _parallel_ranks() -> tuple[int, int, int]:
 
 class ExpressLaneWorker:
     def __init__(self, vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig",
-                 config: ExpressLaneConnectorConfig, metrics: ConnectorMetrics | None = None) -> None:
+                 config: ExpressLaneConnectorConfig) -> None:
         self.vllm_config = vllm_config
         self.kv_cache_config = kv_cache_config
         self.config = config
-        self.metrics = metrics or ConnectorMetrics()
+        self.stats = StatsRecorder()  # drained by get_stats each step (vLLM's get_kv_connector_stats)
         self.tp_rank, self.tp_size, pp_size = _parallel_ranks()
+        self.side_port: SidePortMetrics | None = (
+            SidePortMetrics(config.staging_slots, self.tp_rank) if config.metrics_port else None)
         if pp_size != 1:
             raise NotImplementedError("ExpressLaneConnector does not support pipeline parallelism yet")
         self._layers: list[torch.Tensor] = []
@@ -167,11 +183,11 @@ class ExpressLaneWorker:
         heads = self._layouts[0].num_kv_heads
         on_cuda = kv_device.type == "cuda"
         self._device_staging = on_cuda and self.config.staging_device == "device"
-        metrics = self.metrics
+        stats, rank = self.stats, self.tp_rank
 
         def on_change(in_use: int) -> None:
-            metrics.staging_slots_in_use.set(in_use)
-            metrics.staging_slots_free.set(self.config.staging_slots - in_use)
+            stats.set_gauge("staging_slots_in_use", rank, in_use)
+            stats.set_gauge("staging_slots_free", rank, self.config.staging_slots - in_use)
 
         self.pool = StagingPool(self.config.staging_slots, self.layout_spec.request_nbytes(max_tokens, heads),
                                 device=kv_device if self._device_staging else "cpu",
@@ -186,42 +202,61 @@ class ExpressLaneWorker:
             config=SenderConfig(connect_timeout_s=cfg.connect_timeout_s, connect_retries=cfg.connect_retries,
                                 io_timeout_s=cfg.io_timeout_s, write_timeout_s=cfg.write_timeout_s,
                                 busy_retry_s=cfg.busy_retry_s, checksum=cfg.checksum),
-            observer=_MetricsObserver(self.metrics), peer_secret=cfg.peer_secret,
+            observer=_StatsObserver(self), peer_secret=cfg.peer_secret,
             model_fingerprint=_model_fingerprint(self.vllm_config),
         )
         self.sender.start()
-        if cfg.metrics_port:
+        if self.side_port is not None:
             dp_rank = self.vllm_config.parallel_config.data_parallel_rank or 0
-            self.metrics.serve(int(cfg.metrics_port) + dp_rank * self.tp_size + self.tp_rank, cfg.metrics_host)
+            self.side_port.serve(int(cfg.metrics_port) + dp_rank * self.tp_size + self.tp_rank, cfg.metrics_host)
+
+    # ------------------------------------------------------------------ stats (vLLM's interface)
+
+    def job_done(self, rid: str) -> None:
+        self.stats.mark_done(rid)
+
+    def get_stats(self) -> ExpressLaneStats | None:
+        """This step's events (None: nothing happened); also fed to the side port when it is on."""
+        stats = self.stats.drain()
+        if stats is not None and self.side_port is not None:
+            self.side_port.observe(stats.data)
+        return stats
+
+    def build_worker_meta(self) -> ExpressLaneWorkerMeta | None:
+        """Rids whose send ended and whose numbers the last get_stats handed over (vLLM calls get_stats
+        first in every step)."""
+        done = self.stats.take_done()
+        return ExpressLaneWorkerMeta(done) if done else None
 
     # ------------------------------------------------------------------ per step
 
     def wait_for_save(self, meta: ExpressLaneConnectorMetadata | None) -> None:
         if meta is None or meta.is_empty():
             return
-        if meta.stats_delta and self.tp_rank == 0:
-            self.metrics.apply_delta(meta.stats_delta)
+        if meta.stats_delta and self.tp_rank == 0 and self.side_port is not None:
+            self.side_port.observe(meta.stats_delta)  # the scheduler's counts (vLLM gets them directly)
         for ship in meta.ship:
             self._stage(ship)
-        if self.tp_rank == 0:
-            for abort in meta.abort:  # the scheduler side already told the node; count it here
-                self.metrics.send_aborts.labels(abort.reason).inc()
 
     def _fail(self, ship: ShipRequest, reason: str) -> None:
-        self.metrics.send_failures.labels(reason).inc()
+        self.stats.inc("send_failures", 1, reason)
         if self.sender is not None:
             self.sender.submit_abort(ship.claim.rid, ship.claim.host, ship.claim.port, reason)
+        else:
+            self.job_done(ship.claim.rid)
 
     def _stage(self, ship: ShipRequest) -> None:
         if self.pool is None or self.sender is None:
             logger.error("expresslane: rid=%s claimed but the connector has no KV caches registered",
                          ship.claim.rid)
-            self.metrics.send_failures.labels("not_ready").inc()
+            self.stats.inc("send_failures", 1, "not_ready")
+            self.job_done(ship.claim.rid)
             return
         if not self.config.allows(ship.claim.host, ship.claim.port):  # the scheduler filters; belt and braces
             logger.error("expresslane: rid=%s names %s:%d outside the allow-list; nothing sent", ship.claim.rid,
                          ship.claim.host, ship.claim.port)
-            self.metrics.refused_destinations.inc()
+            self.stats.inc("refused_destinations")
+            self.job_done(ship.claim.rid)
             return
         assert self.layout_spec is not None
         if ship.num_tokens > self.layout_spec.max_seq_len:
@@ -246,9 +281,9 @@ class ExpressLaneWorker:
         stage_s = time.monotonic() - t0
         lay = self._layouts[0]
         nbytes = self.layout_spec.request_nbytes(ship.num_tokens, lay.num_kv_heads)
-        self.metrics.staging_copies.inc()
-        self.metrics.staging_bytes.inc(nbytes)
-        self.metrics.staging_copy_seconds.observe(stage_s)
+        self.stats.inc("staging_copies")
+        self.stats.inc("staging_bytes", nbytes)
+        self.stats.observe("staging_copy_seconds", stage_s)
         self.sender.submit(SendJob(rid=ship.claim.rid, host=ship.claim.host, port=ship.claim.port,
                                    num_tokens=ship.num_tokens, slot=slot, nbytes=nbytes, ready=ready,
                                    stage_s=stage_s))
@@ -292,4 +327,5 @@ class ExpressLaneWorker:
     def shutdown(self) -> None:
         if self.sender is not None:
             self.sender.stop()
-        self.metrics.close()
+        if self.side_port is not None:
+            self.side_port.close()
