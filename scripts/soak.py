@@ -55,7 +55,8 @@ class Endpoints:
     prefill: str
     health: dict[str, str]  # service -> health URL
     express_status: str | None = None  # the express node's /decode_status
-    connector_metrics: str | None = None
+    connector_metrics: str | None = None  # the prefill connector's /metrics (dev stack)
+    prometheus: str | None = None  # a Prometheus that scrapes the prefill connector (compose: it is not published)
 
 
 class DevStackTarget:
@@ -110,7 +111,7 @@ class ComposeTarget:
             router=url["router"], prefill=url["prefill"],
             health={"decode-express": url["decode-express"] + "/health",
                     "decode-native": url["decode-native"] + "/health", "prefill": url["prefill"] + "/health"},
-            express_status=url["decode-express"] + "/decode_status")
+            express_status=url["decode-express"] + "/decode_status", prometheus=url.get("prometheus"))
 
     @staticmethod
     def _run(cmd: list[str]) -> str:
@@ -275,6 +276,16 @@ def _reference(ep: Endpoints, o: Options, s: Sent, cache: dict) -> str | None:
     return cache[key]
 
 
+def _prometheus_value(base: str, expr: str) -> float | None:
+    """The value of an instant query (summed over series); None when Prometheus has none or does not answer."""
+    try:
+        result = httpx.get(base + "/api/v1/query", params={"query": expr}, timeout=5,
+                           trust_env=False).json()["data"]["result"]
+    except (httpx.HTTPError, ValueError, KeyError):
+        return None
+    return sum(float(r["value"][1]) for r in result) if result else None
+
+
 def _stuck(ep: Endpoints) -> dict[str, float]:
     m = scrape(ep.router + "/metrics")
     out = {"router_inflight": metric(m, "expresslane_router_inflight_requests") or 0.0,
@@ -282,6 +293,10 @@ def _stuck(ep: Endpoints) -> dict[str, float]:
     if ep.connector_metrics:
         c = scrape(ep.connector_metrics)
         in_use = metric(c, "expresslane_connector_staging_slots_in_use")
+        if in_use is not None:
+            out["staging_slots_in_use"] = in_use
+    elif ep.prometheus:
+        in_use = _prometheus_value(ep.prometheus, "sum(expresslane_connector_staging_slots_in_use)")
         if in_use is not None:
             out["staging_slots_in_use"] = in_use
     if ep.express_status:
@@ -466,7 +481,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--compose-file", action="append", default=[], help="--compose: -f files (default: "
                     "COMPOSE_FILE from the environment or the repo's .env)")
     ap.add_argument("--ports", default="router=8080,prefill=8000,decode-native=8100,decode-express=5557",
-                    help="--compose: the loopback ports it publishes")
+                    help="--compose: the loopback ports it publishes (also prometheus=, default 9090: the prefill "
+                         "connector's staging slots are read there)")
     a = ap.parse_args(argv)
     targets = tuple(t for t in a.targets.split(",") if t)
     bad = set(targets) - {"decode-express", "decode-native"}
@@ -478,7 +494,7 @@ def main(argv: list[str] | None = None) -> int:
                        pause_share=a.pause_share, disconnect_share=a.disconnect_share,
                        pause_only=tuple(t for t in a.pause_only.split(",") if t),
                        express_alias=a.express_alias, native_alias=a.native_alias)
-        ports = {k: int(v) for k, v in (kv.split("=", 1) for kv in a.ports.split(","))}
+        ports = {"prometheus": 9090} | {k: int(v) for k, v in (kv.split("=", 1) for kv in a.ports.split(","))}
     except ValueError as e:
         ap.error(str(e))
     if a.dev_stack:
