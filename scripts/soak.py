@@ -9,7 +9,7 @@ express alias (which spills to native as the shipped router config says) and the
 not; a share of them disconnect on purpose at a random point. Chaos: every few seconds one decode service
 (`--targets`) is SIGKILLed (then started again after a random downtime) or SIGSTOPped (then SIGCONTed):
 `--dev-stack` signals the dev stack's process groups (scripts/dev_stack.py), `--compose` runs
-`docker kill -s KILL` + `docker compose start` on a container of the running compose project, or SIGSTOPs and
+`docker kill -s KILL` + `docker start` on a container of the running compose project, or SIGSTOPs and
 SIGCONTs every process in it (ComposeTarget says why not `docker pause`). It stops by
 itself after `--duration` seconds, restores every service, lets the router settle, and prints:
 
@@ -94,7 +94,7 @@ class ComposeTarget:
     """Real signals to the containers of a running compose project; health through the ports it publishes.
 
     kill: `docker kill -s KILL <container>` (the container's init dies, and with it every process in it), then
-    `docker compose start` brings the same container back. pause: SIGSTOP to every process of the container,
+    `docker start` brings the same container back. pause: SIGSTOP to every process of the container,
     sent from the host to the host pids `docker top` lists (a partition as the fault tests make one: sockets stay
     open, nothing answers), SIGCONT to resume. Not `docker pause`: the cgroup freezer is not a signal, and a
     SIGSTOP sent to the container's init alone would stop tini, not the server. Signalling the container's
@@ -148,7 +148,9 @@ class ComposeTarget:
         self._run(["docker", "kill", "-s", "KILL", self.container(service)])
 
     def start(self, service: str) -> None:
-        self._run(self.base + ["start", service])
+        # The same container again. Not `docker compose start`: it first reruns the one-shot model-init
+        # (a container with torch imported: 10-20 s more downtime on 2 CPUs for nothing).
+        self._run(["docker", "start", self.container(service)])
 
     def pause(self, service: str) -> None:
         self._signal_all(service, signal.SIGSTOP)
@@ -262,18 +264,35 @@ async def _chaos(target, o: Options, t0: float, until: float, faults: list[Fault
               f"({f.back_after_s if ok else 'NOT within ' + str(o.restart_timeout_s)}s after the fault)", flush=True)
 
 
-def _reference(ep: Endpoints, o: Options, s: Sent, cache: dict) -> str | None:
-    key = json.dumps([s.kind, s.body.get("prompt"), s.body.get("messages"), s.body["max_tokens"]])
-    if key not in cache:
-        body = dict(s.body, model=o.model, stream=False)
-        path = "/v1/chat/completions" if s.kind == "chat" else "/v1/completions"
-        r = httpx.post(ep.prefill + path, json=body, timeout=120, trust_env=False)
-        if r.status_code != 200:
-            cache[key] = None
-        else:
+def _ref_key(s: Sent) -> str:
+    return json.dumps([s.kind, s.body.get("prompt"), s.body.get("messages"), s.body["max_tokens"]])
+
+
+async def _references(ep: Endpoints, o: Options, served: list[Sent], parallel: int = 8) -> dict[str, str | None]:
+    """The single server's greedy answer to every distinct served request: the prefill (a plain vLLM) asked
+    directly, `parallel` at a time (vLLM batches them; one at a time took a minute or two for a CI soak).
+    None for a request the reference could not answer (then that output counts as inexact)."""
+    todo = {_ref_key(s): s for s in served}
+    out: dict[str, str | None] = {}
+    sem = asyncio.Semaphore(parallel)
+    async with httpx.AsyncClient(timeout=120, trust_env=False) as client:
+        async def one(key: str, s: Sent) -> None:
+            body = dict(s.body, model=o.model, stream=False)
+            path = "/v1/chat/completions" if s.kind == "chat" else "/v1/completions"
+            async with sem:
+                try:
+                    r = await client.post(ep.prefill + path, json=body)
+                except httpx.HTTPError:
+                    out[key] = None
+                    return
+            if r.status_code != 200:
+                out[key] = None
+                return
             choice = r.json()["choices"][0]
-            cache[key] = choice["text"] if s.kind == "completion" else choice["message"]["content"]
-    return cache[key]
+            out[key] = choice["text"] if s.kind == "completion" else choice["message"]["content"]
+
+        await asyncio.gather(*(one(k, s) for k, s in todo.items()))
+    return out
 
 
 def _prometheus_value(base: str, expr: str) -> float | None:
@@ -331,9 +350,9 @@ async def soak(target, o: Options) -> dict:
             print(f"soak: {service} did not come back within {o.restart_timeout_s}s", flush=True)
     settled, waited = wait_until(lambda: not any(_stuck(ep).values()), o.settle_s, 0.5)
     stuck = _stuck(ep)
-    refs: dict = {}
     served = [s for s in log if s.outcome.ok]
-    exact = sum(1 for s in served if s.outcome.text == _reference(ep, o, s, refs))
+    refs = await _references(ep, o, served)
+    exact = sum(1 for s in served if s.outcome.text == refs[_ref_key(s)])
     typed = [s for s in log if not s.outcome.ok and not s.outcome.disconnected and s.outcome.typed_error
              and s.outcome.error_type not in ("truncated", "transport", "bad_sse")]
     disconnected = [s for s in log if s.outcome.disconnected]
@@ -351,8 +370,8 @@ async def soak(target, o: Options) -> dict:
         "faults": [asdict(f) for f in faults],
         "examples": {k: [s.outcome.describe() for s in v[:5]] for k, v in
                      (("lost", lost), ("broken", broken), ("typed", typed)) if v},
-        "inexact": [{"body": s.body, "got": s.outcome.text, "want": _reference(ep, o, s, refs)}
-                    for s in served if s.outcome.text != _reference(ep, o, s, refs)][:3],
+        "inexact": [{"body": s.body, "got": s.outcome.text, "want": refs[_ref_key(s)]}
+                    for s in served if s.outcome.text != refs[_ref_key(s)]][:3],
     }
     return result
 
