@@ -51,7 +51,8 @@ def test_chaos_soak_loses_nothing_and_stays_exact(compose_stack, tmp_path):
     out = tmp_path / "soak.json"
     cmd = [sys.executable, str(REPO / "scripts" / "soak.py"), "--compose", "--project", PROJECT,
            "--duration", DURATION_S, "--seed", os.environ.get("EXPRESSLANE_SOAK_SEED", "1"),
-           "--concurrency", "3", "--fault-every", "10,20", "--down", "2,6", "--json", str(out)]
+           "--concurrency", "3", "--fault-every", "10,20", "--down", "2,6", "--pause-only", "decode-native",
+           "--json", str(out)]
     proc = subprocess.run(cmd, cwd=REPO, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                           timeout=int(float(DURATION_S)) + 900)
     print(proc.stdout[-20000:])
