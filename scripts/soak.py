@@ -9,7 +9,8 @@ express alias (which spills to native as the shipped router config says) and the
 not; a share of them disconnect on purpose at a random point. Chaos: every few seconds one decode service
 (`--targets`) is SIGKILLed (then started again after a random downtime) or SIGSTOPped (then SIGCONTed):
 `--dev-stack` signals the dev stack's process groups (scripts/dev_stack.py), `--compose` runs
-`docker compose kill -s SIGKILL | start | pause | unpause` on the running compose project. It stops by
+`docker kill -s KILL` + `docker start` on a container of the running compose project, or SIGSTOPs and
+SIGCONTs every process in it (ComposeTarget says why not `docker pause`). It stops by
 itself after `--duration` seconds, restores every service, lets the router settle, and prints:
 
     sent / served / failed with a typed error / disconnected (on purpose) / lost (no answer within --bound-s)
@@ -26,7 +27,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
+import signal
 import subprocess
 import sys
 import time
@@ -52,7 +55,8 @@ class Endpoints:
     prefill: str
     health: dict[str, str]  # service -> health URL
     express_status: str | None = None  # the express node's /decode_status
-    connector_metrics: str | None = None
+    connector_metrics: str | None = None  # the prefill connector's /metrics (dev stack)
+    prometheus: str | None = None  # a Prometheus that scrapes the prefill connector (compose: it is not published)
 
 
 class DevStackTarget:
@@ -87,10 +91,19 @@ class DevStackTarget:
 
 
 class ComposeTarget:
-    """`docker compose` on a running project; health through the ports it publishes on loopback."""
+    """Real signals to the containers of a running compose project; health through the ports it publishes.
+
+    kill: `docker kill -s KILL <container>` (the container's init dies, and with it every process in it), then
+    `docker start` brings the same container back. pause: SIGSTOP to every process of the container,
+    sent from the host to the host pids `docker top` lists (a partition as the fault tests make one: sockets stay
+    open, nothing answers), SIGCONT to resume. Not `docker pause`: the cgroup freezer is not a signal, and a
+    SIGSTOP sent to the container's init alone would stop tini, not the server. Signalling the container's
+    processes from the host needs root (or the container's uid), as compose-e2e.sh runs.
+    """
 
     def __init__(self, project: str | None, files: list[str], ports: dict[str, int]):
-        # Run from the repo root, so its .env (COMPOSE_PROJECT_NAME, COMPOSE_FILE) applies unless overridden.
+        # Run from the repo root, so its .env (COMPOSE_PROJECT_NAME, COMPOSE_FILE) applies unless overridden;
+        # compose-e2e.sh exports COMPOSE_FILE (the offline overlay), which this inherits.
         self.base = ["docker", "compose"] + (["-p", project] if project else []) + [
             a for f in files for a in ("-f", f)]
         url = {k: f"http://{LOOPBACK}:{v}" for k, v in ports.items()}
@@ -98,28 +111,56 @@ class ComposeTarget:
             router=url["router"], prefill=url["prefill"],
             health={"decode-express": url["decode-express"] + "/health",
                     "decode-native": url["decode-native"] + "/health", "prefill": url["prefill"] + "/health"},
-            express_status=url["decode-express"] + "/decode_status")
-        self._down: set[str] = set()
+            express_status=url["decode-express"] + "/decode_status", prometheus=url.get("prometheus"))
 
-    def _compose(self, *args: str) -> None:
-        subprocess.run(self.base + list(args), check=True, capture_output=True, text=True, timeout=120, cwd=REPO)
+    @staticmethod
+    def _run(cmd: list[str]) -> str:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=REPO)
+        if p.returncode != 0:
+            raise RuntimeError(f"soak: {' '.join(cmd)} failed (rc={p.returncode}): {p.stderr.strip()[-400:]}")
+        return p.stdout
+
+    def container(self, service: str) -> str:
+        ids = self._run(self.base + ["ps", "-a", "-q", service]).split()
+        if len(ids) != 1:
+            raise RuntimeError(f"soak: compose service {service!r} has {len(ids)} containers, expected one")
+        return ids[0]
+
+    def pids(self, service: str) -> list[int]:
+        """Host pids of every process in the service's container."""
+        out = self._run(["docker", "top", self.container(service), "-eo", "pid"]).split()
+        return [int(x) for x in out[1:]]  # out[0] is the PID header
+
+    def _signal_all(self, service: str, sig: signal.Signals) -> None:
+        pids = self.pids(service)
+        if not pids:
+            raise RuntimeError(f"soak: {service} has no processes to send {sig.name} to")
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass  # exited between the listing and the signal
+            except PermissionError as e:
+                raise RuntimeError(f"soak: cannot send {sig.name} to {service}'s pid {pid} ({e}): the pause "
+                                   "signals the container's processes from the host and needs root") from e
 
     def kill(self, service: str) -> None:
-        self._compose("kill", "-s", "SIGKILL", service)
-        self._down.add(service)
+        self._run(["docker", "kill", "-s", "KILL", self.container(service)])
 
     def start(self, service: str) -> None:
-        self._compose("start", service)
-        self._down.discard(service)
+        # The same container again. Not `docker compose start`: it first reruns the one-shot model-init
+        # (a container with torch imported: 10-20 s more downtime on 2 CPUs for nothing).
+        self._run(["docker", "start", self.container(service)])
 
     def pause(self, service: str) -> None:
-        self._compose("pause", service)
+        self._signal_all(service, signal.SIGSTOP)
 
     def resume(self, service: str) -> None:
-        self._compose("unpause", service)
+        self._signal_all(service, signal.SIGCONT)
 
     def running(self, service: str) -> bool:
-        return service not in self._down
+        state = self._run(["docker", "inspect", "-f", "{{.State.Running}}", self.container(service)]).strip()
+        return state == "true"
 
 
 # ---- one soak ------------------------------------------------------------------------------------------------
@@ -156,6 +197,7 @@ class Options:
     down_s: tuple[float, float] = (2.0, 8.0)
     pause_share: float = 0.25
     targets: tuple[str, ...] = ("decode-express", "decode-native")
+    pause_only: tuple[str, ...] = ()  # targets the loop SIGSTOPs but never kills (a vLLM restart is minutes)
     express_alias: str = "tiny-llama-express"
     native_alias: str = "tiny-llama"
     model: str = "tiny-llama"  # what the prefill serves (the reference)
@@ -208,7 +250,7 @@ async def _chaos(target, o: Options, t0: float, until: float, faults: list[Fault
         if time.monotonic() >= until:
             return
         service = rng.choice(o.targets)
-        action = "pause" if rng.random() < o.pause_share else "kill"
+        action = "pause" if rng.random() < o.pause_share or service in o.pause_only else "kill"
         f = Fault(round(time.monotonic() - t0, 2), service, action, round(rng.uniform(*o.down_s), 2))
         faults.append(f)
         print(f"  [{f.at_s:7.1f}s] {action} {service} for {f.down_s:.1f}s", flush=True)
@@ -222,18 +264,45 @@ async def _chaos(target, o: Options, t0: float, until: float, faults: list[Fault
               f"({f.back_after_s if ok else 'NOT within ' + str(o.restart_timeout_s)}s after the fault)", flush=True)
 
 
-def _reference(ep: Endpoints, o: Options, s: Sent, cache: dict) -> str | None:
-    key = json.dumps([s.kind, s.body.get("prompt"), s.body.get("messages"), s.body["max_tokens"]])
-    if key not in cache:
-        body = dict(s.body, model=o.model, stream=False)
-        path = "/v1/chat/completions" if s.kind == "chat" else "/v1/completions"
-        r = httpx.post(ep.prefill + path, json=body, timeout=120, trust_env=False)
-        if r.status_code != 200:
-            cache[key] = None
-        else:
+def _ref_key(s: Sent) -> str:
+    return json.dumps([s.kind, s.body.get("prompt"), s.body.get("messages"), s.body["max_tokens"]])
+
+
+async def _references(ep: Endpoints, o: Options, served: list[Sent], parallel: int = 8) -> dict[str, str | None]:
+    """The single server's greedy answer to every distinct served request: the prefill (a plain vLLM) asked
+    directly, `parallel` at a time (vLLM batches them; one at a time took a minute or two for a CI soak).
+    None for a request the reference could not answer (then that output counts as inexact)."""
+    todo = {_ref_key(s): s for s in served}
+    out: dict[str, str | None] = {}
+    sem = asyncio.Semaphore(parallel)
+    async with httpx.AsyncClient(timeout=120, trust_env=False) as client:
+        async def one(key: str, s: Sent) -> None:
+            body = dict(s.body, model=o.model, stream=False)
+            path = "/v1/chat/completions" if s.kind == "chat" else "/v1/completions"
+            async with sem:
+                try:
+                    r = await client.post(ep.prefill + path, json=body)
+                except httpx.HTTPError:
+                    out[key] = None
+                    return
+            if r.status_code != 200:
+                out[key] = None
+                return
             choice = r.json()["choices"][0]
-            cache[key] = choice["text"] if s.kind == "completion" else choice["message"]["content"]
-    return cache[key]
+            out[key] = choice["text"] if s.kind == "completion" else choice["message"]["content"]
+
+        await asyncio.gather(*(one(k, s) for k, s in todo.items()))
+    return out
+
+
+def _prometheus_value(base: str, expr: str) -> float | None:
+    """The value of an instant query (summed over series); None when Prometheus has none or does not answer."""
+    try:
+        result = httpx.get(base + "/api/v1/query", params={"query": expr}, timeout=5,
+                           trust_env=False).json()["data"]["result"]
+    except (httpx.HTTPError, ValueError, KeyError):
+        return None
+    return sum(float(r["value"][1]) for r in result) if result else None
 
 
 def _stuck(ep: Endpoints) -> dict[str, float]:
@@ -243,6 +312,10 @@ def _stuck(ep: Endpoints) -> dict[str, float]:
     if ep.connector_metrics:
         c = scrape(ep.connector_metrics)
         in_use = metric(c, "expresslane_connector_staging_slots_in_use")
+        if in_use is not None:
+            out["staging_slots_in_use"] = in_use
+    elif ep.prometheus:
+        in_use = _prometheus_value(ep.prometheus, "sum(expresslane_connector_staging_slots_in_use)")
         if in_use is not None:
             out["staging_slots_in_use"] = in_use
     if ep.express_status:
@@ -264,8 +337,8 @@ async def soak(target, o: Options) -> dict:
     until = t0 + o.duration_s
     log: list[Sent] = []
     faults: list[Fault] = []
-    print(f"soak: {o.duration_s:g}s, seed {o.seed}, {o.concurrency} clients, faults on {','.join(o.targets)}",
-          flush=True)
+    print(f"soak: {o.duration_s:g}s, seed {o.seed}, {o.concurrency} clients, faults on {','.join(o.targets)}"
+          + (f" ({','.join(o.pause_only)}: SIGSTOP only)" if o.pause_only else ""), flush=True)
     chaos = asyncio.create_task(_chaos(target, o, t0, until, faults))
     await asyncio.gather(*(_client(i, ep, o, until, log) for i in range(o.concurrency)))
     await chaos  # ends after its current fault has been undone
@@ -277,9 +350,9 @@ async def soak(target, o: Options) -> dict:
             print(f"soak: {service} did not come back within {o.restart_timeout_s}s", flush=True)
     settled, waited = wait_until(lambda: not any(_stuck(ep).values()), o.settle_s, 0.5)
     stuck = _stuck(ep)
-    refs: dict = {}
     served = [s for s in log if s.outcome.ok]
-    exact = sum(1 for s in served if s.outcome.text == _reference(ep, o, s, refs))
+    refs = await _references(ep, o, served)
+    exact = sum(1 for s in served if s.outcome.text == refs[_ref_key(s)])
     typed = [s for s in log if not s.outcome.ok and not s.outcome.disconnected and s.outcome.typed_error
              and s.outcome.error_type not in ("truncated", "transport", "bad_sse")]
     disconnected = [s for s in log if s.outcome.disconnected]
@@ -297,10 +370,75 @@ async def soak(target, o: Options) -> dict:
         "faults": [asdict(f) for f in faults],
         "examples": {k: [s.outcome.describe() for s in v[:5]] for k, v in
                      (("lost", lost), ("broken", broken), ("typed", typed)) if v},
-        "inexact": [{"body": s.body, "got": s.outcome.text, "want": _reference(ep, o, s, refs)}
-                    for s in served if s.outcome.text != _reference(ep, o, s, refs)][:3],
+        "inexact": [{"body": s.body, "got": s.outcome.text, "want": refs[_ref_key(s)]}
+                    for s in served if s.outcome.text != refs[_ref_key(s)]][:3],
     }
     return result
+
+
+# ---- the handoff's share of an express request (issue 11 item 4: what a second receive slot would buy) ------
+async def measure_handoff(ep: Endpoints, o: Options, n: int) -> dict:
+    """n express requests one after another (non-stream, greedy, 48 tokens, a 200-word prompt), no faults.
+    The node's per-phase times come from its own /metrics (expresslane_decode_phase_seconds, deltas over the
+    run); the client's time end to end from here. `outside_node_ms` = client time - the node's phases: gate,
+    /pd/reserve, the prefill leg and the router's own work. With a second receive slot, request N+1's reserve,
+    prefill and KV transfer (outside_node + wire_wait + convert) could run while N decodes; inject stays serial
+    (it writes the engine's cache), so back-to-back requests on one node would save min(that, decode) each."""
+    if not ep.express_status:
+        raise SystemExit("soak: --handoff needs the express node's address")
+    node_metrics = ep.express_status.rsplit("/", 1)[0] + "/metrics"
+    phases = ("wire_wait", "convert", "inject", "decode")
+
+    def totals() -> dict[str, tuple[float, float]]:
+        m = scrape(node_metrics)
+        return {ph: (metric(m, "expresslane_decode_phase_seconds_sum", phase=ph) or 0.0,
+                     metric(m, "expresslane_decode_phase_seconds_count", phase=ph) or 0.0) for ph in phases}
+
+    rng = random.Random(o.seed)
+    words = 200
+    before = totals()
+    elapsed: list[float] = []
+    failures: list[str] = []
+    for _ in range(n):
+        start = rng.randrange(0, max(1, len(WORDS) - words))
+        body = {"model": o.express_alias, "prompt": " ".join(WORDS[start:start + words]), "max_tokens": 48,
+                "temperature": 0, "ignore_eos": True}
+        out = await request(ep.router, "/v1/completions", body, bound_s=o.bound_s, stream=False)
+        if out.ok:
+            elapsed.append(out.elapsed_s)
+        else:
+            failures.append(out.describe())
+    after = totals()
+    per: dict[str, float] = {}
+    for ph in phases:
+        d_sum, d_n = after[ph][0] - before[ph][0], after[ph][1] - before[ph][1]
+        per[ph] = round(1000 * d_sum / d_n, 2) if d_n else 0.0
+    client_ms = round(1000 * sum(elapsed) / len(elapsed), 2) if elapsed else 0.0
+    node_ms = sum(per.values())
+    outside = round(max(0.0, client_ms - node_ms), 2)
+    overlappable = outside + per["wire_wait"] + per["convert"]
+    saved = min(overlappable, per["decode"])
+    return {"requests": n, "served": len(elapsed), "failures": failures[:5], "client_ms": client_ms,
+            "node_phase_ms": per, "outside_node_ms": outside,
+            "handoff_share": round((per["wire_wait"] + per["convert"] + per["inject"]) / client_ms, 4)
+            if client_ms else 0.0,
+            "overlappable_ms": round(overlappable, 2), "saved_per_back_to_back_request_ms": round(saved, 2),
+            "back_to_back_speedup": round(client_ms / (client_ms - saved), 3) if client_ms > saved else None}
+
+
+def print_handoff(h: dict) -> None:
+    p = h["node_phase_ms"]
+    print(f"\nhandoff share ({h['served']}/{h['requests']} express requests, one at a time, 48 tokens, 200-word prompt)")
+    print(f"  client end to end   {h['client_ms']:8.1f} ms")
+    print(f"  outside the node    {h['outside_node_ms']:8.1f} ms  (gate, /pd/reserve, prefill leg, router)")
+    for ph in ("wire_wait", "convert", "inject", "decode"):
+        print(f"  node {ph:<14} {p[ph]:8.1f} ms")
+    print(f"  handoff share       {100 * h['handoff_share']:8.2f} %  (wire_wait + convert + inject of the client time)")
+    print(f"  a second receive slot could overlap {h['overlappable_ms']:.1f} ms (outside + wire_wait + convert) with"
+          f" the previous request's decode: {h['saved_per_back_to_back_request_ms']:.1f} ms saved per back-to-back"
+          f" request, {h['back_to_back_speedup']}x requests/s on a saturated node")
+    for f in h["failures"]:
+        print(f"    failed: {f}")
 
 
 def print_report(r: dict) -> None:
@@ -343,10 +481,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fault-every", default="8,20", help="seconds between faults, min,max")
     ap.add_argument("--down", default="2,8", help="seconds a killed/paused service stays down, min,max")
     ap.add_argument("--pause-share", type=float, default=0.25, help="share of faults that are SIGSTOP, not SIGKILL")
+    ap.add_argument("--pause-only", default="", help="targets that are only ever SIGSTOPped, never killed (the CI "
+                    "soak: decode-native, whose vLLM restart takes 2-3 min on 2 CPUs)")
     ap.add_argument("--disconnect-share", type=float, default=0.1)
     ap.add_argument("--express-alias", default="tiny-llama-express")
     ap.add_argument("--native-alias", default="tiny-llama")
     ap.add_argument("--json", type=Path, help="also write the result here")
+    ap.add_argument("--handoff", type=int, default=0, metavar="N",
+                    help="instead of the soak: N express requests one at a time, no faults, and the handoff's share "
+                         "of each (the node's phase times from its /metrics)")
     ap.add_argument("--state-dir", type=Path, default=REPO / "var" / "dev-stack", help="--dev-stack: its state")
     ap.add_argument("--port-base", type=int, default=0, help="--dev-stack: its port shift")
     ap.add_argument("--restart-env", default="EXPRESS_COMPILE=0",
@@ -357,7 +500,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--compose-file", action="append", default=[], help="--compose: -f files (default: "
                     "COMPOSE_FILE from the environment or the repo's .env)")
     ap.add_argument("--ports", default="router=8080,prefill=8000,decode-native=8100,decode-express=5557",
-                    help="--compose: the loopback ports it publishes")
+                    help="--compose: the loopback ports it publishes (also prometheus=, default 9090: the prefill "
+                         "connector's staging slots are read there)")
     a = ap.parse_args(argv)
     targets = tuple(t for t in a.targets.split(",") if t)
     bad = set(targets) - {"decode-express", "decode-native"}
@@ -367,8 +511,9 @@ def main(argv: list[str] | None = None) -> int:
         opts = Options(duration_s=a.duration, seed=a.seed, concurrency=a.concurrency, bound_s=a.bound_s,
                        targets=targets, fault_every_s=_span(a.fault_every), down_s=_span(a.down),
                        pause_share=a.pause_share, disconnect_share=a.disconnect_share,
+                       pause_only=tuple(t for t in a.pause_only.split(",") if t),
                        express_alias=a.express_alias, native_alias=a.native_alias)
-        ports = {k: int(v) for k, v in (kv.split("=", 1) for kv in a.ports.split(","))}
+        ports = {"prometheus": 9090} | {k: int(v) for k, v in (kv.split("=", 1) for kv in a.ports.split(","))}
     except ValueError as e:
         ap.error(str(e))
     if a.dev_stack:
@@ -379,6 +524,12 @@ def main(argv: list[str] | None = None) -> int:
         target = DevStackTarget(a.state_dir, a.port_base, restart_env)
     else:
         target = ComposeTarget(a.project, a.compose_file, ports)
+    if a.handoff:
+        h = asyncio.run(measure_handoff(target.endpoints, opts, a.handoff))
+        print_handoff(h)
+        if a.json:
+            a.json.write_text(json.dumps(h, indent=2))
+        return 0 if h["served"] == h["requests"] else 1
     result = asyncio.run(soak(target, opts))
     print_report(result)
     if a.json:
