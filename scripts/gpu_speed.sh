@@ -5,6 +5,9 @@
 #
 #   bash scripts/gpu_speed.sh [OUTDIR] [PART]     # PART: all (default) | tests | engine | hf
 #
+# Environment: SHAPES (llama-1b llama-8b), STEPS (bench step flags, one word per run, default --compile; e.g.
+# "--compile --compile-mode=max-autotune-no-cudagraphs"), CONTEXTS, TOKENS, ORACLE_K, STEP_TIMEOUT (s per run).
+#
 # Needs torch with CUDA, triton, safetensors, transformers, pytest (no vLLM, no network). Logs in OUTDIR
 # (default var/gpu-speed): speed.log (the whole output), results.jsonl (one JSON line per engine result).
 set -euo pipefail
@@ -28,7 +31,7 @@ if [[ $PART == all || $PART == tests ]]; then
 fi
 
 if [[ $PART == all || $PART == engine || $PART == hf ]]; then
-  for shape in llama-1b llama-8b; do "$PY" scripts/gpu_make_shape_model.py $shape "$MODELS/$shape"; done
+  for shape in ${SHAPES:-llama-1b llama-8b}; do "$PY" scripts/gpu_make_shape_model.py $shape "$MODELS/$shape"; done
 fi
 
 if [[ $PART == all || $PART == engine ]]; then
@@ -36,9 +39,10 @@ if [[ $PART == all || $PART == engine ]]; then
     for step in ${STEPS:---compile}; do
       echo "== engine $shape $step"
       # shellcheck disable=SC2086
-      "$PY" -m expresslane.engine.decode.bench --model "$MODELS/$shape" --device cuda --dtype bfloat16 \
-        --contexts ${CONTEXTS:-1024,8192,32768} --tokens ${TOKENS:-256} --repeats 2 --oracle-k 1,2,3,4 \
-        $step --json "$OUTDIR/results.jsonl"
+      # STEP_TIMEOUT (s, 0 = none) bounds one bench run, so a slow max-autotune compile cannot eat the call.
+      timeout "${STEP_TIMEOUT:-0}" "$PY" -m expresslane.engine.decode.bench --model "$MODELS/$shape" --device cuda \
+        --dtype bfloat16 --contexts ${CONTEXTS:-1024,8192,32768} --tokens ${TOKENS:-256} --repeats 2 \
+        --oracle-k ${ORACLE_K:-1,2,3,4} $step --json "$OUTDIR/results.jsonl" || echo "engine $shape $step: rc $?"
     done
   done
 fi

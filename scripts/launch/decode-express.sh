@@ -19,11 +19,12 @@ EXPRESS_COMPILE="${EXPRESS_COMPILE:-1}"
 EXPRESS_ATTENTION="${EXPRESS_ATTENTION:-}"
 # Exact speculative decoding by prompt lookup (greedy output identical either way; a request may opt out with
 # sampling.speculative=false): on | off. EXPRESS_SPEC_K: most draft tokens per verify step (1-16; empty = 4).
-# Off by default in the launched stack for now: with the compiled CPU step (EXPRESS_COMPILE=1) the first verify
-# steps of a long stream recompiled mid-stream (a 17 s gap at token 151 of a 1500-token greedy stream, measured
-# 2026-12-01 with the tiny model, which also accepted 1 of 202 drafts), longer than the router's stall timeout.
-# The engine's own default stays on; turn it on here once the verify step is compiled for every shape up front.
-EXPRESS_SPECULATION="${EXPRESS_SPECULATION:-off}"
+# On by default: the compiled step no longer compiles mid-stream (every shape a stream takes is compiled at
+# warmup: tests/unit/engine/test_no_recompile.py; a 1,500-token compiled stream's largest gap was 9 ms), and the
+# adaptive k (decode/speculative.py AdaptiveDrafter) pauses drafting where drafts keep missing, so a model or a
+# prompt that does not repeat pays about one 2-row verify every 65 tokens. Numbers: docs/performance.md
+# ("No compile mid-stream, adaptive k").
+EXPRESS_SPECULATION="${EXPRESS_SPECULATION:-on}"
 EXPRESS_SPEC_K="${EXPRESS_SPEC_K:-}"
 # Deadlines (seconds; every failure of a request surfaces within a bound). Empty = the node's default.
 EXPRESS_KV_TIMEOUT_S="${EXPRESS_KV_TIMEOUT_S:-}"              # default wait for a request's KV (120)

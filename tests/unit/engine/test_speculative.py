@@ -9,8 +9,8 @@ import os
 import pytest
 import torch
 
-from expresslane.engine.decode import (DecodeEngine, DraftModelDrafter, PromptLookupDrafter, SamplingParams,
-                                       SpeculationConfig)
+from expresslane.engine.decode import (AdaptiveDrafter, DecodeEngine, DraftModelDrafter, PromptLookupDrafter,
+                                       SamplingParams, SpeculationConfig)
 
 from .test_engine_vs_transformers import dense_kv, hf_greedy
 
@@ -201,3 +201,58 @@ def test_compiled_cpu_step_with_verify_rows(hf_model):
     assert got == expected
     assert gen.spec.accepted_tokens > 10 and gen.spec.drafted_tokens > gen.spec.accepted_tokens, gen.spec.as_dict()
     torch._dynamo.reset()
+
+
+class ScriptedDrafter:
+    """Always proposes k tokens; the test plays the engine (extend with kept drafts + one token)."""
+
+    def __init__(self):
+        self.asked: list[int] = []
+
+    def start(self, context):
+        pass
+
+    def propose(self, k):
+        self.asked.append(k)
+        return [0] * k
+
+    def extend(self, tokens):
+        pass
+
+
+def _step(d: AdaptiveDrafter, kept: int | None) -> int:
+    """One engine step: returns how many drafts were proposed; kept=None: all kept."""
+    drafts = d.propose(4)
+    n = len(drafts) if kept is None else min(kept, len(drafts))
+    d.extend([1] * (n + 1))
+    return len(drafts)
+
+
+def test_adaptive_k_backs_off_pauses_and_recovers():
+    d = AdaptiveDrafter(ScriptedDrafter(), pause=4, max_pause=16)
+    d.start([1, 2])
+    assert [_step(d, None) for _ in range(3)] == [4, 4, 4]  # all kept: full k
+    assert [_step(d, 0) for _ in range(3)] == [4, 2, 1]  # misses halve k
+    assert [_step(d, 0) for _ in range(5)] == [0, 0, 0, 0, 1]  # a miss at k = 1 pauses 4 steps, then probes
+    assert sum(_step(d, 0) for _ in range(9)) == 1  # the next miss pauses 8 steps, then one probe
+    assert [_step(d, 0) for _ in range(17)].count(1) == 1  # and so on, up to max_pause
+    assert [_step(d, 0) for _ in range(17)].count(1) == 1  # capped at 16: one probe per 17 steps
+    assert [_step(d, None) for _ in range(19)][-4:] == [0, 1, 2, 4]  # the probe after the pause is kept: k regrows
+    assert [_step(d, 1), _step(d, None)] == [4, 2]  # partial: kept 1 of 4 -> k = 2
+    d.start([3])  # a new request starts at full k again
+    assert _step(d, None) == 4
+
+
+def test_adaptive_k_is_exact_and_cheap_where_drafts_miss(engines):
+    """Always-wrong drafts behind the adaptive wrapper: output unchanged, and few verify forwards."""
+    _, spec, plain = engines
+    spec.set_drafter(lambda: AdaptiveDrafter(WrongDrafter(spec.vocab_size)))
+    try:
+        got, gen = _greedy(spec, LOOP_PROMPT, N_NEW)
+    finally:
+        spec.set_drafter(SpeculationConfig().drafter)
+    assert got == _greedy(plain, LOOP_PROMPT, N_NEW)[0]
+    s = gen.spec
+    assert s.verify_steps <= 8 and s.plain_steps >= N_NEW - 10, s.as_dict()
+    assert isinstance(SpeculationConfig().drafter(), AdaptiveDrafter)
+    assert isinstance(SpeculationConfig(adaptive=False).drafter(), PromptLookupDrafter)

@@ -50,7 +50,7 @@ from .engine import (CUDA_GRAPH_CHOICES, DecodeEngine, Generation, default_atten
                      parse_dtype, resolve_cuda_graph)
 from .runner import StepMode, StepRunner
 from .sampling import HONOURED_SAMPLING_OPTIONS, SamplingParams
-from .speculative import DraftModelDrafter, Drafter, PromptLookupDrafter, SpecStats, SpeculationConfig
+from .speculative import AdaptiveDrafter, DraftModelDrafter, Drafter, PromptLookupDrafter, SpecStats, SpeculationConfig
 
 __all__ = [
     "DecodeEngine",
@@ -69,6 +69,7 @@ __all__ = [
     "Drafter",
     "DraftModelDrafter",
     "PromptLookupDrafter",
+    "AdaptiveDrafter",
     "SpecStats",
     "SpeculationConfig",
 ]

@@ -14,7 +14,7 @@ from ..models.rope import rope_tables
 from .cache import KVGeometry, StaticKVCache
 from .runner import StepRunner
 from .sampling import HONOURED_SAMPLING_OPTIONS, Sampler, SamplingParams
-from .speculative import Drafter, PromptLookupDrafter, SpecStats, SpeculationConfig
+from .speculative import Drafter, SpecStats, SpeculationConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 ATTENTION_MODES = tuple(ATTENTION_ALIASES)
@@ -113,8 +113,7 @@ class DecodeEngine:
         # verified in one forward of up to k + 1 rows.
         self.speculation = speculation
         self.spec_stats = SpecStats()  # cumulative over requests (the server exports these)
-        self._drafter_factory = (lambda: PromptLookupDrafter(speculation.ngram_min, speculation.ngram_max)) \
-            if speculation else None
+        self._drafter_factory = speculation.drafter if speculation else None
         self.runner = StepRunner(model, self.cache, self.cos, self.sin, attention=kind, compile=compile,
                                  cuda_graph=cuda_graph, max_rows=1 + (speculation.k if speculation else 0),
                                  compile_mode=compile_mode)

@@ -4,8 +4,13 @@ T = 1 is a plain decode step, T = k + 1 verifies k drafts in one forward. The ru
 buffers (token rows, the start position), picks the attention kernel, and runs the step one of four ways:
 
 * eager: kernel by kernel from Python;
-* compiled: the same step through torch.compile (one compile serves every T and, with live attention, every
-  length: both are symbolic);
+* compiled: the same step through torch.compile. Dynamo specialises a size of 1, so T = 1 is one graph and
+  T = 2 .. max_rows (and, with live attention, every length) one symbolic graph; `warmup` compiles both, and
+  nothing compiles mid-stream: every step feeds the compiled function the runner's own buffers (a view of
+  `_tokens`, `_start`), never the caller's tensor, because dynamo also guards on a tensor's dispatch keys
+  and a tensor made outside inference mode (e.g. a slice of a long-lived arange) differs from one made inside
+  it: that guard failure recompiled the first verify steps of a stream (a 17 s gap at token 151 on 2 CPUs;
+  tests/unit/engine/test_no_recompile.py counts dynamo's compiles after warmup);
 * graph / compiled graph (CUDA, fixed-shape attention): one CUDA graph per T bucket, captured on first use
   (`capture` does it ahead of time), replayed with the start position read from a device buffer.
 
@@ -44,9 +49,11 @@ class StepRunner:
         self.max_rows = max_rows  # the largest T (1 + the most drafts a step verifies)
         device = cache.geometry.device
         self.device = device
-        self._arange = torch.arange(cache.geometry.max_seq_len, device=device)
-        self._start = torch.zeros(1, dtype=torch.long, device=device)
-        self._tokens = torch.zeros(max_rows, dtype=torch.long, device=device)
+        # Made in inference mode, like every tensor a step sees: the compiled step's guards see one kind.
+        with torch.inference_mode():
+            self._arange = torch.arange(cache.geometry.max_seq_len, device=device)
+            self._start = torch.zeros(1, dtype=torch.long, device=device)
+            self._tokens = torch.zeros(max_rows, dtype=torch.long, device=device)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._set_step()
 
@@ -83,10 +90,11 @@ class StepRunner:
         if not 1 <= t <= self.max_rows:
             raise ValueError(f"a step takes 1..{self.max_rows} tokens, got {t}")
         self._start.fill_(start_pos)
+        rows = self._tokens[:t]
+        rows.copy_(tokens)
         if not self.cuda_graph:
             kv_len = start_pos + t if self.attention is AttentionKind.LIVE else None
-            return self._step(tokens, self._start, kv_len)
-        self._tokens[:t].copy_(tokens)
+            return self._step(rows, self._start, kv_len)
         if t not in self._graphs:
             self._capture(t)
         graph, logits = self._graphs[t]

@@ -8,7 +8,10 @@ written for rejected drafts lie past the new length, are never read (attention r
 and are overwritten by the next step.
 
 Drafters:
-* `PromptLookupDrafter` (the default): n-gram lookup over the prompt and the generated text. Agentic and
+* `AdaptiveDrafter` wraps the default drafter: it lowers k after rejections and stops drafting for a while
+  (probing again later, with growing pauses) where drafts keep missing, so speculation costs little where it
+  does not pay and full k where it does.
+* `PromptLookupDrafter` (the default, wrapped): n-gram lookup over the prompt and the generated text. Agentic and
   code-edit traffic repeats its context, so the continuation of the latest earlier occurrence of the last n
   tokens is a good guess, at no model cost.
 * `DraftModelDrafter`: a smaller model of the same vocabulary, run greedily by its own DecodeEngine.
@@ -42,11 +45,18 @@ class Drafter(Protocol):
 @dataclass(frozen=True)
 class SpeculationConfig:
     """Engine-wide speculation. k: most drafts per step (a step verifies up to k + 1 rows);
-    ngram_min/max: n-gram lengths prompt lookup matches, longest first."""
+    ngram_min/max: n-gram lengths prompt lookup matches, longest first; adaptive: wrap the drafter in
+    `AdaptiveDrafter` (k follows acceptance, pauses where drafts miss)."""
 
     k: int = 4
     ngram_min: int = 2
     ngram_max: int = 4
+    adaptive: bool = True
+
+    def drafter(self) -> "Drafter":
+        """A fresh default drafter for one request."""
+        lookup = PromptLookupDrafter(self.ngram_min, self.ngram_max)
+        return AdaptiveDrafter(lookup) if self.adaptive else lookup
 
     def __post_init__(self) -> None:
         if not 1 <= self.k <= 16:
@@ -196,3 +206,58 @@ class DraftModelDrafter:
         self.cached = len(self.tokens)  # rows [0, C) now; extend() adds the kept drafts' rows
         self._drafts = drafts
         return drafts
+
+
+class AdaptiveDrafter:
+    """Adaptive k around another drafter: how many drafts a step verifies follows how many the last verify
+    step kept. All kept: k doubles (up to the engine's k). Some kept (a of d): k = a + 1. None kept: k halves;
+    a miss at k = 1 pauses drafting for `pause` steps (plain forwards, no verify cost), and each further miss
+    at k = 1 doubles the pause up to `max_pause`; any kept draft ends the pauses. Worst case (drafts proposed
+    and always wrong): one 2-row verify every max_pause + 1 steps. The output is the target's either way.
+
+    It reads the outcome from the protocol alone: after a verify step of d drafts the engine extends with
+    the kept drafts plus one token of the target's, so kept = len(tokens) - 1."""
+
+    def __init__(self, inner: Drafter, *, pause: int = 4, max_pause: int = 64) -> None:
+        if not 1 <= pause <= max_pause:
+            raise ValueError(f"need 1 <= pause <= max_pause, got {pause}, {max_pause}")
+        self.inner = inner
+        self.base_pause, self.max_pause = pause, max_pause
+        self.k: int | None = None  # current cap; None = the engine's k (first proposal)
+        self.pause = pause
+        self.skip = 0  # plain steps left before the next probe
+        self.k_max = 0  # the largest k the engine asked for
+        self._drafted = 0
+
+    def start(self, context: Sequence[int]) -> None:
+        self.k, self.pause, self.skip, self._drafted = None, self.base_pause, 0, 0
+        self.inner.start(context)
+
+    def propose(self, k: int) -> list[int]:
+        self._drafted = 0
+        if self.skip > 0:
+            self.skip -= 1
+            return []
+        self.k_max = max(self.k_max, k)
+        drafts = self.inner.propose(min(k, self.k) if self.k is not None else k)
+        self._drafted = len(drafts)
+        return drafts
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        d = self._drafted
+        if d:
+            kept = len(tokens) - 1
+            cur = self.k if self.k is not None else self.k_max
+            if kept >= d:
+                self.k = min(self.k_max, 2 * cur)
+                self.pause = self.base_pause
+            elif kept > 0:
+                self.k = kept + 1
+                self.pause = self.base_pause
+            elif cur > 1:
+                self.k = cur // 2
+            else:  # a miss at k = 1: stop drafting for a while, longer each time
+                self.skip = self.pause
+                self.pause = min(self.max_pause, 2 * self.pause)
+        self._drafted = 0
+        self.inner.extend(tokens)
