@@ -233,7 +233,15 @@ def test_client_disconnect_mid_stream_cancels(node, reference):
         ({"rid": "x", "first_token_id": 1, "max_tokens": 4, "sampling": {"top_p": 0}}, 400, "top_p"),
         ({"rid": "x", "first_token_id": 1, "max_tokens": 4, "sampling": {"stop_token_ids": [VOCAB + 1]}}, 400,
          "stop_token_ids"),
-        ({"rid": "x", "first_token_id": 1, "max_tokens": 4, "top_logprobs": 2}, 501, "logprobs"),
+        ({"rid": "x", "first_token_id": 1, "max_tokens": 4, "top_logprobs": 21}, 400, "top_logprobs"),
+        ({"rid": "x", "first_token_id": 1, "max_tokens": 4, "top_logprobs": -1}, 400, "top_logprobs"),
+        ({"rid": "x", "first_token_id": 1, "max_tokens": 4, "structured_outputs": {"regex": "a", "choice": ["b"]}},
+         400, "exactly one"),
+        ({"rid": "x", "first_token_id": 1, "max_tokens": 4, "structured_outputs": {"jsonschema": {}}}, 400,
+         "jsonschema"),
+        # this node's model directory has no tokenizer: no grammar backend, said so (features too)
+        ({"rid": "x", "first_token_id": 1, "max_tokens": 4, "structured_outputs": {"regex": "a+"}}, 501,
+         "tokenizer"),
     ],
 )
 def test_bad_requests_get_clear_errors(node, payload, status, needle):

@@ -12,6 +12,11 @@ draft model): keep draft d with probability p(d), else sample from p with d remo
 implicit: the exponential race is scale-free); after k kept drafts, one more token from the last row. The
 penalties depend on every earlier token, so requests that use them decode without speculation.
 
+Structured outputs (`grammar`, decode/grammar.py): `constrain` applies the request's xgrammar token bitmask to
+the logits rows in place before anything else, as vLLM's model runner does before its sampler (so logprobs,
+decode/logprobs.py, are those of the masked logits, vLLM's raw_logprobs). Verify rows are masked through the
+matcher row by row, so speculation stays exact under a grammar.
+
 Deviation from vLLM, by construction: the decode node never sees the prompt's token ids (only its KV),
 so repetition_penalty covers generated tokens unless the caller passes prompt_token_ids.
 """
@@ -19,8 +24,14 @@ so repetition_penalty covers generated tokens unless the caller passes prompt_to
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
+
+from .logprobs import MAX_TOP_LOGPROBS
+
+if TYPE_CHECKING:
+    from .grammar import RequestGrammar
 
 _SAMPLING_EPS = 1e-5
 
@@ -56,6 +67,8 @@ class SamplingParams:
     # Per-request opt-out of speculative decoding (on by default where the engine has it configured).
     # prompt_token_ids, when given, are also the context prompt lookup drafts from.
     speculative: bool = True
+    # None: no logprobs; 0..MAX_TOP_LOGPROBS: each token's logprob plus that many top alternatives.
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
@@ -76,6 +89,8 @@ class SamplingParams:
             raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
         if not -2.0 <= self.frequency_penalty <= 2.0:
             raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}")
 
     @property
     def greedy(self) -> bool:
@@ -92,9 +107,11 @@ class Sampler:
     """Per-request device state: output token counts, RNG, stop-id mask. `sample` returns a [1] long tensor."""
 
     def __init__(
-        self, params: SamplingParams, vocab_size: int, eos_token_ids: tuple[int, ...], device: torch.device
+        self, params: SamplingParams, vocab_size: int, eos_token_ids: tuple[int, ...], device: torch.device,
+        grammar: "RequestGrammar | None" = None,
     ) -> None:
         self.params = params
+        self.grammar = grammar
         self.vocab_size = vocab_size
         self.device = device
         self.stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
@@ -122,6 +139,13 @@ class Sampler:
     def supports_speculation(self) -> bool:
         """Penalties see every earlier token, so per-row processing of a verify block would not be exact."""
         return not (self._use_counts or self._use_rep)
+
+    def constrain(self, logits: torch.Tensor, drafts: list[int] | tuple[int, ...] = ()) -> torch.Tensor:
+        """Apply the grammar's bitmask in place to logits [T, vocab] (T = len(drafts) + 1; row i after
+        drafts[:i]); a no-op without a grammar. Returns logits."""
+        if self.grammar is not None:
+            self.grammar.apply(logits, drafts)
+        return logits
 
     def observe(self, token: torch.Tensor) -> None:
         """Record an output token (a [1] long device tensor) for the penalties."""
