@@ -101,7 +101,6 @@ def reroutes(app, alias: str, feature: str) -> float:
     ({"logprobs": 2}, "logprobs"),
     ({"echo": True}, "echo"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}, "structured_output"),
-    ({"guided_regex": "a+"}, "structured_output"),
     ({"logit_bias": {"5": 10}}, "logit_bias"),
     ({"prompt_logprobs": 0}, "prompt_logprobs"),
     ({"min_p": 0.1}, "min_p"),
@@ -116,6 +115,14 @@ async def test_unsupported_feature_is_served_natively_with_header_and_metric(mak
         assert r.json()["choices"][0]["text"] == "native text"
         assert reroutes(app, "tiny-xs", feature) == 1
     assert stack.served_by() == ["native"]
+
+
+async def test_legacy_guided_fields_are_ignored_as_vllm_032_ignores_them(make_client, stack):
+    async with make_client(make_config(), secrets=SECRETS) as (c, app):
+        r = await c.post("/v1/completions", json=dict(REQ, guided_regex="a+", guided_json={"type": "object"}))
+    assert r.status_code == 200 and r.headers["x-expresslane-lane"] == "express"
+    (dec,) = stack.up.bodies(EXPRESS, "/pd/decode")
+    assert "structured_outputs" not in dec
 
 
 async def test_tools_with_auto_go_native_and_tool_choice_none_stays_express(make_client, stack):

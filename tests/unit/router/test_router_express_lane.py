@@ -271,8 +271,8 @@ async def test_prefill_4xx_passes_through_and_releases(make_client, node, upstre
     assert upstreams.bodies(EXPRESS, "/pd/decode") == []
 
 
-@pytest.mark.parametrize("field,value", [("logprobs", 1), ("echo", True),
-                                         ("response_format", {"type": "json_object"})])
+@pytest.mark.parametrize("field,value", [("echo", True), ("prompt_logprobs", 1),
+                                         ("response_format", {"type": "structural_tag", "format": {}})])
 async def test_unsupported_options_are_refused_on_the_express_lane(make_client, node, upstreams, field, value):
     async with make_client() as (client, _):
         r = await client.post("/v1/completions", json=dict(COMP, **{field: value}))

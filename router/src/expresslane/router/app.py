@@ -162,8 +162,10 @@ def create_app(config: RouterConfig, *, secrets: RouterSecrets | None = None,
                                   native, mt)
             app.state.lanes = Lanes(ctx, native, express)
             # ---- front door: capability routing and the endpoints beside completions ----
-            app.state.capabilities = CapabilityRouter(config, client, secrets, reroutes, clock,
-                                                      relay_check=check_express_supported)
+            app.state.capabilities = CapabilityRouter(
+                config, client, secrets, reroutes, clock,
+                relay_check=lambda body, kind: check_express_supported(body, kind,
+                                                                       tool_parser=config.tool_call_parser))
             app.state.endpoints = Endpoints(config, client, secrets, clock)
             async with monitor.running(client):
                 yield

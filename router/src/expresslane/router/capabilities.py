@@ -73,8 +73,8 @@ def _structured(b: dict, chat: bool) -> bool:
         return True
     if rf is not None and not isinstance(rf, dict):
         return True
-    return any(_nonempty(b.get(k)) for k in ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
-                                             "structured_outputs"))
+    # The legacy guided_* fields are not here: vLLM 0.32 ignores them (structured.py), on both lanes alike.
+    return _nonempty(b.get("structured_outputs"))
 
 
 def _tools(b: dict, chat: bool) -> bool:
@@ -95,7 +95,7 @@ FEATURES: tuple[Feature, ...] = (
     Feature("prompt_logprobs", "`prompt_logprobs`", lambda b, c: b.get("prompt_logprobs") is not None,
             "prompt_logprobs"),
     Feature("echo", "`echo` (completions)", lambda b, c: _on(b.get("echo"), False), "echo"),
-    Feature("structured_output", "`response_format` json_object / json_schema, `guided_*`, `structured_outputs`",
+    Feature("structured_output", "`response_format` json_object / json_schema, `structured_outputs`",
             _structured, "response_format"),
     Feature("tools", "`tools` with `tool_choice` other than `none`", _tools, "tools"),
     Feature("n", "`n` > 1, `best_of` > 1", lambda b, c: _on(b.get("n"), 1) or _on(b.get("best_of"), 1), "n"),
@@ -122,9 +122,7 @@ _NODE_KEYS = {"logprobs": ("logprobs",), "top_logprobs": ("top_logprobs",), "pro
               "min_tokens": ("min_tokens",), "seed": ("seed",),
               "penalties": ("repetition_penalty", "presence_penalty", "frequency_penalty")}
 # The relay check's `param` -> feature (lanes.express.check_express_supported names request fields).
-_PARAM_FEATURE = {"guided_json": "structured_output", "guided_regex": "structured_output",
-                  "guided_choice": "structured_output", "guided_grammar": "structured_output",
-                  "structured_outputs": "structured_output", "response_format": "structured_output",
+_PARAM_FEATURE = {"structured_outputs": "structured_output", "response_format": "structured_output",
                   "best_of": "n"}
 
 NATIVE: dict[str, bool] = {f.name: f.name != "n" for f in FEATURES}
@@ -135,17 +133,23 @@ TILERT: dict[str, bool] = {f.name: f.name in ("stop_token_ids", "repetition_pena
 
 
 def features_from_node(node_features: dict[str, Any]) -> dict[str, bool]:
-    """The router's feature map from a node's `features` (unknown keys ignored; missing keys = not honoured)."""
+    """The router's feature map from a node's `features` (unknown keys ignored; missing keys = not honoured).
+    `tools` is the router's work (tools.py parses the output) on top of the node's `structured_output` (the
+    grammar of forced calls), so a node with structured output has tools; whether the configured parser is one
+    the router speaks is the relay check's (express_options.check_express_supported)."""
     out = {f.name: False for f in FEATURES}
     for key, names in _NODE_KEYS.items():
         if node_features.get(key) is True:
             for n in names:
                 out[n] = True
+    if out["structured_output"]:
+        out["tools"] = True
     return out
 
 
+# What our engine's node announces at this commit (CONTRACTS2.md "Node /pd/decode additions").
 EXPRESSLANE_ENGINE: dict[str, bool] = features_from_node(
-    {"logprobs": False, "top_logprobs": False, "structured_output": False, "tools": False, "n": False,
+    {"logprobs": True, "top_logprobs": True, "structured_output": True, "tools": False, "n": False,
      "echo": False, "prompt_logprobs": False, "logit_bias": False, "min_p": False, "stop_token_ids": True,
      "min_tokens": True, "penalties": True, "seed": True, "speculative": False})
 

@@ -20,6 +20,7 @@ Schema (see compose/config/router.yaml for a commented example):
   tokenizer_dir: model directory (tokenizer.json, generation_config.json); needed by express pools
   max_model_len: optional; default max_tokens on the express lane = max_model_len - prompt_tokens.
                  Unset = asked once from the prefill's /v1/models.
+  tool_call_parser: the vLLM servers' --tool-call-parser (default hermes; null = off), see tools.py
   timeouts:      {connect_s, prefill_s, decode_s, kv_wait_s, cancel_s}
   pools:         name -> native pool {kind: native, nodes: [url...], model?}
                       | express pool {kind: expresslane|tilert, nodes: [{url, ctrl_host, ctrl_port}],
@@ -188,12 +189,21 @@ class RouterConfig(_Strict):
     prefill: Prefill
     tokenizer_dir: str | None = None
     max_model_len: int | None = Field(None, gt=0)
+    # The vLLM servers' --tool-call-parser (scripts/launch/common.sh VLLM_TOOL_CALL_PARSER, default hermes; null =
+    # tool calling off): the express lane parses tool calls as that parser does (tools.py supports hermes; any
+    # other name = the express lane lacks `tools`, capability routing sends such requests native).
+    tool_call_parser: str | None = "hermes"
     timeouts: Timeouts = Timeouts()
     pools: dict[str, Pool] = Field(min_length=1)
     aliases: dict[str, Alias] = Field(min_length=1)
     lanes: dict[Lane, str] = Field(default_factory=dict)
     health: HealthConfig = HealthConfig()  # router-path (resilience.py)
     resilience: ResilienceConfig = ResilienceConfig()  # router-path (resilience.py)
+
+    @field_validator("tool_call_parser")
+    @classmethod
+    def _no_empty_parser(cls, v: str | None) -> str | None:
+        return v.strip() or None if isinstance(v, str) else v  # VLLM_TOOL_CALL_PARSER="" turns tool calling off
 
     @model_validator(mode="after")
     def _check_references(self) -> "RouterConfig":

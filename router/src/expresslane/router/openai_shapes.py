@@ -125,8 +125,9 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
 
 def completion_response(rid: str, model: str, text: str, finish_reason: str, stop_reason: Any,
                         prompt_tokens: int, completion_tokens: int, *, token_ids: list[int] | None = None,
-                        prompt_token_ids: list[int] | None = None, created: int | None = None) -> dict:
-    choice: dict[str, Any] = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason,
+                        prompt_token_ids: list[int] | None = None, created: int | None = None,
+                        logprobs: dict | None = None) -> dict:
+    choice: dict[str, Any] = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason,
                               "stop_reason": stop_reason, "prompt_logprobs": None}
     if token_ids is not None:
         choice["prompt_token_ids"] = prompt_token_ids
@@ -138,12 +139,14 @@ def completion_response(rid: str, model: str, text: str, finish_reason: str, sto
 
 def chat_response(rid: str, model: str, text: str, finish_reason: str, stop_reason: Any,
                   prompt_tokens: int, completion_tokens: int, *, token_ids: list[int] | None = None,
-                  prompt_token_ids: list[int] | None = None, created: int | None = None) -> dict:
+                  prompt_token_ids: list[int] | None = None, created: int | None = None,
+                  message: dict | None = None, logprobs: dict | None = None) -> dict:
+    """`message` overrides message fields (tools.chat_message_and_finish: content, tool_calls)."""
     choice: dict[str, Any] = {
         "index": 0,
         "message": {"role": "assistant", "content": text, "refusal": None, "annotations": None, "audio": None,
-                    "function_call": None, "tool_calls": [], "reasoning_content": None},
-        "logprobs": None, "finish_reason": finish_reason, "stop_reason": stop_reason,
+                    "function_call": None, "tool_calls": [], "reasoning_content": None, **(message or {})},
+        "logprobs": logprobs, "finish_reason": finish_reason, "stop_reason": stop_reason,
     }
     if token_ids is not None:
         choice["token_ids"] = token_ids
@@ -157,8 +160,8 @@ def chat_response(rid: str, model: str, text: str, finish_reason: str, stop_reas
 
 
 def chat_chunk(rid: str, model: str, created: int, delta: dict, finish_reason: str | None = None,
-               stop_reason: Any = None, *, token_ids: list[int] | None = None) -> dict:
-    choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+               stop_reason: Any = None, *, token_ids: list[int] | None = None, logprobs: dict | None = None) -> dict:
+    choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
     if finish_reason is not None:
         choice["stop_reason"] = stop_reason
     if token_ids is not None:
@@ -167,8 +170,9 @@ def chat_chunk(rid: str, model: str, created: int, delta: dict, finish_reason: s
 
 
 def completion_chunk(rid: str, model: str, created: int, text: str, finish_reason: str | None = None,
-                     stop_reason: Any = None, *, token_ids: list[int] | None = None) -> dict:
-    choice: dict[str, Any] = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason,
+                     stop_reason: Any = None, *, token_ids: list[int] | None = None,
+                     logprobs: dict | None = None) -> dict:
+    choice: dict[str, Any] = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason,
                               "stop_reason": stop_reason}
     if token_ids is not None:
         choice["token_ids"] = token_ids

@@ -55,6 +55,8 @@ from ..metrics import RequestRecord, node_label
 from ..openai_shapes import ClientRequest
 from ..prefill import derive_tilert_rid, express_prefill_body, first_token_id, prompt_token_ids, prompt_tokens
 from ..resilience import Deadline
+from ..structured import node_structured_outputs
+from ..tools import tools_active
 from ..upstream import map_transport_error, post_json, read_json
 from .base import EJECTING_KINDS, LaneContext, ManagedStream, closing_on_error, count_upstream_error
 from .continuation import Continuation
@@ -99,7 +101,7 @@ class ExpressLane:
 
     # ---- admission -----------------------------------------------------------------------------
     async def handle(self, req: ClientRequest, pool: str, record: RequestRecord, queue: QueueConfig) -> Response:
-        check_express_supported(req.body, self.pools[pool].kind)
+        check_express_supported(req.body, self.pools[pool].kind, tool_parser=self.ctx.config.tool_call_parser)
         if self.model_text is None:
             raise RouterError("express lane has no tokenizer loaded (tokenizer_dir)")
         deadline = self.ctx.deadline(record)
@@ -250,6 +252,11 @@ class ExpressLane:
         sampling = sampling_of(req.body, self.model_text.generation_defaults if self.model_text else {}, leg.kind)
         body = {"rid": leg.rid, "first_token_id": leg.first_token_id, "max_tokens": leg.max_tokens,
                 "sampling": sampling, "stream": True, "timeout_s": self.ctx.config.timeouts.kv_wait_s}
+        if leg.kind == "expresslane":
+            so = node_structured_outputs(req.body, chat=req.kind == "chat",
+                                         tool_parser=self.ctx.config.tool_call_parser)
+            if so is not None:
+                body["structured_outputs"] = so
         if leg.kind == "expresslane" and leg.prompt_ids:
             # Our extension: a repetition penalty covers the prompt (as in vLLM), and the node's prompt-lookup
             # speculation drafts from it.
@@ -260,8 +267,9 @@ class ExpressLane:
         mt = self.model_text
         assert mt is not None
         b = req.body
-        detok = IncrementalDetokenizer(mt.tokenizer, leg.prompt_ids,
-                                       skip_special_tokens=b.get("skip_special_tokens", True) is not False)
+        # vLLM's hermes parser keeps special tokens whenever tools are in play (tools.py)
+        skip = b.get("skip_special_tokens", True) is not False and not (req.kind == "chat" and tools_active(b))
+        detok = IncrementalDetokenizer(mt.tokenizer, leg.prompt_ids, skip_special_tokens=skip)
         return OutputAssembler(detok, max_tokens=leg.max_tokens, stop=req.stop_strings(),
                                stop_token_ids=b.get("stop_token_ids") or (), eos_token_ids=mt.eos_token_ids,
                                ignore_eos=bool(b.get("ignore_eos")), min_tokens=int(b.get("min_tokens") or 0),

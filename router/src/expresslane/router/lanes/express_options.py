@@ -6,6 +6,8 @@ from __future__ import annotations
 from typing import Any
 
 from ..errors import BadRequest
+from ..structured import structured_unsupported
+from ..tools import express_unsupported
 
 __all__ = ["SAMPLING_KEYS", "check_express_supported", "sampling_of"]
 
@@ -22,22 +24,36 @@ def _set(v: Any) -> bool:
     return v not in (None, False, 0, 0.0, "", [], {})
 
 
-# Request fields an express decode node cannot honour: refused loudly instead of ignored.
+# Request fields an express decode node cannot honour: refused loudly instead of ignored. (The legacy guided_*
+# fields are ignored by vLLM 0.32 itself, on both lanes: structured.py.)
 _UNSUPPORTED = ("logprobs", "top_logprobs", "prompt_logprobs", "echo", "logit_bias", "min_p", "bad_words",
-                "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
                 "allowed_token_ids")
-_UNSUPPORTED_BY_KIND = {"expresslane": (), "tilert": ("min_tokens", "frequency_penalty")}
+_UNSUPPORTED_BY_KIND = {"expresslane": (), "tilert": ("min_tokens", "frequency_penalty", "structured_outputs")}
 
 
-def check_express_supported(body: dict[str, Any], kind: str = "expresslane") -> None:
+def _refuse(key: str, why: str = "") -> BadRequest:
+    return BadRequest(f"'{key}' is not supported on the express lane{' (' + why + ')' if why else ''}; "
+                      "send 'X-Lane: native' to use it", param=key)
+
+
+def check_express_supported(body: dict[str, Any], kind: str = "expresslane", *,
+                            tool_parser: str | None = "hermes") -> None:
     for key in _UNSUPPORTED + _UNSUPPORTED_BY_KIND[kind]:
         if _set(body.get(key)):
-            raise BadRequest(f"'{key}' is not supported on the express lane; send 'X-Lane: native' to use it",
-                             param=key)
+            raise _refuse(key)
     rf = body.get("response_format")
-    if isinstance(rf, dict) and rf.get("type") not in (None, "text"):
-        raise BadRequest("'response_format' is not supported on the express lane; send 'X-Lane: native'",
-                         param="response_format")
+    if kind == "tilert":
+        if isinstance(rf, dict) and rf.get("type") not in (None, "text"):
+            raise _refuse("response_format")
+        if _set(body.get("tools")) and body.get("tool_choice") != "none":
+            raise _refuse("tools")
+        return
+    why = structured_unsupported(body)
+    if why:
+        raise _refuse("response_format" if "response_format" in why else "structured_outputs", why)
+    why = express_unsupported(body, tool_parser)
+    if why:
+        raise _refuse("tools", why)
 
 
 def sampling_of(body: dict[str, Any], defaults: dict[str, Any], kind: str = "expresslane") -> dict[str, Any]:

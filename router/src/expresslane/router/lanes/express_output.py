@@ -13,6 +13,7 @@ from starlette.responses import JSONResponse, Response
 from ..detokenizer import OutputAssembler
 from ..errors import RouterError
 from ..metrics import RequestRecord
+from ..tools import HermesParser, chat_message_and_finish, stream_finish, tools_active
 from ..openai_shapes import (SSE_DONE, ClientRequest, chat_chunk, chat_response, completion_chunk,
                              completion_response, sse, usage_chunk)
 from .base import shielded
@@ -43,21 +44,40 @@ async def collect(req: ClientRequest, leg: Leg, asm: OutputAssembler, feed: Feed
     asm.finish(feed.finish_reason)
     n = len(asm.token_ids)
     record.finish(200, n)
-    build = chat_response if req.kind == "chat" else completion_response
-    extra = {"token_ids": asm.token_ids, "prompt_token_ids": leg.prompt_ids} if req.body.get(
+    extra: dict[str, Any] = {"token_ids": asm.token_ids, "prompt_token_ids": leg.prompt_ids} if req.body.get(
         "return_token_ids") else {}
-    return JSONResponse(build(leg.response_id, req.alias, asm.text, asm.finish_reason, asm.stop_reason,
-                              leg.n_prompt, n, **extra))
+    finish = asm.finish_reason
+    if req.kind != "chat":
+        return JSONResponse(completion_response(leg.response_id, req.alias, asm.text, finish, asm.stop_reason,
+                                                leg.n_prompt, n, **extra))
+    if tools_active(req.body):
+        extra["message"], finish = chat_message_and_finish(asm.text, req.body, finish)
+    return JSONResponse(chat_response(leg.response_id, req.alias, asm.text, finish, asm.stop_reason,
+                                      leg.n_prompt, n, **extra))
 
 async def relay(req: ClientRequest, leg: Leg, asm: OutputAssembler, feed: Feed,
                  batches: AsyncIterator[list[int]], stack: contextlib.AsyncExitStack,
                  record: RequestRecord) -> AsyncIterator[bytes]:
     created, rid, model, chat = int(time.time()), leg.response_id, req.alias, req.kind == "chat"
+    tools = HermesParser() if chat and tools_active(req.body) else None
+    single = req.body.get("parallel_tool_calls") is False
 
-    def piece(text: str, finish: str | None = None, stop_reason: Any = None) -> bytes:
-        if chat:
+    def piece(text: str, finish: str | None = None, stop_reason: Any = None) -> bytes | None:
+        if not chat:
+            return sse(completion_chunk(rid, model, created, text, finish, stop_reason))
+        if tools is None:
             return sse(chat_chunk(rid, model, created, {"content": text}, finish, stop_reason))
-        return sse(completion_chunk(rid, model, created, text, finish, stop_reason))
+        delta = tools.delta(asm.text[:sent[0] + len(text)]) if (text or finish) else None
+        sent[0] += len(text)
+        if delta is not None and single and "tool_calls" in delta:  # vLLM: maybe_filter_parallel_tool_calls
+            delta["tool_calls"] = [d for d in delta["tool_calls"] if d["index"] == 0]
+            if not delta["tool_calls"]:
+                del delta["tool_calls"]
+        if finish is None:
+            return None if delta is None else sse(chat_chunk(rid, model, created, delta))
+        return sse(chat_chunk(rid, model, created, delta or {}, stream_finish(tools, req.body, finish), stop_reason))
+
+    sent = [0]  # characters of asm.text handed to the tool parser
 
     if chat:
         yield sse(chat_chunk(rid, model, created, {"role": "assistant", "content": ""}))
@@ -65,9 +85,9 @@ async def relay(req: ClientRequest, leg: Leg, asm: OutputAssembler, feed: Feed,
         async with contextlib.aclosing(batches) as it:
             async for ids in it:
                 text = asm.push(ids)
-                if text:
+                if text and (chunk := piece(text)) is not None:
                     record.token_chunk()
-                    yield piece(text)
+                    yield chunk
                 if asm.finished and asm.finish_reason != "length":
                     break  # stop string / stop id / EOS seen here: cancel the node below
     except RouterError as e:
@@ -81,7 +101,9 @@ async def relay(req: ClientRequest, leg: Leg, asm: OutputAssembler, feed: Feed,
     n = len(asm.token_ids)
     if tail:
         record.token_chunk()
-    yield piece(tail, asm.finish_reason, asm.stop_reason)
+    last = piece(tail, asm.finish_reason, asm.stop_reason)
+    assert last is not None
+    yield last
     if req.include_usage:
         yield sse(usage_chunk(req.kind, rid, model, created, leg.n_prompt, n))
     yield SSE_DONE
