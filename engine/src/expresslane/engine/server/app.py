@@ -51,9 +51,10 @@ _CODE_LABEL = {"bad_request": "bad_request", "invalid_parameter": "bad_request",
                "deadline_exceeded": "deadline"}
 
 # What this node really honours (the front door routes on it). Everything else is refused (400/501) or absent.
+# + "speculative": the engine's; "structured_output" is false on a node whose model directory has no tokenizer.
 FEATURES = {"logprobs": True, "top_logprobs": True, "structured_output": True, "tools": False, "n": False,
-            "echo": False, "prompt_logprobs": False, "logit_bias": False, "min_p": False, "stop_token_ids": True,
-            "min_tokens": True, "penalties": True, "seed": True}  # + "speculative": the engine's
+            "echo": False, "prompt_logprobs": False, "logit_bias": True, "min_p": True, "allowed_token_ids": True,
+            "bad_words": False, "stop_token_ids": True, "min_tokens": True, "penalties": True, "seed": True}
 
 
 class _ASGIEndpoint:

@@ -37,6 +37,17 @@ class SamplingBody(BaseModel):
     stop_token_ids: list[int] | None = None
     min_tokens: int | None = Field(None, ge=0)
     speculative: StrictBool | None = None  # per-request opt-out; None = on where the node has speculation
+    min_p: float | None = Field(None, ge=0, le=1)
+    logit_bias: dict[str, float] | None = None  # str(token id) -> bias, as vLLM's SamplingParams takes it
+    allowed_token_ids: list[int] | None = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_id_keys(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        for key in v or {}:
+            if not key.lstrip("-").isdigit():
+                raise ValueError(f"logit_bias keys are token ids, got {key!r}")
+        return v
 
 
 class StructuredOutputsBody(BaseModel):
@@ -99,6 +110,9 @@ class DecodeRequest(BaseModel):
                 prompt_token_ids=tuple(self.prompt_token_ids or ()),
                 speculative=True if s.speculative is None else s.speculative,
                 logprobs=self.top_logprobs,
+                min_p=s.min_p or 0.0,
+                logit_bias=tuple((int(k), b) for k, b in (s.logit_bias or {}).items()),
+                allowed_token_ids=None if s.allowed_token_ids is None else tuple(s.allowed_token_ids),
             )
         except ValueError as e:
             raise BadRequest(str(e)) from None
