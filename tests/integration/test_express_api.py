@@ -127,21 +127,31 @@ def test_forced_tool_calls_identical_on_both_lanes(sdk, tool_choice):
 
 
 # ------------------------------------------------------------------------------------------ structured output
-def test_json_schema_parses_and_matches_native_token_for_token(sdk):
-    body = dict(messages=[{"role": "user", "content": "Describe a person as JSON."}], max_tokens=150,
-                response_format={"type": "json_schema",
-                                 "json_schema": {"name": "person", "schema": PERSON, "strict": True}},
-                logprobs=True, top_logprobs=1)
-    native, express = chat(sdk, "native", **body), chat(sdk, "express", **body)
+JSON_SCHEMA_BODY = dict(messages=[{"role": "user", "content": "Describe a person as JSON."}], max_tokens=150,
+                        response_format={"type": "json_schema",
+                                         "json_schema": {"name": "person", "schema": PERSON, "strict": True}})
+
+
+def test_json_schema_parses_and_matches_native(sdk):
+    native, express = chat(sdk, "native", **JSON_SCHEMA_BODY), chat(sdk, "express", **JSON_SCHEMA_BODY)
     obj = json.loads(express.choices[0].message.content)
     assert set(obj) == {"name", "age"} and isinstance(obj["age"], int)
     assert express.choices[0].message.content == native.choices[0].message.content
+    assert express.usage.completion_tokens == native.usage.completion_tokens
     assert express.choices[0].finish_reason == native.choices[0].finish_reason == "stop"
+    n_stream, e_stream = chat_stream(sdk, "native", **JSON_SCHEMA_BODY), chat_stream(sdk, "express", **JSON_SCHEMA_BODY)
+    assert e_stream["content"] == n_stream["content"] == native.choices[0].message.content
+    assert e_stream["finish_reason"] == n_stream["finish_reason"] == "stop"
+
+
+def test_json_schema_token_for_token_with_logprobs(sdk):
+    """The tokens themselves (logprobs' token strings and bytes), and their logprobs under the grammar."""
+    body = dict(JSON_SCHEMA_BODY, logprobs=True, top_logprobs=2)
+    native, express = chat(sdk, "native", **body), chat(sdk, "express", **body)
+    assert express.choices[0].message.content == native.choices[0].message.content
     same_logprobs([t.model_dump() for t in express.choices[0].logprobs.content],
                   [t.model_dump() for t in native.choices[0].logprobs.content])
-    n_stream, e_stream = chat_stream(sdk, "native", **body), chat_stream(sdk, "express", **body)
-    assert e_stream["content"] == n_stream["content"] == native.choices[0].message.content
-    same_logprobs(e_stream["logprobs"], n_stream["logprobs"])
+    same_logprobs(chat_stream(sdk, "express", **body)["logprobs"], chat_stream(sdk, "native", **body)["logprobs"])
 
 
 @pytest.mark.parametrize("extra", [{"structured_outputs": {"regex": "[a-z]{3,8}-[0-9]{3}"}},
