@@ -132,7 +132,13 @@ async def test_sampling_defaults_and_max_tokens_default(make_client, node, upstr
     assert dec["sampling"] == {"temperature": 0.7, "top_k": 5, "repetition_penalty": 1.1, "stop_token_ids": [1],
                                "min_tokens": 2, "frequency_penalty": 0.5}
     assert dec["prompt_token_ids"] == PROMPT_IDS  # repetition_penalty covers the prompt, like vLLM
-    assert dec["max_tokens"] == 64 - len(PROMPT_IDS)  # max_model_len - prompt tokens
+    assert dec["max_tokens"] == 16  # vLLM 0.32's completions default (CompletionRequest.max_tokens = 16)
+    async with make_client() as (client, _):
+        r = await client.post("/v1/completions", json={"model": "tiny-x", "prompt": "hi", "max_tokens": None})
+        r2 = await client.post("/v1/chat/completions", json={"model": "tiny-x",
+                                                             "messages": [{"role": "user", "content": "x"}]})
+    assert r.status_code == 200 and r2.status_code == 200
+    assert [b["max_tokens"] for b in upstreams.bodies(EXPRESS, "/pd/decode")[1:]] == [64 - len(PROMPT_IDS)] * 2
 
 
 async def test_stream_chat_is_shaped_like_vllm(make_client, node, tokenizer):

@@ -19,7 +19,7 @@ SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required"
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}}}}]
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
-CHAT = {"model": "tiny-x", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 200, "temperature": 0}
+CHAT = {"model": "tiny-x", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 400, "temperature": 0}
 
 
 def _node(upstreams, tokenizer, text):
@@ -29,7 +29,7 @@ def _node(upstreams, tokenizer, text):
 
 
 async def _post(make_client, body, path="/v1/chat/completions", config=None):
-    async with make_client(config or make_config()) as (client, _):
+    async with make_client(config or make_config(max_model_len=512)) as (client, _):
         return await client.post(path, json=body)
 
 
@@ -47,7 +47,7 @@ async def _post(make_client, body, path="/v1/chat/completions", config=None):
 async def test_node_gets_structured_outputs_and_prefill_keeps_the_fields(make_client, upstreams, tokenizer, extra,
                                                                          want, path):
     _node(upstreams, tokenizer, ' {"a": 1}')
-    base = CHAT if path.endswith("chat/completions") else {"model": "tiny-x", "prompt": "hi", "max_tokens": 200}
+    base = CHAT if path.endswith("chat/completions") else {"model": "tiny-x", "prompt": "hi", "max_tokens": 400}
     r = await _post(make_client, dict(base, **extra), path)
     assert r.status_code == 200, r.text
     (dec,) = upstreams.bodies(EXPRESS, "/pd/decode")
@@ -141,7 +141,7 @@ async def test_streamed_tool_calls(make_client, upstreams, tokenizer, tc, finish
 async def test_tools_with_another_parser_are_not_carried_by_the_express_lane(make_client, upstreams, tokenizer):
     _node(upstreams, tokenizer, CALL)
     r = await _post(make_client, dict(CHAT, tools=TOOLS, tool_choice="required"),
-                    config=make_config(tool_call_parser="mistral"))
+                    config=make_config(tool_call_parser="mistral", max_model_len=512))
     assert r.status_code == 400 and r.json()["error"]["param"] == "tools"  # alias tiny-x: unsupported: refuse
     assert upstreams.bodies(EXPRESS, "/pd/decode") == []
 

@@ -35,12 +35,21 @@ def test_express_prefill_body_asks_for_token_ids_and_logprobs_and_carries_the_ma
     body = express_prefill_body(CLIENT_BODY, "served", chat=False, kv_transfer_params=marker)
     assert body == {
         "model": "served", "prompt": "hi", "max_tokens": 1, "stream": False, "temperature": 0.5, "seed": 7,
-        "ignore_eos": True, "stop_token_ids": [5], "min_tokens": 1, "logprobs": 1, "return_token_ids": True,
+        "ignore_eos": True, "stop_token_ids": [5], "min_tokens": 1, "logprobs": 2, "return_token_ids": True,
         "kv_transfer_params": marker,
-    }
+    }  # the client's k: the first token's logprobs entry is taken from this reply
     chat = express_prefill_body({"model": "m", "messages": [{"role": "user", "content": "x"}]}, "served", chat=True,
                                 kv_transfer_params=marker)
     assert (chat["logprobs"], chat["top_logprobs"], "min_tokens" in chat) == (True, 1, False)
+    msgs = [{"role": "user", "content": "x"}]
+    for client, want in [({"logprobs": True}, (True, 1)), ({"logprobs": True, "top_logprobs": 5}, (True, 5)),
+                         ({"logprobs": True, "top_logprobs": 50}, (True, 50)),  # vLLM's own 400 (max 20)
+                         ({"top_logprobs": 3}, (None, 3))]:  # without logprobs: vLLM's own 400
+        b = express_prefill_body({"model": "m", "messages": msgs, **client}, "s", chat=True, kv_transfer_params={})
+        assert (b.get("logprobs"), b["top_logprobs"]) == want, client
+    for client, want in [({"logprobs": 0}, 1), ({"logprobs": 3}, 3), ({"logprobs": 21}, 21)]:
+        b = express_prefill_body({"model": "m", "prompt": "x", **client}, "s", chat=False, kv_transfer_params={})
+        assert b["logprobs"] == want
 
 
 def test_client_body_is_not_mutated_by_rewriting():
@@ -114,7 +123,8 @@ def test_x_lane_to_a_lane_without_a_pool_is_a_400():
         (b'{"model": "m", "prompt": "x", "max_tokens": "many"}', "completion", "max_tokens"),
         (b'{"model": "m", "prompt": "x", "max_tokens": 0}', "completion", "max_tokens"),
         (b'{"model": "m", "prompt": "x", "max_tokens": true}', "completion", "max_tokens"),
-        (b'{"model": "m", "prompt": "x", "max_completion_tokens": -1}', "completion", "max_completion_tokens"),
+        (b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "max_completion_tokens": -1}', "chat",
+         "max_tokens must be at least 1, got -1."),  # vLLM's words (SamplingParams)
         (b'{"model": "m", "prompt": "x", "n": 2}', "completion", "'n'"),
         (b'{"model": "m", "prompt": "x", "stream": "yes"}', "completion", "stream"),
         (b'{"model": "m", "prompt": "x", "stop": [1]}', "completion", "stop"),
@@ -128,13 +138,19 @@ def test_bad_requests_are_400_with_a_clear_message(raw, kind, needle):
     with pytest.raises(BadRequest) as e:
         parse_request(raw, kind)
     assert needle.lower() in e.value.message.lower()
-    assert e.value.status == 400 and e.value.body()["error"]["type"] == "invalid_request_error"
+    vllm_worded = "at least 1" in e.value.message  # the limits vLLM itself words (output_limits.py, errors.py)
+    assert e.value.status == 400 and e.value.body()["error"]["type"] == (
+        "BadRequestError" if vllm_worded else "invalid_request_error")
 
 
 def test_parse_request_reads_stream_usage_and_max_tokens():
     r = parse_request(b'{"model": "m", "prompt": [1, 2], "stream": true, "stream_options": {"include_usage": true},'
                       b' "max_completion_tokens": 9}', "completion")
-    assert (r.stream, r.include_usage, r.max_tokens, r.path) == (True, True, 9, "/v1/completions")
+    # completions have no max_completion_tokens field in vLLM (ignored there too): max_tokens' default applies
+    assert (r.stream, r.include_usage, r.max_tokens, r.path) == (True, True, None, "/v1/completions")
+    r = parse_request(b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 5,'
+                      b' "max_completion_tokens": 9}', "chat")
+    assert r.max_tokens == 9  # chat: max_completion_tokens wins, as in vLLM
     r = parse_request(b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "stop": "END"}', "chat")
     assert (r.stream, r.include_usage, r.max_tokens, r.stop_strings()) == (False, False, None, ["END"])
 

@@ -82,7 +82,7 @@ async def test_access_log_line_per_request(make_client, upstreams, tokenizer, ca
     fake(upstreams, tokenizer, [])
     caplog.set_level(logging.INFO, logger="expresslane.router.access")
     async with make_client(make_config(), access_log=True) as (c, _):
-        await c.post("/v1/completions", json=dict(REQ, model="tiny-xs", logprobs=1),
+        await c.post("/v1/completions", json=dict(REQ, model="tiny-xs", prompt_logprobs=1),
                      headers={"X-Request-Id": "req-7", "authorization": "Bearer not-logged-anywhere"})
         await c.get("/v1/models/none")
     lines = [r.getMessage() for r in caplog.records if r.name == "expresslane.router.access"]

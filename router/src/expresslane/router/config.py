@@ -21,6 +21,7 @@ Schema (see compose/config/router.yaml for a commented example):
   max_model_len: optional; default max_tokens on the express lane = max_model_len - prompt_tokens.
                  Unset = asked once from the prefill's /v1/models.
   tool_call_parser: the vLLM servers' --tool-call-parser (default hermes; null = off), see tools.py
+  return_tokens_as_token_ids: the native decode servers' --return-tokens-as-token-ids (logprobs token names)
   timeouts:      {connect_s, prefill_s, decode_s, kv_wait_s, cancel_s}
   pools:         name -> native pool {kind: native, nodes: [url...], model?}
                       | express pool {kind: expresslane|tilert, nodes: [{url, ctrl_host, ctrl_port}],
@@ -193,6 +194,9 @@ class RouterConfig(_Strict):
     # tool calling off): the express lane parses tool calls as that parser does (tools.py supports hermes; any
     # other name = the express lane lacks `tools`, capability routing sends such requests native).
     tool_call_parser: str | None = "hermes"
+    # Whether the native decode servers run with --return-tokens-as-token-ids: express logprobs then name tokens
+    # `token_id:N` as they do (a request's own return_tokens_as_token_ids wins, as in vLLM).
+    return_tokens_as_token_ids: bool = False
     timeouts: Timeouts = Timeouts()
     pools: dict[str, Pool] = Field(min_length=1)
     aliases: dict[str, Alias] = Field(min_length=1)

@@ -3,6 +3,7 @@
     RouterError (500 internal_error)
     +-- BadRequest (400 invalid_request_error)
     |   +-- UnsupportedFeature (400 unsupported_feature: the lane cannot honour a request field)
+    |   +-- VllmValidation (400 BadRequestError: a vLLM limit checked by the router, in vLLM's words)
     +-- Unauthorized (401 authentication_error)
     +-- PermissionDenied (403 permission_error: the API key may not use that lane)
     +-- NotFound (404 invalid_request_error / not_found: no such path)
@@ -42,6 +43,7 @@ __all__ = [
     "UpstreamRejected",
     "UpstreamTimeout",
     "UpstreamUnavailable",
+    "VllmValidation",
     "error_body",
 ]
 
@@ -188,3 +190,18 @@ class ClientGone(RouterError):
 
     status = 499
     type = "client_closed_request"
+
+
+class VllmValidation(BadRequest):
+    """A limit the router checks itself where vLLM would (the express lane's prefill leg runs with max_tokens=1),
+    in vLLM 0.32's words and body: VLLMValidationError -> 400 {"type": "BadRequestError", "param", "code": 400},
+    the message suffixed with `(parameter=..., value=...)` as its __str__ writes it."""
+
+    type = "BadRequestError"
+    code = 400
+
+    def __init__(self, message: str, *, param: str | None = None, value: Any = None):
+        extras = [f"parameter={param}"] if param is not None else []
+        if value is not None:
+            extras.append(f"value={value}")
+        super().__init__(f"{message} ({', '.join(extras)})" if extras else message, param=param)

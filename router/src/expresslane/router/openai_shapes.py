@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from .errors import BadRequest
+from .errors import BadRequest, VllmValidation
 from .limits import loads_object
 
 __all__ = [
@@ -40,7 +40,7 @@ class ClientRequest:
     alias: str
     stream: bool
     include_usage: bool
-    max_tokens: int | None  # max_tokens, else max_completion_tokens, else None (server default)
+    max_tokens: int | None  # chat: max_completion_tokens, else max_tokens; completions: max_tokens; else None
 
     @property
     def path(self) -> str:
@@ -68,14 +68,14 @@ def parse_request(raw: bytes, kind: Kind, *, max_depth: int = 64) -> ClientReque
     if not isinstance(stream, bool):
         raise BadRequest("'stream' must be a boolean", param="stream")
     max_tokens = None
-    for key in ("max_tokens", "max_completion_tokens"):
+    for key in ("max_completion_tokens", "max_tokens") if kind == "chat" else ("max_tokens",):
         v = body.get(key)
         if v is None:
             continue
         if not _is_int(v):
             raise BadRequest(f"'{key}' must be an integer, got {json.dumps(v)}", param=key)
-        if v <= 0:
-            raise BadRequest(f"'{key}' must be at least 1, got {v}", param=key)
+        if v <= 0:  # vLLM 0.32's words (SamplingParams names max_tokens for max_completion_tokens too)
+            raise VllmValidation(f"max_tokens must be at least 1, got {v}.", param="max_tokens", value=v)
         if max_tokens is None:
             max_tokens = v
     for key in ("n", "best_of"):

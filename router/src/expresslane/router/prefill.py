@@ -11,7 +11,8 @@ with these changes:
   kv_transfer_params         the lane's own (a client-sent value is never forwarded)
 Native lane additionally drops what only costs work on a discarded token: logprobs, top_logprobs,
 prompt_logprobs, echo, return_token_ids. Express lane asks for `return_token_ids` (prompt and first
-token ids) and logprobs (the `token_id:N` fallback of TileRT's contract).
+token ids) and logprobs (the `token_id:N` fallback of TileRT's contract): the client's own k when it asks for
+logprobs (at least 1: the first token's logprobs entry is taken from this reply), else 1.
 """
 
 from __future__ import annotations
@@ -53,10 +54,14 @@ def express_prefill_body(body: dict[str, Any], model: str, *, chat: bool,
         out.pop("min_tokens", None)
     out["return_token_ids"] = True
     if chat:
-        out["logprobs"] = True
-        out["top_logprobs"] = 1
+        if out.get("logprobs") is True:  # the client's k, at least 1 (its first token's entry comes from here)
+            out["top_logprobs"] = max(int(out.get("top_logprobs") or 0), 1)
+        elif not out.get("top_logprobs"):  # (top_logprobs without logprobs: left for vLLM's own 400)
+            out["logprobs"] = True
+            out["top_logprobs"] = 1
     else:
-        out["logprobs"] = 1
+        v = out.get("logprobs")
+        out["logprobs"] = max(v, 1) if isinstance(v, int) and not isinstance(v, bool) else 1 if v is None else v
     out["kv_transfer_params"] = dict(kv_transfer_params)
     return out
 

@@ -55,6 +55,8 @@ from ..metrics import RequestRecord, node_label
 from ..openai_shapes import ClientRequest
 from ..prefill import derive_tilert_rid, express_prefill_body, first_token_id, prompt_token_ids, prompt_tokens
 from ..resilience import Deadline
+from ..output_limits import check_requested, effective_max_tokens
+from ..logprobs import Position, TokenStrings, from_node, from_prefill, wanted_k
 from ..structured import node_structured_outputs
 from ..tools import tools_active
 from ..upstream import map_transport_error, post_json, read_json
@@ -62,7 +64,7 @@ from .base import EJECTING_KINDS, LaneContext, ManagedStream, closing_on_error, 
 from .continuation import Continuation
 from .express_node import STAGE, Leg, NodeBusy, NodeClient, NodeFailed, NodeTokens
 from .express_options import SAMPLING_KEYS, check_express_supported, sampling_of
-from .express_output import Feed, collect, relay
+from .express_output import Feed, LogprobOut, collect, relay
 from .native import NativeLane
 
 __all__ = ["SAMPLING_KEYS", "ExpressLane", "NodeBusy", "check_express_supported", "sampling_of"]
@@ -89,6 +91,7 @@ class ExpressLane:
         if ctx.health is not None:
             ctx.health.on_change(lambda: [g.poke() for g in self.gates.values()])
         self._max_model_len: int | None = ctx.config.max_model_len
+        self._token_strings: TokenStrings | None = None
 
     def _gauges(self, pool: str):
         m = self.ctx.metrics
@@ -102,6 +105,7 @@ class ExpressLane:
     # ---- admission -----------------------------------------------------------------------------
     async def handle(self, req: ClientRequest, pool: str, record: RequestRecord, queue: QueueConfig) -> Response:
         check_express_supported(req.body, self.pools[pool].kind, tool_parser=self.ctx.config.tool_call_parser)
+        check_requested(req.body, req.kind == "chat", await self._model_len())  # vLLM's limit, before any work
         if self.model_text is None:
             raise RouterError("express lane has no tokenizer loaded (tokenizer_dir)")
         deadline = self.ctx.deadline(record)
@@ -177,7 +181,7 @@ class ExpressLane:
                 tokens = await self.nodes.open_decode(leg, self._decode_body(req, leg), deadline)
                 stack.push_async_callback(tokens.aclose)
         asm = self._assembler(req, leg)
-        feed = Feed()
+        feed = Feed(self._logprob_out(req))
         batches = self._batches(req, pool, leg, tokens, asm, feed, stack, deadline)
         if req.stream:
             return ManagedStream(relay(req, leg, asm, feed, batches, stack, record), on_close=stack.aclose,
@@ -226,9 +230,13 @@ class ExpressLane:
         if leg.kind == "tilert":
             leg.rid = derive_tilert_rid(leg.response_id)
         leg.n_prompt = prompt_tokens(pre)
-        leg.max_tokens = req.max_tokens or await self._default_max_tokens(leg.n_prompt)
+        # vLLM's budget and min_tokens check; a refusal here cancels the node's reservation (closing_on_error)
+        leg.max_tokens = effective_max_tokens(req.body, req.kind == "chat", await self._model_len(), leg.n_prompt)
         leg.first_token_id = first_token_id(pre, chat=req.kind == "chat")
         leg.prompt_ids = prompt_token_ids(pre)
+        if wanted_k(req.body, req.kind == "chat") is not None:
+            leg.first_lp = from_prefill(pre, leg.first_token_id, chat=req.kind == "chat")
+            leg.positions = []
 
     def pools_kind(self, node: ExpressNode) -> str:
         for p in self.pools.values():
@@ -236,7 +244,8 @@ class ExpressLane:
                 return p.kind
         raise KeyError(node.url)
 
-    async def _default_max_tokens(self, n_prompt: int) -> int:
+    async def _model_len(self) -> int:
+        """max_model_len: the config's, else asked once from the prefill's /v1/models."""
         if self._max_model_len is None:
             cfg = self.ctx.config
             models = await post_free_get(self.ctx, cfg.prefill.url + "/v1/models")
@@ -246,12 +255,15 @@ class ExpressLane:
             if self._max_model_len is None:
                 raise UpstreamError(f"cannot learn max_model_len of {cfg.prefill.model!r} from the prefill's "
                                     "/v1/models; set max_model_len in the router config", stage="prefill")
-        return max(1, self._max_model_len - n_prompt)
+        return self._max_model_len
 
     def _decode_body(self, req: ClientRequest, leg: Leg) -> dict[str, Any]:
         sampling = sampling_of(req.body, self.model_text.generation_defaults if self.model_text else {}, leg.kind)
         body = {"rid": leg.rid, "first_token_id": leg.first_token_id, "max_tokens": leg.max_tokens,
                 "sampling": sampling, "stream": True, "timeout_s": self.ctx.config.timeouts.kv_wait_s}
+        k = wanted_k(req.body, req.kind == "chat")
+        if k is not None:
+            body["top_logprobs"] = k
         if leg.kind == "expresslane":
             so = node_structured_outputs(req.body, chat=req.kind == "chat",
                                          tool_parser=self.ctx.config.tool_call_parser)
@@ -262,6 +274,18 @@ class ExpressLane:
             # speculation drafts from it.
             body["prompt_token_ids"] = leg.prompt_ids
         return body
+
+    def _logprob_out(self, req: ClientRequest) -> LogprobOut | None:
+        k = wanted_k(req.body, req.kind == "chat")
+        if k is None:
+            return None
+        if self._token_strings is None:
+            assert self.model_text is not None
+            self._token_strings = TokenStrings(self.model_text.tokenizer)
+        as_ids = req.body.get("return_tokens_as_token_ids")
+        if as_ids is None:
+            as_ids = self.ctx.config.return_tokens_as_token_ids
+        return LogprobOut(self._token_strings, k, req.kind == "chat", bool(as_ids))
 
     def _assembler(self, req: ClientRequest, leg: Leg) -> OutputAssembler:
         mt = self.model_text
@@ -288,12 +312,37 @@ class ExpressLane:
         stack.push_async_callback(tokens.aclose)
         return tokens
 
+    def _first_position(self, leg: Leg) -> Position:
+        if leg.first_lp is None:
+            raise UpstreamError("the prefill reply carries no logprobs for the first token", stage="prefill",
+                                kind="no_logprobs")
+        return leg.first_lp
+
+    def _note_logprobs(self, leg: Leg, ids: list[int], batch_lp: tuple[Any, Any], dropped: int) -> None:
+        """One Position per id of a node batch (`dropped` leading ids were already accounted for)."""
+        assert leg.positions is not None
+        lp, tp = batch_lp
+        if not isinstance(lp, list) or len(lp) != len(ids) or (tp is not None and (
+                not isinstance(tp, list) or len(tp) != len(ids))):
+            raise UpstreamError(f"express node {leg.node.name} sent no lp/tp arrays for its tokens (logprobs were "
+                                "asked for)", stage=STAGE, kind="no_logprobs")
+        for j in range(dropped, len(ids)):
+            if lp[j] is None:  # the first token: its logprobs come from the prefill (CONTRACTS2.md)
+                if leg.positions or ids[j] != leg.first_token_id:
+                    raise UpstreamError(f"express node {leg.node.name} sent a null logprob for token {ids[j]}",
+                                        stage=STAGE, kind="no_logprobs")
+                leg.positions.append(self._first_position(leg))
+            else:
+                leg.positions.append(from_node(ids[j], lp[j], tp[j] if tp is not None else None))
+
     async def _batches(self, req: ClientRequest, pool: str, leg: Leg, tokens: NodeTokens | None,
                        asm: OutputAssembler, feed: Feed, stack: contextlib.AsyncExitStack,
                        deadline: Deadline) -> AsyncIterator[list[int]]:
         try:
             skip_first = False
             if tokens is None:  # first token at once: the prefill's token now, the node's stream after it
+                if leg.positions is not None:
+                    leg.positions.append(self._first_position(leg))
                 yield [leg.first_token_id]
                 if asm.finished:
                     return  # the first token was the whole answer: the node's rid is cancelled on close
@@ -301,12 +350,16 @@ class ExpressLane:
                 skip_first = True
             async with contextlib.aclosing(tokens.batches()) as node_batches:
                 async for ids in node_batches:
+                    dropped = 0
                     if skip_first:  # the node's stream starts with the first token, already sent
                         skip_first = False
                         if ids[0] != leg.first_token_id:
                             raise UpstreamError(f"express node {leg.node.name} did not start from the first token "
                                                 f"({ids[0]} != {leg.first_token_id})", stage=STAGE)
-                        ids = ids[1:]
+                        dropped = 1
+                    if leg.positions is not None:
+                        self._note_logprobs(leg, ids, tokens.batch_lp, dropped)
+                    ids = ids[dropped:]
                     if ids:
                         yield ids
             feed.finish_reason = tokens.finish_reason
@@ -318,7 +371,8 @@ class ExpressLane:
             if asm.finished or len(asm.token_ids) >= leg.max_tokens:
                 return  # every token is in: nothing to continue
             target = self._failover_pool(req.alias, pool)
-            if not self.ctx.config.resilience.midstream_failover_for(req.alias) or target is None or not leg.prompt_ids:
+            if (not self.ctx.config.resilience.midstream_failover_for(req.alias) or target is None
+                    or not leg.prompt_ids or leg.positions is not None):  # the continuation carries no logprobs
                 self.ctx.metrics.midstream_failovers.labels(pool, "disabled").inc()
                 raise
             failure = e

@@ -27,6 +27,7 @@ from ..config import ExpressNode
 from ..errors import BadRequest, RouterError, UpstreamError
 from ..resilience import Deadline
 from ..upstream import LineReader, loads_line, map_transport_error
+from ..logprobs import Position
 from .base import EJECTING_KINDS, LaneContext
 
 __all__ = ["Leg", "NodeBusy", "NodeClient", "NodeFailed", "NodeTokens", "STAGE"]
@@ -62,6 +63,9 @@ class Leg:
     n_prompt: int = 0
     max_tokens: int = 0
     settled: bool = False  # the node finished or never took the rid: no /pd/cancel needed
+    first_lp: Position | None = None  # the first token's logprobs, from the prefill reply
+    # logprobs wanted: one Position per answer token, in the order the token batches were yielded
+    positions: list[Position] | None = None
 
 
 def _reason_of(text: str) -> str:
@@ -88,11 +92,14 @@ class NodeTokens:
         self._resp = resp
         self._reader = reader
         self._first = first
+        self._first_lp: tuple[Any, Any] = (None, None)
         self.done = False
         self.finish_reason: str | None = None
+        self.batch_lp: tuple[Any, Any] = (None, None)  # the last yielded batch's (lp, tp) arrays, if sent
 
     async def batches(self) -> AsyncIterator[list[int]]:
         if self._first:
+            self.batch_lp = self._first_lp
             yield self._first
         if self.done:
             return
@@ -103,6 +110,7 @@ class NodeTokens:
             if "t" in msg:
                 ids = msg["t"] if isinstance(msg["t"], list) else []
                 if ids:
+                    self.batch_lp = (msg.get("lp"), msg.get("tp"))
                     yield [int(t) for t in ids]
             elif msg.get("done"):
                 self.done, self.finish_reason = True, msg.get("finish_reason")
@@ -203,7 +211,7 @@ class NodeClient:
             raise
         self.ctx.report_success(leg.node.url)
         if first is not None:
-            tokens._first = first
+            tokens._first, tokens._first_lp = first, tokens.batch_lp
         return tokens  # first is None: a done line before any token (done is set)
 
     async def _close(self, resp: httpx.Response | None) -> None:

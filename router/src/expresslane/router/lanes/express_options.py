@@ -26,9 +26,10 @@ def _set(v: Any) -> bool:
 
 # Request fields an express decode node cannot honour: refused loudly instead of ignored. (The legacy guided_*
 # fields are ignored by vLLM 0.32 itself, on both lanes: structured.py.)
-_UNSUPPORTED = ("logprobs", "top_logprobs", "prompt_logprobs", "echo", "logit_bias", "min_p", "bad_words",
-                "allowed_token_ids")
-_UNSUPPORTED_BY_KIND = {"expresslane": (), "tilert": ("min_tokens", "frequency_penalty", "structured_outputs")}
+_UNSUPPORTED = ("prompt_logprobs", "echo", "logit_bias", "min_p", "bad_words", "allowed_token_ids",
+                "logprob_token_ids")
+_UNSUPPORTED_BY_KIND = {"expresslane": (),
+                        "tilert": ("min_tokens", "frequency_penalty", "structured_outputs", "logprobs", "top_logprobs")}
 
 
 def _refuse(key: str, why: str = "") -> BadRequest:

@@ -6,12 +6,14 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from starlette.responses import JSONResponse, Response
 
 from ..detokenizer import OutputAssembler
-from ..errors import RouterError
+from ..errors import RouterError, UpstreamError
+from ..logprobs import TokenStrings, chat_logprobs, completion_logprobs
 from ..metrics import RequestRecord
 from ..tools import HermesParser, chat_message_and_finish, stream_finish, tools_active
 from ..openai_shapes import (SSE_DONE, ClientRequest, chat_chunk, chat_response, completion_chunk,
@@ -23,11 +25,40 @@ __all__ = ["Feed", "collect", "relay"]
 
 
 class Feed:
-    """How the answer's token batches ended: the node's finish reason, or the native continuation's."""
+    """How the answer's token batches ended: the node's finish reason, or the native continuation's; and the
+    logprobs shaper when the client asked for logprobs."""
 
-    def __init__(self) -> None:
+    def __init__(self, logprobs: "LogprobOut | None" = None) -> None:
         self.finish_reason: str | None = None
         self.failed_over = False
+        self.logprobs = logprobs
+
+
+@dataclass
+class LogprobOut:
+    """Turns leg.positions into vLLM's logprobs objects, chunk by chunk (`take`: the tokens not sent yet)."""
+
+    strings: TokenStrings
+    k: int
+    chat: bool
+    as_ids: bool
+    sent: int = 0
+    offset: int = 0  # completions text_offset, continued across chunks
+
+    def take(self, leg: Leg, asm: OutputAssembler) -> dict[str, Any]:
+        n = len(asm.token_ids)
+        positions = (leg.positions or [])[self.sent:n]
+        if len(positions) != n - self.sent:
+            raise UpstreamError(f"logprobs for {len(positions)} of {n - self.sent} tokens", stage="express_decode",
+                                kind="no_logprobs")
+        start, self.sent = self.sent, n
+        if self.chat:
+            return chat_logprobs(positions, asm.token_ids, start, self.k, self.strings, as_ids=self.as_ids)
+        out = completion_logprobs(positions, asm.token_ids, start, self.k, self.strings, as_ids=self.as_ids,
+                                  text_offset=self.offset)
+        if out["tokens"]:
+            self.offset = out["text_offset"][-1] + len(out["tokens"][-1])
+        return out
 
 
 async def collect(req: ClientRequest, leg: Leg, asm: OutputAssembler, feed: Feed,
@@ -47,6 +78,8 @@ async def collect(req: ClientRequest, leg: Leg, asm: OutputAssembler, feed: Feed
     extra: dict[str, Any] = {"token_ids": asm.token_ids, "prompt_token_ids": leg.prompt_ids} if req.body.get(
         "return_token_ids") else {}
     finish = asm.finish_reason
+    if feed.logprobs is not None:
+        extra["logprobs"] = feed.logprobs.take(leg, asm)
     if req.kind != "chat":
         return JSONResponse(completion_response(leg.response_id, req.alias, asm.text, finish, asm.stop_reason,
                                                 leg.n_prompt, n, **extra))
@@ -63,10 +96,15 @@ async def relay(req: ClientRequest, leg: Leg, asm: OutputAssembler, feed: Feed,
     single = req.body.get("parallel_tool_calls") is False
 
     def piece(text: str, finish: str | None = None, stop_reason: Any = None) -> bytes | None:
+        lp = feed.logprobs.take(leg, asm) if feed.logprobs is not None else None
         if not chat:
-            return sse(completion_chunk(rid, model, created, text, finish, stop_reason))
+            if not text and finish is None and not (lp and lp["tokens"]):
+                return None
+            return sse(completion_chunk(rid, model, created, text, finish, stop_reason, logprobs=lp))
         if tools is None:
-            return sse(chat_chunk(rid, model, created, {"content": text}, finish, stop_reason))
+            if not text and finish is None and not (lp and lp["content"]):
+                return None
+            return sse(chat_chunk(rid, model, created, {"content": text}, finish, stop_reason, logprobs=lp))
         delta = tools.delta(asm.text[:sent[0] + len(text)]) if (text or finish) else None
         sent[0] += len(text)
         if delta is not None and single and "tool_calls" in delta:  # vLLM: maybe_filter_parallel_tool_calls
@@ -74,8 +112,11 @@ async def relay(req: ClientRequest, leg: Leg, asm: OutputAssembler, feed: Feed,
             if not delta["tool_calls"]:
                 del delta["tool_calls"]
         if finish is None:
-            return None if delta is None else sse(chat_chunk(rid, model, created, delta))
-        return sse(chat_chunk(rid, model, created, delta or {}, stream_finish(tools, req.body, finish), stop_reason))
+            if delta is None and not (lp and lp["content"]):
+                return None
+            return sse(chat_chunk(rid, model, created, delta or {}, logprobs=lp))
+        return sse(chat_chunk(rid, model, created, delta or {}, stream_finish(tools, req.body, finish), stop_reason,
+                              logprobs=lp))
 
     sent = [0]  # characters of asm.text handed to the tool parser
 
@@ -85,7 +126,7 @@ async def relay(req: ClientRequest, leg: Leg, asm: OutputAssembler, feed: Feed,
         async with contextlib.aclosing(batches) as it:
             async for ids in it:
                 text = asm.push(ids)
-                if text and (chunk := piece(text)) is not None:
+                if (chunk := piece(text)) is not None:
                     record.token_chunk()
                     yield chunk
                 if asm.finished and asm.finish_reason != "length":

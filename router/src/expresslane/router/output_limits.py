@@ -1,0 +1,49 @@
+"""The output-length limits vLLM 0.32 applies, for the express lane (whose prefill leg runs with max_tokens=1, so
+vLLM cannot apply them there); the native lane's decode server applies the same ones itself.
+
+- requested max tokens: chat `max_completion_tokens`, else `max_tokens` (ChatCompletionRequest.build_tok_params);
+  completions `max_tokens`, default 16 when the field is absent (CompletionRequest); explicit null = no limit;
+- requested > max_model_len -> 400 "`param`=N cannot be greater than max_model_len=L. Please request fewer
+  output tokens." (renderers/params.py TokenizeParams) before any work;
+- the effective budget = min(max_model_len - prompt tokens, requested) (entrypoints/serve/utils/api_utils.py
+  get_max_tokens; a generation_config max_new_tokens default is not applied here: the router does not read it);
+- min_tokens > effective -> 400 "min_tokens must be less than or equal to max_tokens=E, got M."
+  (SamplingParams._verify_args), known only once the prefill reply gave the prompt length: the node's
+  reservation is cancelled on that exit.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .errors import VllmValidation
+
+__all__ = ["check_requested", "effective_max_tokens", "requested_max_tokens"]
+
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+
+
+def requested_max_tokens(body: dict[str, Any], chat: bool) -> tuple[int | None, str]:
+    if chat:
+        if body.get("max_completion_tokens") is not None:
+            return body["max_completion_tokens"], "max_completion_tokens"
+        return body.get("max_tokens"), "max_tokens"
+    return body.get("max_tokens", COMPLETIONS_DEFAULT_MAX_TOKENS), "max_tokens"
+
+
+def check_requested(body: dict[str, Any], chat: bool, max_model_len: int) -> None:
+    n, param = requested_max_tokens(body, chat)
+    if n is not None and n > max_model_len:
+        raise VllmValidation(f"{param}={n} cannot be greater than max_model_len={max_model_len}. "
+                             "Please request fewer output tokens.", param=param, value=n)
+
+
+def effective_max_tokens(body: dict[str, Any], chat: bool, max_model_len: int, n_prompt: int) -> int:
+    n, _ = requested_max_tokens(body, chat)
+    eff = max_model_len - n_prompt if n is None else min(max_model_len - n_prompt, n)
+    if eff < 1:
+        raise VllmValidation(f"max_tokens must be at least 1, got {eff}.", param="max_tokens", value=eff)
+    min_tokens = body.get("min_tokens") or 0
+    if isinstance(min_tokens, int) and min_tokens > eff:
+        raise VllmValidation(f"min_tokens must be less than or equal to max_tokens={eff}, got {min_tokens}.")
+    return eff
