@@ -14,7 +14,8 @@ from expresslane.engine.decode.grammar import StructuredOutputSpec
 from expresslane.engine.server import LocalKVSource, ServerConfig, create_app
 
 from ._live import LiveServer
-from .test_grammar_fixtures import MAX_SEQ, PERSON, compiler, engine, first_token, prompt_ids, tiny_dir, tokenizer  # noqa: F401,E501
+from .test_grammar_fixtures import (MAX_SEQ, PERSON, compiler, engine, first_token, prompt_ids,  # noqa: F401
+                                    tiny_dir, tokenizer)
 
 
 @pytest.fixture(scope="module")

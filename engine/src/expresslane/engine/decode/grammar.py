@@ -42,15 +42,24 @@ from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
-import xgrammar as xgr
+
+if TYPE_CHECKING:
+    import xgrammar as xgr
 
 BACKEND = "xgrammar"
 # vLLM bounds regex compilation (VLLM_REGEX_COMPILATION_TIMEOUT_S); the node bounds every compile the same way.
 COMPILE_TIMEOUT_S = 10.0
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tiktoken.model")
+
+
+def _xgr():
+    """xgrammar, imported when a node builds its compiler (the engine itself imports without it)."""
+    import xgrammar
+
+    return xgrammar
 
 
 class GrammarError(ValueError):
@@ -139,7 +148,7 @@ class GrammarCompiler:
                  disable_any_whitespace: bool = False) -> None:
         self.vocab_size = vocab_size
         self.disable_any_whitespace = disable_any_whitespace
-        self.compiler = xgr.GrammarCompiler(tokenizer_info, max_threads=8, cache_enabled=True)
+        self.compiler = _xgr().GrammarCompiler(tokenizer_info, max_threads=8, cache_enabled=True)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="expresslane-grammar")
 
     @classmethod
@@ -152,7 +161,7 @@ class GrammarCompiler:
         if not files:  # transformers would build an empty tokenizer from the model config alone
             raise GrammarError(f"{model_dir} has no tokenizer ({', '.join(TOKENIZER_FILES)})")
         tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
+        info = _xgr().TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
         return cls(info, vocab_size, disable_any_whitespace=disable_any_whitespace)
 
     def compile(self, spec: StructuredOutputSpec, timeout_s: float = COMPILE_TIMEOUT_S) -> "xgr.CompiledGrammar":
@@ -190,7 +199,7 @@ class GrammarCompiler:
         if kind is StructuredOutputKind.STRUCTURAL_TAG:
             s_tag = json.loads(spec.spec)
             if "structures" in s_tag:  # the deprecated form, as vLLM still accepts it
-                tags = [xgr.StructuralTagItem(begin=s["begin"], schema=json.dumps(s["schema"]), end=s["end"])
+                tags = [_xgr().StructuralTagItem(begin=s["begin"], schema=json.dumps(s["schema"]), end=s["end"])
                         for s in s_tag["structures"]]
                 return c.compile_structural_tag(tags, s_tag["triggers"])
             return c.compile_structural_tag(spec.spec)
@@ -208,7 +217,7 @@ class RequestGrammar:
 
     def __init__(self, compiled: "xgr.CompiledGrammar", stop_token_ids: Iterable[int], vocab_size: int) -> None:
         stop = sorted({int(t) for t in stop_token_ids})
-        self.matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=stop or None)
+        self.matcher = _xgr().GrammarMatcher(compiled, override_stop_tokens=stop or None)
         self.vocab_size = vocab_size
         self.terminated = False
         self.num_accepted = 0
@@ -227,7 +236,7 @@ class RequestGrammar:
 
     def _buffers(self, rows: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         if self._host is None or self._host.shape[0] < rows:
-            self._host = xgr.allocate_token_bitmask(rows, self.vocab_size)
+            self._host = _xgr().allocate_token_bitmask(rows, self.vocab_size)
             if device.type == "cuda":
                 self._host = self._host.pin_memory()
                 self._device = torch.empty_like(self._host, device=device)
@@ -256,10 +265,5 @@ class RequestGrammar:
             self.matcher.rollback(accepted)
         if device is not host:
             device[:rows].copy_(host[:rows], non_blocking=True)
-        xgr.apply_token_bitmask_inplace(logits, device[:rows], vocab_size=self.vocab_size)
+        _xgr().apply_token_bitmask_inplace(logits, device[:rows], vocab_size=self.vocab_size)
 
-
-def parse_structured_outputs(obj: dict[str, Any]) -> StructuredOutputSpec:
-    """The node's `structured_outputs` body object -> the spec (options accepted, see the module docstring)."""
-    fields = {k: obj.get(k) for k in ("json", "regex", "choice", "grammar", "json_object", "structural_tag")}
-    return StructuredOutputSpec.from_params(**fields)

@@ -45,7 +45,8 @@ from .schemas import CancelRequest, DecodeRequest, ReserveRequest, parse_body
 log = logging.getLogger(__name__)
 
 # requests_total{status} label of each error code
-_CODE_LABEL = {"bad_request": "bad_request", "invalid_parameter": "bad_request", "busy": "busy", "not_reserved": "not_reserved", "not_ready": "not_ready",
+_CODE_LABEL = {"bad_request": "bad_request", "invalid_parameter": "bad_request", "busy": "busy",
+               "not_reserved": "not_reserved", "not_ready": "not_ready",
                "cancelled": "cancelled", "unsupported": "unsupported", "kv_transfer_timeout": "kv_timeout",
                "kv_transfer_failed": "kv_transfer_failed", "decode_stalled": "stalled",
                "deadline_exceeded": "deadline"}
@@ -105,12 +106,14 @@ def _token_fields(items: list, with_logprobs: bool, ids: str = "t", lps: str = "
 
 def load_grammar_compiler(config: ServerConfig, vocab_size: int) -> GrammarCompiler | None:
     """The node's xgrammar compiler from the model directory's tokenizer; None (logged, and announced as
-    structured_output false in /capabilities) when the directory has no tokenizer."""
+    structured_output false in /capabilities) when the directory has no tokenizer or xgrammar is not installed."""
     try:
         return GrammarCompiler.from_model_dir(config.model, vocab_size)
+    except ImportError as e:
+        log.warning("no structured outputs on this node: xgrammar is not installed (%s)", e)
     except (OSError, ValueError, TypeError) as e:
         log.warning("no structured outputs on this node: the model directory's tokenizer does not load (%s)", e)
-        return None
+    return None
 
 
 class _Request:
