@@ -107,21 +107,30 @@ def same_logprobs(express: list[dict], native: list[dict]) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ tool calls
+STRICT = [{**t, "function": {**t["function"], "strict": True}} for t in (WEATHER, TIME)]
+
+
+@pytest.mark.parametrize("tools", [[WEATHER, TIME], STRICT], ids=["plain", "strict"])
 @pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}],
                          ids=["required", "named"])
-def test_forced_tool_calls_identical_on_both_lanes(sdk, tool_choice):
-    body = dict(messages=MESSAGES, tools=[WEATHER, TIME], tool_choice=tool_choice, max_tokens=200)
+def test_forced_tool_calls_identical_on_both_lanes(sdk, tool_choice, tools):
+    body = dict(messages=MESSAGES, tools=tools, tool_choice=tool_choice, max_tokens=200)
     native, express = chat(sdk, "native", **body), chat(sdk, "express", **body)
     n_calls, e_calls = calls_of(native), calls_of(express)
     assert n_calls, native
     same_calls(e_calls, n_calls)
     if isinstance(tool_choice, dict):
         assert [c["name"] for c in e_calls] == ["get_weather"]
+    if tools is STRICT:  # strict tools: the arguments follow the function's schema
+        for c in e_calls:
+            assert set(json.loads(c["arguments"])) <= {"city", "unit", "tz"}, c
     assert express.choices[0].finish_reason == native.choices[0].finish_reason
     assert express.choices[0].message.content == native.choices[0].message.content
+    # Streamed vs non-streamed arguments are compared per lane only: with non-strict tools vLLM's structural tag
+    # leaves the arguments free JSON (the tiny model writes e.g. 0.0 or a long number) and vLLM's streaming hermes
+    # parser cuts such values differently from its non-stream parser; the express lane must reproduce both.
     n_stream, e_stream = chat_stream(sdk, "native", **body), chat_stream(sdk, "express", **body)
     same_calls(e_stream["tool_calls"], n_stream["tool_calls"])
-    assert [c["arguments"] for c in e_stream["tool_calls"]] == [c["arguments"] for c in n_calls]
     assert e_stream["finish_reason"] == n_stream["finish_reason"] == native.choices[0].finish_reason
     assert e_stream["content"] == n_stream["content"]
 
@@ -233,8 +242,10 @@ def test_limit_cases_same_status_and_message(sdk, name, extra, stream):
                 list(r)
         except openai.APIStatusError as e:
             return e.status_code, (e.body or {}).get("message") if isinstance(e.body, dict) else e.body
+        except openai.APIError as e:  # an error event inside a 200 stream (vLLM does this for some checks)
+            return "in-stream", e.message
         return 200, None
 
     native = attempt("native")
-    assert native[0] == 400, f"{name}: the native lane accepted it: {native}"
+    assert native[0] in (400, "in-stream"), f"{name}: the native lane accepted it: {native}"
     assert attempt("express") == native
