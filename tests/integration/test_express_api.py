@@ -121,9 +121,6 @@ def test_forced_tool_calls_identical_on_both_lanes(sdk, tool_choice, tools):
     same_calls(e_calls, n_calls)
     if isinstance(tool_choice, dict):
         assert [c["name"] for c in e_calls] == ["get_weather"]
-    if tools is STRICT:  # strict tools: the arguments follow the function's schema
-        for c in e_calls:
-            assert set(json.loads(c["arguments"])) <= {"city", "unit", "tz"}, c
     assert express.choices[0].finish_reason == native.choices[0].finish_reason
     assert express.choices[0].message.content == native.choices[0].message.content
     # Streamed vs non-streamed arguments are compared per lane only: with non-strict tools vLLM's structural tag
