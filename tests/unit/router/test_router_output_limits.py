@@ -8,6 +8,7 @@ import pytest
 
 from expresslane.router.errors import VllmValidation
 from expresslane.router.output_limits import check_requested, effective_max_tokens
+from expresslane.router.request import options_of
 
 from ._kit import EXPRESS, PREFILL
 from .test_router_express_lane import PROMPT_IDS, FakeNode
@@ -40,7 +41,7 @@ def test_requested_over_the_context_is_vllms_400(body, chat, param):
     want = _vllm_error(lambda: TokenizeParams(max_total_tokens=L, max_output_tokens=n, max_total_tokens_param=
                                               "max_model_len", max_output_tokens_param=param))
     with pytest.raises(VllmValidation) as e:
-        check_requested(body, chat, L)
+        check_requested(options_of(body, chat), L)
     assert e.value.status == 400 and e.value.body() == want
 
 
@@ -49,7 +50,7 @@ def test_min_tokens_over_the_effective_budget_is_vllms_400():
 
     want = _vllm_error(lambda: SamplingParams(max_tokens=L - 60, min_tokens=10))
     with pytest.raises(VllmValidation) as e:
-        effective_max_tokens({"max_tokens": 30, "min_tokens": 10}, False, L, 60)  # budget clamps to 4
+        effective_max_tokens(options_of({"max_tokens": 30, "min_tokens": 10}, False), L, 60)  # budget clamps to 4
     assert e.value.body() == want
 
 
@@ -61,7 +62,7 @@ def test_effective_budget_is_vllms_get_max_tokens():
                        ({"max_tokens": 60}, True), ({"max_completion_tokens": 3, "max_tokens": 50}, True)]:
         for n_prompt in (1, 6, 63):
             req = body.get("max_completion_tokens", body.get("max_tokens", None if chat else 16))
-            assert effective_max_tokens(body, chat, L, n_prompt) == get_max_tokens(L, req, n_prompt, {}), (body, n_prompt)
+            assert effective_max_tokens(options_of(body, chat), L, n_prompt) == get_max_tokens(L, req, n_prompt, {}), (body, n_prompt)
 
 
 @pytest.fixture

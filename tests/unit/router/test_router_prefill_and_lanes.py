@@ -146,8 +146,8 @@ def test_bad_requests_are_400_with_a_clear_message(raw, kind, needle):
 def test_parse_request_reads_stream_usage_and_max_tokens():
     r = parse_request(b'{"model": "m", "prompt": [1, 2], "stream": true, "stream_options": {"include_usage": true},'
                       b' "max_completion_tokens": 9}', "completion")
-    # completions have no max_completion_tokens field in vLLM (ignored there too): max_tokens' default applies
-    assert (r.stream, r.include_usage, r.max_tokens, r.path) == (True, True, None, "/v1/completions")
+    # completions have no max_completion_tokens field in vLLM (ignored there too): max_tokens' default 16 applies
+    assert (r.stream, r.include_usage, r.max_tokens, r.path) == (True, True, 16, "/v1/completions")
     r = parse_request(b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 5,'
                       b' "max_completion_tokens": 9}', "chat")
     assert r.max_tokens == 9  # chat: max_completion_tokens wins, as in vLLM

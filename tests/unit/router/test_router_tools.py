@@ -92,7 +92,7 @@ def test_non_stream_extraction_matches_vllm(vllm_parser, tc, j):
     p = P(tok, req.tools)
     req = p.adjust_request(req)
     _, content, calls = p.parse(OUTPUTS[j], req, enable_auto_tools=True)
-    msg, _ = T.chat_message_and_finish(OUTPUTS[j], body, "stop")
+    msg, _ = T.chat_message_and_finish(OUTPUTS[j], T.tool_choice_of(body), "stop")
     want_calls = [{"id": "ID", "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
                   for c in calls or []]
     assert _ids_away(msg["tool_calls"]) == want_calls

@@ -69,7 +69,7 @@ def _top_logprobs(b: dict, chat: bool) -> bool:
 
 def _structured(b: dict, chat: bool) -> bool:
     rf = b.get("response_format")
-    if isinstance(rf, dict) and rf.get("type") not in (None, "text"):
+    if isinstance(rf, dict) and rf.get("type") not in (None, "text", "structural_tag"):
         return True
     if rf is not None and not isinstance(rf, dict):
         return True
@@ -97,7 +97,9 @@ FEATURES: tuple[Feature, ...] = (
     Feature("echo", "`echo` (completions)", lambda b, c: _on(b.get("echo"), False), "echo"),
     Feature("structured_output", "`response_format` json_object / json_schema, `structured_outputs`",
             _structured, "response_format"),
-    Feature("tools", "`tools` with `tool_choice` other than `none`", _tools, "tools"),
+    Feature("structural_tag", "`response_format` type structural_tag", lambda b, c: isinstance(
+        b.get("response_format"), dict) and b["response_format"].get("type") == "structural_tag", "response_format"),
+    Feature("tools", "`tools` with `tool_choice` other than `none` (hermes parser)", _tools, "tools"),
     Feature("n", "`n` > 1, `best_of` > 1", lambda b, c: _on(b.get("n"), 1) or _on(b.get("best_of"), 1), "n"),
     Feature("logit_bias", "`logit_bias`", lambda b, c: _nonempty(b.get("logit_bias")), "logit_bias"),
     Feature("min_p", "`min_p` > 0", lambda b, c: _on(b.get("min_p")), "min_p"),
@@ -113,6 +115,8 @@ FEATURES: tuple[Feature, ...] = (
     Feature("bad_words", "`bad_words`", lambda b, c: _nonempty(b.get("bad_words")), "bad_words"),
     Feature("allowed_token_ids", "`allowed_token_ids`", lambda b, c: _nonempty(b.get("allowed_token_ids")),
             "allowed_token_ids"),
+    Feature("logprob_token_ids", "`logprob_token_ids`", lambda b, c: _nonempty(b.get("logprob_token_ids")),
+            "logprob_token_ids"),
 )
 _BY_NAME = {f.name: f for f in FEATURES}
 # A node's `features` key -> the router's feature names it covers (CONTRACTS.md "GET /capabilities").
@@ -120,6 +124,7 @@ _NODE_KEYS = {"logprobs": ("logprobs",), "top_logprobs": ("top_logprobs",), "pro
               "echo": ("echo",), "structured_output": ("structured_output",), "tools": ("tools",), "n": ("n",),
               "logit_bias": ("logit_bias",), "min_p": ("min_p",), "stop_token_ids": ("stop_token_ids",),
               "min_tokens": ("min_tokens",), "seed": ("seed",),
+              "allowed_token_ids": ("allowed_token_ids",), "logprob_token_ids": ("logprob_token_ids",),
               "penalties": ("repetition_penalty", "presence_penalty", "frequency_penalty")}
 # The relay check's `param` -> feature (lanes.express.check_express_supported names request fields).
 _PARAM_FEATURE = {"structured_outputs": "structured_output", "response_format": "structured_output",
@@ -150,8 +155,9 @@ def features_from_node(node_features: dict[str, Any]) -> dict[str, bool]:
 # What our engine's node announces at this commit (CONTRACTS2.md "Node /pd/decode additions").
 EXPRESSLANE_ENGINE: dict[str, bool] = features_from_node(
     {"logprobs": True, "top_logprobs": True, "structured_output": True, "tools": False, "n": False,
-     "echo": False, "prompt_logprobs": False, "logit_bias": False, "min_p": False, "stop_token_ids": True,
-     "min_tokens": True, "penalties": True, "seed": True, "speculative": False})
+     "echo": False, "prompt_logprobs": False, "logit_bias": True, "min_p": True, "allowed_token_ids": True,
+     "bad_words": False, "stop_token_ids": True, "min_tokens": True, "penalties": True, "seed": True,
+     "speculative": False})
 
 
 def requested_features(body: dict[str, Any], chat: bool) -> list[str]:
@@ -253,7 +259,7 @@ class CapabilityRouter:
             try:
                 self.relay_check(body, self.config.pools[pool].kind)
             except BadRequest as e:
-                missing = [_PARAM_FEATURE.get(e.param or "", e.param or "unknown")]
+                missing = [getattr(e, "feature", None) or _PARAM_FEATURE.get(e.param or "", e.param or "unknown")]
         asked = requested_features(body, chat)
         if asked and not missing:
             have = await self.pool_features(pool)

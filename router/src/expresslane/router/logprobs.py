@@ -26,6 +26,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from .request import options_of
+
 __all__ = ["Position", "TokenStrings", "chat_logprobs", "completion_logprobs", "from_node", "from_prefill",
            "wanted_k"]
 
@@ -50,13 +52,8 @@ class Position:
 
 
 def wanted_k(body: dict[str, Any], chat: bool) -> int | None:
-    """The client's k (top alternatives per token), or None when it asked for no logprobs."""
-    if chat:
-        if body.get("logprobs") is not True:
-            return None
-        return int(body.get("top_logprobs") or 0)
-    v = body.get("logprobs")
-    return None if v is None or v is False else int(v)
+    """The client's k (top alternatives per token), or None when it asked for no logprobs (request.py's rule)."""
+    return options_of(body, chat).logprobs_k
 
 
 def _placeholder_id(tok: Any) -> int | None:

@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 from .errors import BadRequest, VllmValidation
 from .limits import loads_object
+from .request import RequestOptions, options_of
 
 __all__ = [
     "ClientRequest",
@@ -40,17 +41,18 @@ class ClientRequest:
     alias: str
     stream: bool
     include_usage: bool
-    max_tokens: int | None  # chat: max_completion_tokens, else max_tokens; completions: max_tokens; else None
+    opts: RequestOptions  # the typed view every lane and leg reads (request.py); `body` travels to vLLM
 
     @property
     def path(self) -> str:
         return "/v1/chat/completions" if self.kind == "chat" else "/v1/completions"
 
+    @property
+    def max_tokens(self) -> int | None:
+        return self.opts.requested_max_tokens
+
     def stop_strings(self) -> list[str]:
-        stop = self.body.get("stop")
-        if stop is None:
-            return []
-        return [stop] if isinstance(stop, str) else list(stop)
+        return list(self.opts.stop)
 
 
 def _is_int(v: Any) -> bool:
@@ -67,7 +69,6 @@ def parse_request(raw: bytes, kind: Kind, *, max_depth: int = 64) -> ClientReque
         stream = False
     if not isinstance(stream, bool):
         raise BadRequest("'stream' must be a boolean", param="stream")
-    max_tokens = None
     for key in ("max_completion_tokens", "max_tokens") if kind == "chat" else ("max_tokens",):
         v = body.get(key)
         if v is None:
@@ -76,8 +77,6 @@ def parse_request(raw: bytes, kind: Kind, *, max_depth: int = 64) -> ClientReque
             raise BadRequest(f"'{key}' must be an integer, got {json.dumps(v)}", param=key)
         if v <= 0:  # vLLM 0.32's words (SamplingParams names max_tokens for max_completion_tokens too)
             raise VllmValidation(f"max_tokens must be at least 1, got {v}.", param="max_tokens", value=v)
-        if max_tokens is None:
-            max_tokens = v
     for key in ("n", "best_of"):
         v = body.get(key)
         if v is not None and (not _is_int(v) or v != 1):
@@ -98,7 +97,8 @@ def parse_request(raw: bytes, kind: Kind, *, max_depth: int = 64) -> ClientReque
     else:
         _check_prompt(body.get("prompt"))
     return ClientRequest(kind=kind, body=body, alias=model, stream=stream,
-                         include_usage=bool(stream and opts and opts.get("include_usage")), max_tokens=max_tokens)
+                         include_usage=bool(stream and opts and opts.get("include_usage")),
+                         opts=options_of(body, kind == "chat"))
 
 
 def _check_prompt(prompt: Any) -> None:

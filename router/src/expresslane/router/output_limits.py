@@ -14,36 +14,25 @@ vLLM cannot apply them there); the native lane's decode server applies the same 
 
 from __future__ import annotations
 
-from typing import Any
-
 from .errors import VllmValidation
+from .request import RequestOptions
 
-__all__ = ["check_requested", "effective_max_tokens", "requested_max_tokens"]
-
-COMPLETIONS_DEFAULT_MAX_TOKENS = 16
-
-
-def requested_max_tokens(body: dict[str, Any], chat: bool) -> tuple[int | None, str]:
-    if chat:
-        if body.get("max_completion_tokens") is not None:
-            return body["max_completion_tokens"], "max_completion_tokens"
-        return body.get("max_tokens"), "max_tokens"
-    return body.get("max_tokens", COMPLETIONS_DEFAULT_MAX_TOKENS), "max_tokens"
+__all__ = ["check_requested", "effective_max_tokens"]
 
 
-def check_requested(body: dict[str, Any], chat: bool, max_model_len: int) -> None:
-    n, param = requested_max_tokens(body, chat)
+def check_requested(opts: RequestOptions, max_model_len: int) -> None:
+    n, param = opts.requested_max_tokens, opts.max_tokens_param
     if n is not None and n > max_model_len:
         raise VllmValidation(f"{param}={n} cannot be greater than max_model_len={max_model_len}. "
                              "Please request fewer output tokens.", param=param, value=n)
 
 
-def effective_max_tokens(body: dict[str, Any], chat: bool, max_model_len: int, n_prompt: int) -> int:
-    n, _ = requested_max_tokens(body, chat)
+def effective_max_tokens(opts: RequestOptions, max_model_len: int, n_prompt: int) -> int:
+    n = opts.requested_max_tokens
     eff = max_model_len - n_prompt if n is None else min(max_model_len - n_prompt, n)
     if eff < 1:
         raise VllmValidation(f"max_tokens must be at least 1, got {eff}.", param="max_tokens", value=eff)
-    min_tokens = body.get("min_tokens") or 0
-    if isinstance(min_tokens, int) and min_tokens > eff:
+    min_tokens = opts.min_tokens
+    if min_tokens > eff:
         raise VllmValidation(f"min_tokens must be less than or equal to max_tokens={eff}, got {min_tokens}.")
     return eff

@@ -53,7 +53,7 @@ def node_structured_outputs(body: dict[str, Any], *, chat: bool, tool_parser: st
         elif t == "json_schema":
             js = rf.get("json_schema") if isinstance(rf.get("json_schema"), dict) else {}
             out = {**(out or {}), "json": js.get("schema")}
-    if chat and tool_parser in SUPPORTED_PARSERS and tools_active(body):
+    if chat and tool_parser in SUPPORTED_PARSERS and tools_active(body) and isinstance(body.get("tools"), list):
         tag = structural_tag(body)
         if tag is not None:
             out = {"structural_tag": json.dumps(tag)}

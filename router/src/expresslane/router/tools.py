@@ -69,8 +69,10 @@ def tools_active(body: dict[str, Any]) -> bool:
 
 
 def _functions(body: dict[str, Any]) -> list[dict[str, Any]]:
-    return [t["function"] for t in body.get("tools") or ()
-            if isinstance(t, dict) and t.get("type", "function") == "function" and isinstance(t.get("function"), dict)]
+    tools = body.get("tools")
+    return [t["function"] for t in (tools if isinstance(tools, list) else ())
+            if isinstance(t, dict) and t.get("type", "function") == "function" and isinstance(t.get("function"), dict)
+            and isinstance(t["function"].get("name"), str)]  # anything else is vLLM's 400 on the prefill leg
 
 
 def _tags(functions: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -247,15 +249,15 @@ class HermesParser:
         return None
 
 
-def chat_message_and_finish(text: str, body: dict[str, Any], finish_reason: str) -> tuple[dict[str, Any], str]:
+def chat_message_and_finish(text: str, tc: ToolChoice, finish_reason: str, *,
+                            parallel_tool_calls: bool | None = None) -> tuple[dict[str, Any], str]:
     """The non-stream message fields {content, tool_calls} and finish_reason for a tools request."""
-    tc = tool_choice_of(body)
     content, calls = HermesParser.extract(text)
     if tc.mode in ("required", "named") and not calls and (content is None or not content.strip()):
         content = None
     if calls and content is not None and content.strip() == "":
         content = None
-    if body.get("parallel_tool_calls") is False:
+    if parallel_tool_calls is False:
         calls = calls[:1]
     if tc.mode in ("required", "named"):
         content = content or ""
@@ -264,6 +266,6 @@ def chat_message_and_finish(text: str, body: dict[str, Any], finish_reason: str)
     return msg, "tool_calls" if tool_finish else finish_reason
 
 
-def stream_finish(parser: HermesParser, body: dict[str, Any], finish_reason: str) -> str:
-    named = tool_choice_of(body).mode == "named"
+def stream_finish(parser: HermesParser, tc: ToolChoice, finish_reason: str) -> str:
+    named = tc.mode == "named"
     return "tool_calls" if parser.tools_streamed and not named and finish_reason == "stop" else finish_reason

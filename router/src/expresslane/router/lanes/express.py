@@ -13,10 +13,15 @@ Per request:
    are detokenized here (detokenizer.OutputAssembler: stop strings, stop ids, EOS, length).
    Node replies: 429 busy -> release and requeue (at most `busy_retries` times, then `when_full`);
    504 -> 504 (the KV never arrived); 400/422/501 (a parameter the node cannot honour) -> 400 with
-   the node's message; anything else -> 502. Options the pool's node kind cannot honour (logprobs,
-   echo, guided decoding, ...; for TileRT also min_tokens, frequency_penalty) are refused with 400
-   before any work. `kind: expresslane` nodes also get `prompt_token_ids` (a repetition penalty covers
-   the prompt, as in vLLM; prompt-lookup speculation drafts from it).
+   the node's message; anything else -> 502. Options the pool's node kind cannot honour (prompt_logprobs,
+   echo, ...; for TileRT also logprobs, structured outputs, tools, min_tokens, frequency_penalty) are
+   refused with 400 before any work (express_options.py; capability routing usually sends them native
+   first). `kind: expresslane` nodes also get `prompt_token_ids` (a repetition penalty covers the prompt,
+   as in vLLM; prompt-lookup speculation drafts from it), `structured_outputs` (structured.py / tools.py:
+   as vLLM builds them) and `top_logprobs` (the client's k; the answer's logprobs: logprobs.py).
+   vLLM's output limits are applied here (output_limits.py): over the context before any work, min_tokens
+   against the budget once the prefill reply gave the prompt length (the reservation is cancelled).
+   The client body is read once, into req.opts (request.py).
 4. The node is released on every exit. If the router stops early (stop string, client gone, error, a node
    504/502, a retry after 429) it first POSTs /pd/cancel {rid} (bounded by timeouts.cancel_s), then releases.
 
@@ -56,9 +61,8 @@ from ..openai_shapes import ClientRequest
 from ..prefill import derive_tilert_rid, express_prefill_body, first_token_id, prompt_token_ids, prompt_tokens
 from ..resilience import Deadline
 from ..output_limits import check_requested, effective_max_tokens
-from ..logprobs import Position, TokenStrings, from_node, from_prefill, wanted_k
+from ..logprobs import Position, TokenStrings, from_node, from_prefill
 from ..structured import node_structured_outputs
-from ..tools import tools_active
 from ..upstream import map_transport_error, post_json, read_json
 from .base import EJECTING_KINDS, LaneContext, ManagedStream, closing_on_error, count_upstream_error
 from .continuation import Continuation
@@ -105,7 +109,9 @@ class ExpressLane:
     # ---- admission -----------------------------------------------------------------------------
     async def handle(self, req: ClientRequest, pool: str, record: RequestRecord, queue: QueueConfig) -> Response:
         check_express_supported(req.body, self.pools[pool].kind, tool_parser=self.ctx.config.tool_call_parser)
-        check_requested(req.body, req.kind == "chat", await self._model_len())  # vLLM's limit, before any work
+        if self._max_model_len is None:
+            self.native.require_prefill_up()  # a prefill known down: its typed 503 before asking it anything
+        check_requested(req.opts, await self._model_len())  # vLLM's limit, before any work
         if self.model_text is None:
             raise RouterError("express lane has no tokenizer loaded (tokenizer_dir)")
         deadline = self.ctx.deadline(record)
@@ -231,10 +237,12 @@ class ExpressLane:
             leg.rid = derive_tilert_rid(leg.response_id)
         leg.n_prompt = prompt_tokens(pre)
         # vLLM's budget and min_tokens check; a refusal here cancels the node's reservation (closing_on_error)
-        leg.max_tokens = effective_max_tokens(req.body, req.kind == "chat", await self._model_len(), leg.n_prompt)
+        leg.max_tokens = effective_max_tokens(req.opts, await self._model_len(), leg.n_prompt)
         leg.first_token_id = first_token_id(pre, chat=req.kind == "chat")
         leg.prompt_ids = prompt_token_ids(pre)
-        if wanted_k(req.body, req.kind == "chat") is not None:
+        leg.constrained = node_structured_outputs(req.body, chat=req.kind == "chat",
+                                                  tool_parser=cfg.tool_call_parser) is not None
+        if req.opts.logprobs_k is not None:
             leg.first_lp = from_prefill(pre, leg.first_token_id, chat=req.kind == "chat")
             leg.positions = []
 
@@ -261,9 +269,8 @@ class ExpressLane:
         sampling = sampling_of(req.body, self.model_text.generation_defaults if self.model_text else {}, leg.kind)
         body = {"rid": leg.rid, "first_token_id": leg.first_token_id, "max_tokens": leg.max_tokens,
                 "sampling": sampling, "stream": True, "timeout_s": self.ctx.config.timeouts.kv_wait_s}
-        k = wanted_k(req.body, req.kind == "chat")
-        if k is not None:
-            body["top_logprobs"] = k
+        if req.opts.logprobs_k is not None:
+            body["top_logprobs"] = req.opts.logprobs_k
         if leg.kind == "expresslane":
             so = node_structured_outputs(req.body, chat=req.kind == "chat",
                                          tool_parser=self.ctx.config.tool_call_parser)
@@ -276,13 +283,13 @@ class ExpressLane:
         return body
 
     def _logprob_out(self, req: ClientRequest) -> LogprobOut | None:
-        k = wanted_k(req.body, req.kind == "chat")
+        k = req.opts.logprobs_k
         if k is None:
             return None
         if self._token_strings is None:
             assert self.model_text is not None
             self._token_strings = TokenStrings(self.model_text.tokenizer)
-        as_ids = req.body.get("return_tokens_as_token_ids")
+        as_ids = req.opts.return_tokens_as_token_ids
         if as_ids is None:
             as_ids = self.ctx.config.return_tokens_as_token_ids
         return LogprobOut(self._token_strings, k, req.kind == "chat", bool(as_ids))
@@ -290,14 +297,11 @@ class ExpressLane:
     def _assembler(self, req: ClientRequest, leg: Leg) -> OutputAssembler:
         mt = self.model_text
         assert mt is not None
-        b = req.body
-        # vLLM's hermes parser keeps special tokens whenever tools are in play (tools.py)
-        skip = b.get("skip_special_tokens", True) is not False and not (req.kind == "chat" and tools_active(b))
-        detok = IncrementalDetokenizer(mt.tokenizer, leg.prompt_ids, skip_special_tokens=skip)
-        return OutputAssembler(detok, max_tokens=leg.max_tokens, stop=req.stop_strings(),
-                               stop_token_ids=b.get("stop_token_ids") or (), eos_token_ids=mt.eos_token_ids,
-                               ignore_eos=bool(b.get("ignore_eos")), min_tokens=int(b.get("min_tokens") or 0),
-                               include_stop_str_in_output=bool(b.get("include_stop_str_in_output")))
+        o = req.opts  # skip_special_tokens is already false with tools (vLLM's hermes parser: request.py)
+        detok = IncrementalDetokenizer(mt.tokenizer, leg.prompt_ids, skip_special_tokens=o.skip_special_tokens)
+        return OutputAssembler(detok, max_tokens=leg.max_tokens, stop=o.stop, stop_token_ids=o.stop_token_ids,
+                               eos_token_ids=mt.eos_token_ids, ignore_eos=o.ignore_eos, min_tokens=o.min_tokens,
+                               include_stop_str_in_output=o.include_stop_str_in_output)
 
     # ---- the answer's tokens: the node's, then (mid-stream failover) the native lane's ----------------
     async def _open_after_first(self, req: ClientRequest, leg: Leg, stack: contextlib.AsyncExitStack,
@@ -372,7 +376,8 @@ class ExpressLane:
                 return  # every token is in: nothing to continue
             target = self._failover_pool(req.alias, pool)
             if (not self.ctx.config.resilience.midstream_failover_for(req.alias) or target is None
-                    or not leg.prompt_ids or leg.positions is not None):  # the continuation carries no logprobs
+                    or not leg.prompt_ids or leg.positions is not None or leg.constrained):
+                # a native continuation carries no logprobs, and cannot resume a grammar mid-way
                 self.ctx.metrics.midstream_failovers.labels(pool, "disabled").inc()
                 raise
             failure = e

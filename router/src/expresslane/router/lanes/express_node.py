@@ -66,6 +66,7 @@ class Leg:
     first_lp: Position | None = None  # the first token's logprobs, from the prefill reply
     # logprobs wanted: one Position per answer token, in the order the token batches were yielded
     positions: list[Position] | None = None
+    constrained: bool = False  # the node decodes under a grammar: a native continuation could not resume it
 
 
 def _reason_of(text: str) -> str:

@@ -15,7 +15,7 @@ from ..detokenizer import OutputAssembler
 from ..errors import RouterError, UpstreamError
 from ..logprobs import TokenStrings, chat_logprobs, completion_logprobs
 from ..metrics import RequestRecord
-from ..tools import HermesParser, chat_message_and_finish, stream_finish, tools_active
+from ..tools import HermesParser, chat_message_and_finish, stream_finish
 from ..openai_shapes import (SSE_DONE, ClientRequest, chat_chunk, chat_response, completion_chunk,
                              completion_response, sse, usage_chunk)
 from .base import shielded
@@ -75,16 +75,17 @@ async def collect(req: ClientRequest, leg: Leg, asm: OutputAssembler, feed: Feed
     asm.finish(feed.finish_reason)
     n = len(asm.token_ids)
     record.finish(200, n)
-    extra: dict[str, Any] = {"token_ids": asm.token_ids, "prompt_token_ids": leg.prompt_ids} if req.body.get(
-        "return_token_ids") else {}
+    extra: dict[str, Any] = ({"token_ids": asm.token_ids, "prompt_token_ids": leg.prompt_ids}
+                             if req.opts.return_token_ids else {})
     finish = asm.finish_reason
     if feed.logprobs is not None:
         extra["logprobs"] = feed.logprobs.take(leg, asm)
     if req.kind != "chat":
         return JSONResponse(completion_response(leg.response_id, req.alias, asm.text, finish, asm.stop_reason,
                                                 leg.n_prompt, n, **extra))
-    if tools_active(req.body):
-        extra["message"], finish = chat_message_and_finish(asm.text, req.body, finish)
+    if req.opts.tools_active:
+        extra["message"], finish = chat_message_and_finish(asm.text, req.opts.tool_choice, finish,
+                                                           parallel_tool_calls=req.opts.parallel_tool_calls)
     return JSONResponse(chat_response(leg.response_id, req.alias, asm.text, finish, asm.stop_reason,
                                       leg.n_prompt, n, **extra))
 
@@ -92,8 +93,8 @@ async def relay(req: ClientRequest, leg: Leg, asm: OutputAssembler, feed: Feed,
                  batches: AsyncIterator[list[int]], stack: contextlib.AsyncExitStack,
                  record: RequestRecord) -> AsyncIterator[bytes]:
     created, rid, model, chat = int(time.time()), leg.response_id, req.alias, req.kind == "chat"
-    tools = HermesParser() if chat and tools_active(req.body) else None
-    single = req.body.get("parallel_tool_calls") is False
+    tools = HermesParser() if req.opts.tools_active else None
+    single = req.opts.parallel_tool_calls is False
 
     def piece(text: str, finish: str | None = None, stop_reason: Any = None) -> bytes | None:
         lp = feed.logprobs.take(leg, asm) if feed.logprobs is not None else None
@@ -115,7 +116,7 @@ async def relay(req: ClientRequest, leg: Leg, asm: OutputAssembler, feed: Feed,
             if delta is None and not (lp and lp["content"]):
                 return None
             return sse(chat_chunk(rid, model, created, delta or {}, logprobs=lp))
-        return sse(chat_chunk(rid, model, created, delta or {}, stream_finish(tools, req.body, finish), stop_reason,
+        return sse(chat_chunk(rid, model, created, delta or {}, stream_finish(tools, req.opts.tool_choice, finish), stop_reason,
                               logprobs=lp))
 
     sent = [0]  # characters of asm.text handed to the tool parser
