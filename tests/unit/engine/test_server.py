@@ -229,11 +229,25 @@ def test_client_disconnect_mid_stream_cancels(node, reference):
         ({"first_token_id": 1, "max_tokens": 4}, 400, "rid"),
         ({"rid": "x", "first_token_id": 1, "max_tokens": 0}, 400, "max_tokens"),
         ({"rid": "x", "first_token_id": VOCAB, "max_tokens": 4}, 400, "first_token_id"),
-        ({"rid": "x", "first_token_id": 1, "max_tokens": 4, "sampling": {"min_p": 0.1}}, 400, "min_p"),
+        ({"rid": "x", "first_token_id": 1, "max_tokens": 4, "sampling": {"min_p": 1.5}}, 400, "min_p"),
+        ({"rid": "x", "first_token_id": 1, "max_tokens": 4, "sampling": {"typical_p": 0.5}}, 400, "typical_p"),
+        ({"rid": "x", "first_token_id": 1, "max_tokens": 4, "sampling": {"logit_bias": {"a": 1}}}, 400, "logit_bias"),
+        ({"rid": "x", "first_token_id": 1, "max_tokens": 4, "sampling": {"logit_bias": {str(VOCAB): 1}}}, 400,
+         "logit_bias"),
+        ({"rid": "x", "first_token_id": 1, "max_tokens": 4, "sampling": {"allowed_token_ids": []}}, 400,
+         "allowed_token_ids"),
         ({"rid": "x", "first_token_id": 1, "max_tokens": 4, "sampling": {"top_p": 0}}, 400, "top_p"),
         ({"rid": "x", "first_token_id": 1, "max_tokens": 4, "sampling": {"stop_token_ids": [VOCAB + 1]}}, 400,
          "stop_token_ids"),
-        ({"rid": "x", "first_token_id": 1, "max_tokens": 4, "top_logprobs": 2}, 501, "logprobs"),
+        ({"rid": "x", "first_token_id": 1, "max_tokens": 4, "top_logprobs": 21}, 400, "top_logprobs"),
+        ({"rid": "x", "first_token_id": 1, "max_tokens": 4, "top_logprobs": -1}, 400, "top_logprobs"),
+        ({"rid": "x", "first_token_id": 1, "max_tokens": 4, "structured_outputs": {"regex": "a", "choice": ["b"]}},
+         400, "exactly one"),
+        ({"rid": "x", "first_token_id": 1, "max_tokens": 4, "structured_outputs": {"jsonschema": {}}}, 400,
+         "jsonschema"),
+        # this node's model directory has no tokenizer: no grammar backend, said so (features too)
+        ({"rid": "x", "first_token_id": 1, "max_tokens": 4, "structured_outputs": {"regex": "a+"}}, 501,
+         "tokenizer"),
     ],
 )
 def test_bad_requests_get_clear_errors(node, payload, status, needle):
@@ -377,3 +391,27 @@ def test_node_without_speculation_says_so_and_decodes_plain(model_dir, reference
         assert spec_counters(client) == {"verify_steps": 0, "plain_steps": 11, "drafted_tokens": 0,
                                          "accepted_tokens": 0}
         wait_idle(client)
+
+
+def test_logit_bias_allowed_token_ids_and_min_p(node, reference):
+    """vLLM's order: logprobs are raw (before allowed_token_ids / logit_bias), the sampling sees both;
+    min_p = 1 keeps only the top token, so sampling at temperature 1 is greedy."""
+    client, source, _ = node
+    first = ship(client, reference, source, "r-bias")
+    greedy = expected(reference, first, 8, ignore_eos=True, temperature=0.0)
+    forced = (greedy[1] + 1) % VOCAB
+    r = client.post("/pd/decode", json={**body("r-bias", first, max_tokens=8, logit_bias={str(forced): 1000.0}),
+                                        "top_logprobs": 1})
+    out = r.json()
+    assert r.status_code == 200 and out["token_ids"][1:] == [forced] * 7, out
+    assert out["logprobs"][1] < -1.0 and out["top_logprobs"][1][0][0] != forced  # raw: the bias is not in them
+    wait_idle(client)
+    allowed = [greedy[3], (greedy[3] + 5) % VOCAB]
+    first = ship(client, reference, source, "r-allowed")
+    out = client.post("/pd/decode", json=body("r-allowed", first, max_tokens=8, allowed_token_ids=allowed)).json()
+    assert set(out["token_ids"][1:]) <= set(allowed), out
+    wait_idle(client)
+    first = ship(client, reference, source, "r-minp")
+    out = client.post("/pd/decode", json=body("r-minp", first, max_tokens=8, temperature=1.0, min_p=1.0,
+                                              seed=3)).json()
+    assert out["token_ids"] == greedy, out

@@ -309,13 +309,19 @@ def test_capabilities_features_say_what_the_node_honours(node):
     client, _, _, _ = node
     f = client.get("/capabilities").json()["features"]
     assert set(f) == {"logprobs", "top_logprobs", "structured_output", "tools", "n", "echo", "prompt_logprobs",
-                      "logit_bias", "min_p", "stop_token_ids", "min_tokens", "penalties", "seed", "speculative"}
+                      "logit_bias", "min_p", "allowed_token_ids", "bad_words", "stop_token_ids", "min_tokens",
+                      "penalties", "seed", "speculative"}
     # speculative: the engine's (on by default; exact, so a request may opt out with sampling.speculative=false)
-    assert {k for k, v in f.items() if v} == {"stop_token_ids", "min_tokens", "penalties", "seed", "speculative"}
+    # structured_output needs the model directory's tokenizer, which this test model lacks
+    assert {k for k, v in f.items() if v} == {"stop_token_ids", "min_tokens", "penalties", "seed", "speculative",
+                                              "logprobs", "top_logprobs", "min_p", "logit_bias",
+                                              "allowed_token_ids"}
+    caps = client.get("/capabilities").json()
+    assert caps["max_top_logprobs"] == 20 and caps["structured_output_backend"] is None
     # what is advertised false is refused, not ignored
-    r = client.post("/pd/decode", json={**body("x", 5), "top_logprobs": 1})
-    assert r.status_code == 501
-    r = client.post("/pd/decode", json=body("x", 5, min_p=0.1))
+    r = client.post("/pd/decode", json={**body("x", 5), "structured_outputs": {"json_object": True}})
+    assert r.status_code == 501 and "structured_outputs" in r.json()["message"]
+    r = client.post("/pd/decode", json=body("x", 5, bad_words=[[1, 2]]))
     assert r.status_code == 400
 
 

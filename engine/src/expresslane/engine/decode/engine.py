@@ -13,6 +13,9 @@ from ..models.attention import ATTENTION_ALIASES, AttentionKind, StepContext
 from ..models.rope import rope_tables
 from .cache import KVGeometry, StaticKVCache
 from .runner import StepRunner
+from . import logprobs as lp
+from .grammar import BACKEND as GRAMMAR_BACKEND
+from .grammar import GrammarError, RequestGrammar
 from .sampling import HONOURED_SAMPLING_OPTIONS, Sampler, SamplingParams
 from .speculative import Drafter, SpecStats, SpeculationConfig
 
@@ -63,15 +66,22 @@ def resolve_cuda_graph(cuda_graph: bool | None, device_type: str, attention: str
 
 class Generation:
     """Iterator over token ids of one request. `finish_reason` is set when iteration ends:
-    "stop" (eos / stop_token_ids), "length" (max_tokens or max_seq_len) or "abort" (cancelled)."""
+    "stop" (eos / stop_token_ids, or a completed grammar), "length" (max_tokens or max_seq_len) or "abort"
+    (cancelled). With `params.logprobs` set, `logprobs[i]` / `top_logprobs[i]` belong to `token_ids[i]` and are
+    there when it is yielded; the first token's are None (the prefill computed them)."""
 
     def __init__(self, engine: "DecodeEngine", first_token_id: int, num_prompt_tokens: int,
-                 params: SamplingParams, cancel_event: threading.Event | None) -> None:
+                 params: SamplingParams, cancel_event: threading.Event | None,
+                 grammar: RequestGrammar | None = None) -> None:
         self.params = params
         self.num_prompt_tokens = num_prompt_tokens
         self.cancel_event = cancel_event or threading.Event()
+        self.grammar = grammar
         self.finish_reason: str | None = None
         self.token_ids: list[int] = []
+        want = params.logprobs is not None
+        self.logprobs: list[float | None] | None = [] if want else None
+        self.top_logprobs: list[list[tuple[int, float]] | None] | None = [] if want else None
         self.spec = SpecStats()  # this request's speculation counters
         self._it = engine._run(self, first_token_id)
 
@@ -173,7 +183,10 @@ class DecodeEngine:
         return {
             "sampling": list(HONOURED_SAMPLING_OPTIONS),
             "repetition_penalty_scope": "generated tokens (plus prompt_token_ids when the caller supplies them)",
-            "logprobs": False,
+            "logprobs": True,
+            "max_top_logprobs": lp.MAX_TOP_LOGPROBS,
+            "logprobs_mode": "raw_logprobs",
+            "structured_output_backend": GRAMMAR_BACKEND,
             "max_seq_len": self.max_seq_len,
             "model_type": self.config.model_type,
             "dtype": str(self.dtype).removeprefix("torch."),
@@ -239,8 +252,10 @@ class DecodeEngine:
         self._cancel.set()
 
     def generate(self, first_token_id: int, num_prompt_tokens: int, params: SamplingParams,
-                 cancel_event: threading.Event | None = None) -> Generation:
-        """Yield token ids starting WITH first_token_id, continuing from position num_prompt_tokens."""
+                 cancel_event: threading.Event | None = None, grammar: RequestGrammar | None = None) -> Generation:
+        """Yield token ids starting WITH first_token_id, continuing from position num_prompt_tokens.
+        `grammar`: the request's structured-output matcher in its initial state; first_token_id is accepted
+        into it here (GrammarError when the grammar refuses it)."""
         if not 0 <= first_token_id < self.vocab_size:
             raise ValueError(f"first_token_id={first_token_id} outside the vocabulary [0, {self.vocab_size})")
         if not 0 < num_prompt_tokens <= self.cached_tokens:
@@ -249,13 +264,19 @@ class DecodeEngine:
         if num_prompt_tokens >= self.max_seq_len:
             raise ValueError(f"num_prompt_tokens={num_prompt_tokens} leaves no room (max_seq_len={self.max_seq_len})")
         params.check_vocab(self.vocab_size)
+        if grammar is not None and not grammar.accept(first_token_id):
+            raise GrammarError(f"first_token_id={first_token_id} is not allowed by the request's structured output "
+                               "grammar (the prefill must sample it under the same constraint)")
         self._cancel.clear()
-        return Generation(self, first_token_id, num_prompt_tokens, params, cancel_event)
+        return Generation(self, first_token_id, num_prompt_tokens, params, cancel_event, grammar)
 
     def _run(self, gen: Generation, first_token_id: int) -> Iterator[int]:
-        params, out = gen.params, gen.token_ids
+        """The token loop. Speculation stays on under a grammar (the verify rows are masked through the matcher,
+        see decode/grammar.py) and with logprobs (every kept row's logits give its token's logprobs)."""
+        params, out, grammar = gen.params, gen.token_ids, gen.grammar
+        k_lp = params.logprobs
         with torch.inference_mode():
-            sampler = Sampler(params, self.vocab_size, self.eos_token_ids, self.device)
+            sampler = Sampler(params, self.vocab_size, self.eos_token_ids, self.device, grammar=grammar)
         stop_ids = sampler.stop_ids
         # prompt + output <= max_seq_len, like vLLM's max_model_len.
         limit = min(params.max_tokens, self.max_seq_len - gen.num_prompt_tokens)
@@ -267,12 +288,16 @@ class DecodeEngine:
             token = torch.tensor([first_token_id], dtype=torch.long, device=self.device)
             sampler.observe(token)
         pending = [first_token_id]  # tokens to emit; the last one's KV is not in the cache yet
+        pending_lp: list[lp.TokenLogprobs | None] = [None]  # the first token's come from the prefill
         pos = gen.num_prompt_tokens  # where pending[-1] goes
         cancelled = lambda: gen.cancel_event.is_set() or self._cancel.is_set()  # noqa: E731
         try:
             while True:
-                for tok in pending:
+                for tok, tlp in zip(pending, pending_lp):
                     out.append(tok)
+                    if k_lp is not None:
+                        gen.logprobs.append(None if tlp is None else tlp.logprob)
+                        gen.top_logprobs.append(None if tlp is None else tlp.top)
                     yield tok
                     if tok in stop_ids and len(out) >= params.min_tokens:
                         gen.finish_reason = "stop"
@@ -290,15 +315,27 @@ class DecodeEngine:
                 with torch.inference_mode():
                     if drafts:
                         rows = torch.tensor([out[-1], *drafts], dtype=torch.long, device=self.device)
-                        logits = self.runner.forward(rows, pos)
+                        logits = sampler.constrain(self.runner.forward(rows, pos), drafts)
                         pending = sampler.verify(logits, drafts, len(out))
+                        token = torch.tensor(pending[-1:], dtype=torch.long, device=self.device)
+                        if k_lp is not None:
+                            kept = torch.tensor(pending, dtype=torch.long, device=self.device)
+                            pending_lp = lp.unpack(lp.pack(logits[:len(pending)], kept, k_lp).tolist(), k_lp)
                     else:
-                        logits = self.runner.forward(token, pos)
+                        logits = sampler.constrain(self.runner.forward(token, pos)[-1:])
                         token = sampler.sample(logits[-1], len(out))
                         sampler.observe(token)
-                        pending = [int(token.item())]  # the one host sync per token
-                if drafts:
-                    token = torch.tensor(pending[-1:], dtype=torch.long, device=self.device)
+                        if k_lp is not None:  # the token, its logprob and the top-k: one host sync
+                            pending_lp = lp.unpack(lp.pack(logits, token, k_lp).tolist(), k_lp)
+                            pending = [pending_lp[0].token]
+                        else:
+                            pending = [int(token.item())]  # the one host sync per token
+                if k_lp is None:
+                    pending_lp = [None] * len(pending)
+                if grammar is not None:
+                    for tok in pending:
+                        if not grammar.accept(tok):  # the mask allowed it: the matcher must take it
+                            raise GrammarError(f"the grammar matcher refused token {tok} its own mask allowed")
                 # Rollback is the position: rows past pos + len(pending) - 1 hold rejected drafts' K/V, are
                 # never read (attention stops at the live length) and get overwritten.
                 accepted = len(pending) - 1

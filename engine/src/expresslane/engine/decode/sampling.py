@@ -1,8 +1,9 @@
 """Sampling parameters and a per-request sampler that never syncs with the host.
 
-Order of operations follows vLLM's V1 sampler: float32 logits -> min_tokens (stop ids masked) ->
-penalties (repetition, frequency, presence; over the tokens THIS request has produced, first token
-included) -> greedy argmax when temperature == 0, else temperature -> top-k / top-p -> sample with the
+Order of operations follows vLLM's V1 sampler: float32 logits (grammar-masked: `constrain`) -> allowed_token_ids
+-> min_tokens (stop ids masked; with a grammar they come back when nothing else is left, as vLLM does) ->
+logit_bias -> penalties (repetition, frequency, presence; over the tokens THIS request has produced, first token
+included) -> greedy argmax when temperature == 0, else temperature -> min_p -> top-k / top-p -> sample with the
 exponential-race trick (argmax(probs / Exp(1)), no torch.multinomial and no host sync).
 
 Speculative verification (`Sampler.verify`) applies the same processing to each of the T rows of a verify
@@ -12,6 +13,11 @@ draft model): keep draft d with probability p(d), else sample from p with d remo
 implicit: the exponential race is scale-free); after k kept drafts, one more token from the last row. The
 penalties depend on every earlier token, so requests that use them decode without speculation.
 
+Structured outputs (`grammar`, decode/grammar.py): `constrain` applies the request's xgrammar token bitmask to
+the logits rows in place before anything else, as vLLM's model runner does before its sampler (so logprobs,
+decode/logprobs.py, are those of the masked logits, vLLM's raw_logprobs). Verify rows are masked through the
+matcher row by row, so speculation stays exact under a grammar.
+
 Deviation from vLLM, by construction: the decode node never sees the prompt's token ids (only its KV),
 so repetition_penalty covers generated tokens unless the caller passes prompt_token_ids.
 """
@@ -19,8 +25,14 @@ so repetition_penalty covers generated tokens unless the caller passes prompt_to
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
+
+from .logprobs import MAX_TOP_LOGPROBS
+
+if TYPE_CHECKING:
+    from .grammar import RequestGrammar
 
 _SAMPLING_EPS = 1e-5
 
@@ -36,6 +48,9 @@ HONOURED_SAMPLING_OPTIONS = (
     "repetition_penalty",
     "presence_penalty",
     "frequency_penalty",
+    "min_p",
+    "logit_bias",
+    "allowed_token_ids",
 )
 
 
@@ -56,9 +71,21 @@ class SamplingParams:
     # Per-request opt-out of speculative decoding (on by default where the engine has it configured).
     # prompt_token_ids, when given, are also the context prompt lookup drafts from.
     speculative: bool = True
+    # None: no logprobs; 0..MAX_TOP_LOGPROBS: each token's logprob plus that many top alternatives.
+    logprobs: int | None = None
+    min_p: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs
+    allowed_token_ids: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        object.__setattr__(self, "logit_bias", tuple((int(t), float(b)) for t, b in self.logit_bias))
+        if self.allowed_token_ids is not None:
+            object.__setattr__(self, "allowed_token_ids", tuple(int(t) for t in self.allowed_token_ids))
+            if not self.allowed_token_ids:
+                raise ValueError("allowed_token_ids is not allowed to be empty")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         object.__setattr__(self, "prompt_token_ids", tuple(int(t) for t in self.prompt_token_ids))
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1 (it counts the first token), got {self.max_tokens}")
@@ -76,14 +103,18 @@ class SamplingParams:
             raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
         if not -2.0 <= self.frequency_penalty <= 2.0:
             raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature < _SAMPLING_EPS
 
     def check_vocab(self, vocab_size: int) -> None:
-        for name in ("stop_token_ids", "prompt_token_ids"):
-            bad = [t for t in getattr(self, name) if not 0 <= t < vocab_size]
+        named = {"stop_token_ids": self.stop_token_ids, "prompt_token_ids": self.prompt_token_ids,
+                 "allowed_token_ids": self.allowed_token_ids or (), "logit_bias": [t for t, _ in self.logit_bias]}
+        for name, ids in named.items():
+            bad = [t for t in ids if not 0 <= t < vocab_size]
             if bad:
                 raise ValueError(f"{name} outside the vocabulary [0, {vocab_size}): {bad[:5]}")
 
@@ -92,15 +123,19 @@ class Sampler:
     """Per-request device state: output token counts, RNG, stop-id mask. `sample` returns a [1] long tensor."""
 
     def __init__(
-        self, params: SamplingParams, vocab_size: int, eos_token_ids: tuple[int, ...], device: torch.device
+        self, params: SamplingParams, vocab_size: int, eos_token_ids: tuple[int, ...], device: torch.device,
+        grammar: "RequestGrammar | None" = None,
     ) -> None:
         self.params = params
+        self.grammar = grammar
         self.vocab_size = vocab_size
         self.device = device
         self.stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
+        # vLLM's min_tokens masks all_stop_token_ids: the eos ids even with ignore_eos, plus stop_token_ids.
+        min_tokens_ids = set(params.stop_token_ids) | set(eos_token_ids)
         self._min_tokens_ids = (
-            torch.tensor(sorted(self.stop_ids), dtype=torch.long, device=device)
-            if params.min_tokens > 1 and self.stop_ids
+            torch.tensor(sorted(min_tokens_ids), dtype=torch.long, device=device)
+            if params.min_tokens > 1 and min_tokens_ids
             else None
         )
         self._use_counts = params.presence_penalty != 0 or params.frequency_penalty != 0
@@ -115,6 +150,16 @@ class Sampler:
         if not params.greedy and params.seed is not None:
             self.generator = torch.Generator(device=device)
             self.generator.manual_seed(params.seed)
+        self._disallowed: torch.Tensor | None = None  # True where allowed_token_ids excludes the token
+        if params.allowed_token_ids is not None:
+            self._disallowed = torch.ones(vocab_size, dtype=torch.bool, device=device)
+            self._disallowed[torch.tensor(params.allowed_token_ids, dtype=torch.long, device=device)] = False
+        self._bias: torch.Tensor | None = None
+        if params.logit_bias:
+            self._bias = torch.zeros(vocab_size, dtype=torch.float32, device=device)
+            ids = torch.tensor([t for t, _ in params.logit_bias], dtype=torch.long, device=device)
+            self._bias.index_put_((ids,), torch.tensor([b for _, b in params.logit_bias], device=device),
+                                  accumulate=False)
         self._top_k = params.top_k if 0 < params.top_k < vocab_size else 0
         self._top_p = params.top_p if params.top_p < 1.0 else 0.0
 
@@ -122,6 +167,20 @@ class Sampler:
     def supports_speculation(self) -> bool:
         """Penalties see every earlier token, so per-row processing of a verify block would not be exact."""
         return not (self._use_counts or self._use_rep)
+
+    def _restore_if_empty(self, logits: torch.Tensor, masked: torch.Tensor) -> torch.Tensor:
+        """vLLM's min_tokens under structured output: a row that masking the stop ids left all -inf (the grammar
+        allows only them) keeps them."""
+        if self.grammar is None:
+            return masked
+        return torch.where(torch.isneginf(masked).all(dim=-1, keepdim=True), logits, masked)
+
+    def constrain(self, logits: torch.Tensor, drafts: list[int] | tuple[int, ...] = ()) -> torch.Tensor:
+        """Apply the grammar's bitmask in place to logits [T, vocab] (T = len(drafts) + 1; row i after
+        drafts[:i]); a no-op without a grammar. Returns logits."""
+        if self.grammar is not None:
+            self.grammar.apply(logits, drafts)
+        return logits
 
     def observe(self, token: torch.Tensor) -> None:
         """Record an output token (a [1] long device tensor) for the penalties."""
@@ -131,8 +190,13 @@ class Sampler:
     def sample(self, logits: torch.Tensor, num_output_tokens: int) -> torch.Tensor:
         """logits: [vocab] float32 for the next position; num_output_tokens already produced (host int)."""
         p = self.params
+        if self._disallowed is not None:
+            logits = logits.masked_fill(self._disallowed, float("-inf"))
         if self._min_tokens_ids is not None and num_output_tokens < p.min_tokens:
-            logits = logits.index_fill(0, self._min_tokens_ids, float("-inf"))
+            masked = logits.index_fill(0, self._min_tokens_ids, float("-inf"))
+            logits = self._restore_if_empty(logits, masked)
+        if self._bias is not None:
+            logits = logits + self._bias
         if self._use_rep:
             seen = (self.counts > 0) | self.prompt_mask
             penalised = torch.where(logits > 0, logits / p.repetition_penalty, logits * p.repetition_penalty)
@@ -142,6 +206,8 @@ class Sampler:
         if p.greedy:
             return logits.argmax(dim=-1, keepdim=True)
         logits = logits / p.temperature
+        if p.min_p:
+            logits = _min_p(logits, p.min_p)
         if self._top_k or self._top_p:
             logits = _top_k_top_p(logits, self._top_k, self._top_p)
         probs = logits.softmax(dim=-1)
@@ -155,12 +221,16 @@ class Sampler:
         (1..k+1 tokens). One host sync."""
         p = self.params
         k = len(drafts)
+        if self._disallowed is not None:
+            logits = logits.masked_fill(self._disallowed, float("-inf"))
         if self._min_tokens_ids is not None and num_output_tokens < p.min_tokens:
             rows = torch.arange(k + 1, device=logits.device)[:, None]
             masked = (num_output_tokens + rows) < p.min_tokens
             cols = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
             cols[self._min_tokens_ids] = True
-            logits = logits.masked_fill(masked & cols[None, :], float("-inf"))
+            logits = self._restore_if_empty(logits, logits.masked_fill(masked & cols[None, :], float("-inf")))
+        if self._bias is not None:
+            logits = logits + self._bias
         d = torch.tensor(drafts, dtype=torch.long, device=logits.device)
         if p.greedy:
             target = logits.argmax(dim=-1).tolist()
@@ -169,6 +239,8 @@ class Sampler:
                 n += 1
             return drafts[:n] + [target[n]]
         logits = logits / p.temperature
+        if p.min_p:
+            logits = _min_p(logits, p.min_p)
         if self._top_k or self._top_p:
             logits = _top_k_top_p(logits, self._top_k, self._top_p)
         probs = logits.softmax(dim=-1)
@@ -184,6 +256,13 @@ class Sampler:
         while n < k and keep[n]:
             n += 1
         return drafts[:n] + [own[n]]
+
+
+def _min_p(logits: torch.Tensor, min_p: float) -> torch.Tensor:
+    """vLLM's MinPLogitsProcessor: drop tokens whose probability is below min_p times the row's top probability."""
+    probs = logits.softmax(dim=-1)
+    threshold = probs.amax(dim=-1, keepdim=True) * min_p
+    return logits.masked_fill(probs < threshold, float("-inf"))
 
 
 def _top_k_top_p(logits: torch.Tensor, k: int, p: float) -> torch.Tensor:

@@ -2,9 +2,12 @@
 (docs: /work/shared/TILERT.md, /work/coord/CONTRACTS.md "Express node HTTP").
 
     POST /pd/reserve  {rid, ttl_s} -> {rid, reserved: true, ttl_s}            (429 busy, 503 not_ready)
-    POST /pd/decode   {rid, first_token_id, max_tokens, sampling:{...}, stream, timeout_s}
-                      -> {rid, token_ids, seq_len, finish_reason, timing_ms} or NDJSON {"t":[..]} ... {"done":..}
-                      (409 not_reserved, 502 kv_transfer_failed, 503 not_ready, 504 kv_transfer_timeout/...)
+    POST /pd/decode   {rid, first_token_id, max_tokens, sampling:{...}, stream, timeout_s, top_logprobs,
+                       structured_outputs}
+                      -> {rid, token_ids, seq_len, finish_reason, timing_ms[, logprobs, top_logprobs]} or NDJSON
+                         {"t":[..][, "lp":[..], "tp":[..]]} ... {"done":..}
+                      (400 bad_request / invalid_parameter, 409 not_reserved, 502 kv_transfer_failed,
+                       503 not_ready, 504 kv_transfer_timeout/...)
     POST /pd/cancel   {rid} -> {rid, cancelled}
     GET  /health, /ready, /metrics (open); /capabilities, /decode_status (bearer token when configured)
 """
@@ -27,9 +30,12 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from ..decode import DecodeEngine, SamplingParams
+from ..decode.grammar import BACKEND as GRAMMAR_BACKEND
+from ..decode.grammar import GrammarCompiler, GrammarError, RequestGrammar
+from ..decode.logprobs import MAX_TOP_LOGPROBS
 from .auth import BearerAuth
 from .config import ServerConfig
-from .errors import BadRequest, Cancelled, DecodeServerError, KVTransferFailed, NotReady
+from .errors import BadRequest, Cancelled, DecodeServerError, InvalidParameter, KVTransferFailed, NotReady, Unsupported
 from .health import HealthMonitor
 from .kv_source import KVSource, ReceivedKVLike
 from .metrics import DecodeMetrics, SpeculationCollector
@@ -39,15 +45,17 @@ from .schemas import CancelRequest, DecodeRequest, ReserveRequest, parse_body
 log = logging.getLogger(__name__)
 
 # requests_total{status} label of each error code
-_CODE_LABEL = {"bad_request": "bad_request", "busy": "busy", "not_reserved": "not_reserved", "not_ready": "not_ready",
+_CODE_LABEL = {"bad_request": "bad_request", "invalid_parameter": "bad_request", "busy": "busy",
+               "not_reserved": "not_reserved", "not_ready": "not_ready",
                "cancelled": "cancelled", "unsupported": "unsupported", "kv_transfer_timeout": "kv_timeout",
                "kv_transfer_failed": "kv_transfer_failed", "decode_stalled": "stalled",
                "deadline_exceeded": "deadline"}
 
 # What this node really honours (the front door routes on it). Everything else is refused (400/501) or absent.
-FEATURES = {"logprobs": False, "top_logprobs": False, "structured_output": False, "tools": False, "n": False,
-            "echo": False, "prompt_logprobs": False, "logit_bias": False, "min_p": False, "stop_token_ids": True,
-            "min_tokens": True, "penalties": True, "seed": True}  # + "speculative": the engine's
+# + "speculative": the engine's; "structured_output" is false on a node whose model directory has no tokenizer.
+FEATURES = {"logprobs": True, "top_logprobs": True, "structured_output": True, "tools": False, "n": False,
+            "echo": False, "prompt_logprobs": False, "logit_bias": True, "min_p": True, "allowed_token_ids": True,
+            "bad_words": False, "stop_token_ids": True, "min_tokens": True, "penalties": True, "seed": True}
 
 
 class _ASGIEndpoint:
@@ -76,6 +84,38 @@ def _ndjson(obj: dict) -> bytes:
     return (json.dumps(obj) + "\n").encode()
 
 
+# vLLM's OpenAI layer clamps every logprob to >= -9999.0; the node sends masked tokens' -inf the same way
+# (JSON has no infinity).
+LOGPROB_FLOOR = -9999.0
+
+
+def _lp(x: float | None) -> float | None:
+    return None if x is None else max(x, LOGPROB_FLOOR)
+
+
+def _tp(top: list[tuple[int, float]] | None) -> list[list] | None:
+    return None if top is None else [[i, max(v, LOGPROB_FLOOR)] for i, v in top]
+
+
+def _token_fields(items: list, with_logprobs: bool, ids: str = "t", lps: str = "lp", tps: str = "tp") -> dict:
+    """A batch from the runner -> {"t": ids} or {"t": ids, "lp": [...], "tp": [...]}."""
+    if not with_logprobs:
+        return {ids: items}
+    return {ids: [it[0] for it in items], lps: [_lp(it[1]) for it in items], tps: [_tp(it[2]) for it in items]}
+
+
+def load_grammar_compiler(config: ServerConfig, vocab_size: int) -> GrammarCompiler | None:
+    """The node's xgrammar compiler from the model directory's tokenizer; None (logged, and announced as
+    structured_output false in /capabilities) when the directory has no tokenizer or xgrammar is not installed."""
+    try:
+        return GrammarCompiler.from_model_dir(config.model, vocab_size)
+    except ImportError as e:
+        log.warning("no structured outputs on this node: xgrammar is not installed (%s)", e)
+    except (OSError, ValueError, TypeError) as e:
+        log.warning("no structured outputs on this node: the model directory's tokenizer does not load (%s)", e)
+    return None
+
+
 class _Request:
     """State of one admitted /pd/decode request, from KV wait to the last byte."""
 
@@ -100,8 +140,12 @@ class _Request:
 
 
 def create_app(config: ServerConfig, engine: DecodeEngine, receiver: KVSource,
-               registry: CollectorRegistry | None = None) -> Starlette:
+               registry: CollectorRegistry | None = None,
+               grammar_compiler: GrammarCompiler | None | bool = True) -> Starlette:
+    """grammar_compiler: True (default) = built from config.model's tokenizer; None/False = no structured outputs."""
     registry = registry if registry is not None else CollectorRegistry()
+    compiler = (load_grammar_compiler(config, engine.vocab_size) if grammar_compiler is True
+                else grammar_compiler or None)
     metrics = DecodeMetrics(registry)
     registry.register(SpeculationCollector(lambda: engine.spec_stats,
                                            engine.speculation.k if engine.speculation else 0))
@@ -163,6 +207,26 @@ def create_app(config: ServerConfig, engine: DecodeEngine, receiver: KVSource,
             raise BadRequest(f"timeout_s={timeout_s} exceeds the node's limit {config.max_timeout_s}")
         return req, params, timeout_s
 
+    def compile_grammar(req: DecodeRequest, params: SamplingParams) -> RequestGrammar | None:
+        """Compile the request's structured output (engine-free, bounded) and check that the grammar allows the
+        first token; runs in a worker thread before the KV wait."""
+        if req.structured_outputs is None:
+            return None
+        spec = req.structured_outputs.spec()
+        if compiler is None:
+            raise Unsupported("structured_outputs: this node has no tokenizer for its model, so no grammar backend")
+        try:
+            compiled = compiler.compile(spec)
+        except GrammarError as e:
+            raise InvalidParameter(str(e)) from None
+        stop = set(params.stop_token_ids) | set(engine.eos_token_ids)  # vLLM's all_stop_token_ids
+        grammar = compiler.matcher(compiled, stop)
+        if not grammar.matcher.accept_token(req.first_token_id):
+            raise InvalidParameter(f"first_token_id={req.first_token_id} is not allowed by the structured_outputs "
+                                   f"grammar (the prefill must sample it under the same constraint)")
+        grammar.matcher.rollback(1)
+        return grammar
+
     async def watch_disconnect(request: Request, state: _Request) -> None:
         """Cancel the request when the client goes away (the body has been read: only disconnect is left).
         Runs until the request is settled, so a stream abandoned before its first byte still frees the node."""
@@ -194,7 +258,9 @@ def create_app(config: ServerConfig, engine: DecodeEngine, receiver: KVSource,
             req, params, timeout_s = validate(await request.body())
             try:
                 require_healthy()
-            except NotReady:
+                grammar = (await asyncio.to_thread(compile_grammar, req, params)
+                           if req.structured_outputs is not None else None)
+            except (NotReady, BadRequest, Unsupported):
                 runner.cancel_reservation(req.rid)  # the caller goes elsewhere: hold nothing for it
                 raise
             active = runner.acquire(req.rid, timeout_s)
@@ -207,16 +273,18 @@ def create_app(config: ServerConfig, engine: DecodeEngine, receiver: KVSource,
             state.received = await runner.wait_kv(active, timeout_s)
             metrics.record_handoff(state.received.nbytes, state.received.transfer_s)
             state.inject_s = await runner.inject(active, state.received)
-            batches = runner.start_decode(active, req.first_token_id, state.received.num_tokens, params)
+            batches = runner.start_decode(active, req.first_token_id, state.received.num_tokens, params,
+                                          grammar=grammar)
             if req.stream:
                 state.streaming = True
                 return StreamingResponse(stream_body(state, batches), media_type="application/x-ndjson")
-            token_ids = [t async for batch in batches for t in batch]
+            items = [t async for batch in batches for t in batch]
             result: DecodeResult = active.job.result()
             if result.finish_reason == "abort":
-                raise Cancelled(f"rid {req.rid} was cancelled after {len(token_ids)} tokens")
+                raise Cancelled(f"rid {req.rid} was cancelled after {len(items)} tokens")
             settle(state, "ok", result)
-            return JSONResponse({"rid": req.rid, "token_ids": token_ids, "seq_len": result.seq_len,
+            fields = _token_fields(items, req.top_logprobs is not None, "token_ids", "logprobs", "top_logprobs")
+            return JSONResponse({"rid": req.rid, **fields, "seq_len": result.seq_len,
                                  "finish_reason": result.finish_reason, "timing_ms": state.timing_ms(result)})
         except DecodeServerError as e:
             fail(state, e)
@@ -234,13 +302,14 @@ def create_app(config: ServerConfig, engine: DecodeEngine, receiver: KVSource,
             if not state.streaming:
                 settle(state, "error")  # no-op when already settled
 
-    async def stream_body(state: _Request, batches: AsyncIterator[list[int]]) -> AsyncIterator[bytes]:
+    async def stream_body(state: _Request, batches: AsyncIterator[list]) -> AsyncIterator[bytes]:
         n = 0
+        with_logprobs = state.req.top_logprobs is not None
         try:
             try:
                 async for batch in batches:
                     n += len(batch)
-                    yield _ndjson({"t": batch})
+                    yield _ndjson(_token_fields(batch, with_logprobs))
             except DecodeServerError as e:  # the stall watchdog or the deadline
                 runner.cancel(state.req.rid)
                 fail(state, e)
@@ -288,7 +357,10 @@ def create_app(config: ServerConfig, engine: DecodeEngine, receiver: KVSource,
                      "stream": True, "max_concurrent_requests": 1, "default_timeout_s": config.kv_timeout_s,
                      "max_timeout_s": config.max_timeout_s, "reservations": True,
                      "max_reservation_ttl_s": config.reservation_ttl_s,
-                     "features": {**FEATURES, "speculative": bool(caps.get("speculative"))}})
+                     "max_top_logprobs": MAX_TOP_LOGPROBS,
+                     "structured_output_backend": GRAMMAR_BACKEND if compiler is not None else None,
+                     "features": {**FEATURES, "structured_output": compiler is not None,
+                                  "speculative": bool(caps.get("speculative"))}})
         return JSONResponse(caps)
 
     async def decode_status(_: Request) -> Response:
@@ -308,6 +380,8 @@ def create_app(config: ServerConfig, engine: DecodeEngine, receiver: KVSource,
                 await probe
             runner.shutdown()
             receiver.stop()
+            if compiler is not None:
+                compiler.close()
 
     middleware = [Middleware(BearerAuth, token=config.node_token)] if config.node_token else []
     app = Starlette(

@@ -2,12 +2,13 @@
 
     DecodeServerError (500 internal_error)
     +-- BadRequest (400 bad_request)
+    |   +-- InvalidParameter (400 invalid_parameter)  e.g. a structured_outputs spec that does not compile
     +-- Unauthorized (401 unauthorized)     missing / wrong bearer token (EXPRESS_NODE_TOKEN)
     +-- Busy (429 busy)                     the slot is held by another rid (ONE request per node)
     +-- NotReserved (409 not_reserved)      /pd/decode of a rid without a live /pd/reserve
     +-- NotReady (503 not_ready)            engine / control plane / NIXL agent unhealthy, or draining
     +-- Cancelled (499 cancelled)           /pd/cancel or client gone, before or during decode
-    +-- Unsupported (501 unsupported)       e.g. top_logprobs
+    +-- Unsupported (501 unsupported)       e.g. structured_outputs on a node without the model's tokenizer
     +-- KVTransferTimeout (504 kv_transfer_timeout)
     +-- KVTransferFailed (502 kv_transfer_failed)  the prefill side aborted / vanished / bad checksum: at once
     +-- DecodeStalled (504 decode_stalled)  no token for stall_timeout_s (error_type "stall" mid-stream)
@@ -40,6 +41,15 @@ class DecodeServerError(Exception):
 
 class BadRequest(DecodeServerError):
     status, code = 400, "bad_request"
+
+
+class InvalidParameter(BadRequest):
+    """Body ``{"error": "invalid_parameter", "message": <detail>, "detail": <detail>}``."""
+
+    code = "invalid_parameter"
+
+    def body(self) -> dict[str, str]:
+        return {**super().body(), "detail": self.message}
 
 
 class Unauthorized(DecodeServerError):

@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from ..decode import DecodeEngine, Generation, SamplingParams
+from ..decode.grammar import RequestGrammar
 from .errors import Busy, Cancelled, DeadlineExceeded, DecodeStalled, KVTransferFailed, KVTransferTimeout, NotReserved
 from .kv_source import (KVCancelled, KVReceiveError, KVRefused, KVSource, KVTimeout, ReceivedKVLike,
                         transfer_failure_reason)
@@ -250,12 +251,14 @@ class DecodeRunner:
         return time.perf_counter() - t
 
     def start_decode(self, active: ActiveRequest, first_token_id: int, num_prompt_tokens: int,
-                     params: SamplingParams) -> AsyncIterator[list[int]]:
-        """Start the decode loop on the engine thread; iterate the result for batches of token ids (raises
-        DecodeStalled / DeadlineExceeded). After iteration, `active.job.result()` is the DecodeResult."""
+                     params: SamplingParams, grammar: RequestGrammar | None = None) -> AsyncIterator[list]:
+        """Start the decode loop on the engine thread; iterate the result for batches (raises DecodeStalled /
+        DeadlineExceeded): token ids, or (id, logprob, top) triples when params.logprobs is set (None for the
+        first token's). After iteration, `active.job.result()` is the DecodeResult."""
         if active.cancel_event.is_set():
             raise Cancelled(f"rid {active.rid} was cancelled")
-        gen = self.engine.generate(first_token_id, num_prompt_tokens, params, cancel_event=active.cancel_event)
+        gen = self.engine.generate(first_token_id, num_prompt_tokens, params, cancel_event=active.cancel_event,
+                                   grammar=grammar)
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
 
@@ -272,12 +275,16 @@ class DecodeRunner:
     @staticmethod
     def _decode_job(gen: Generation, emit) -> DecodeResult:
         t = time.perf_counter()
-        for tok in gen:
-            emit(tok)
+        if gen.logprobs is None:
+            for tok in gen:
+                emit(tok)
+        else:
+            for tok in gen:
+                emit((tok, gen.logprobs[-1], gen.top_logprobs[-1]))
         return DecodeResult(time.perf_counter() - t, gen.finish_reason or "abort", gen.seq_len, len(gen.token_ids))
 
 
-async def watched_batches(queue: asyncio.Queue, stall_timeout_s: float, deadline: float) -> AsyncIterator[list[int]]:
+async def watched_batches(queue: asyncio.Queue, stall_timeout_s: float, deadline: float) -> AsyncIterator[list]:
     """Everything available at once, as one list (a slow reader gets fewer, larger NDJSON lines), until the
     _DONE marker. No item for stall_timeout_s -> DecodeStalled; past `deadline` (monotonic) -> DeadlineExceeded."""
     while True:

@@ -5,6 +5,10 @@ Unknown sampling options are refused (400) rather than silently ignored; `null` 
 exactly like vLLM (the node otherwise never sees prompt ids), and prompt lookup drafts from the prompt too.
 `sampling.speculative` (expresslane extension): false opts this request out of speculative decoding; null or
 absent = the node's setting. Greedy output is identical either way (the engine's speculation is exact).
+`top_logprobs` (0..20; null = none) and `structured_outputs` (vLLM 0.32's StructuredOutputsParams fields:
+exactly one of json / regex / choice / grammar / json_object / structural_tag, plus the options
+disable_any_whitespace / disable_additional_properties / whitespace_pattern, which vLLM's xgrammar backend
+does not use per request; see decode/grammar.py): /work/coord/CONTRACTS2.md "Node /pd/decode additions".
 """
 
 from __future__ import annotations
@@ -14,7 +18,9 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, field_validator
 
 from ..decode import SamplingParams
-from .errors import BadRequest, Unsupported
+from ..decode.grammar import GrammarError, StructuredOutputSpec
+from ..decode.logprobs import MAX_TOP_LOGPROBS
+from .errors import BadRequest, InvalidParameter
 
 
 class SamplingBody(BaseModel):
@@ -31,6 +37,41 @@ class SamplingBody(BaseModel):
     stop_token_ids: list[int] | None = None
     min_tokens: int | None = Field(None, ge=0)
     speculative: StrictBool | None = None  # per-request opt-out; None = on where the node has speculation
+    min_p: float | None = Field(None, ge=0, le=1)
+    logit_bias: dict[str, float] | None = None  # str(token id) -> bias, as vLLM's SamplingParams takes it
+    allowed_token_ids: list[int] | None = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_id_keys(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        for key in v or {}:
+            if not key.lstrip("-").isdigit():
+                raise ValueError(f"logit_bias keys are token ids, got {key!r}")
+        return v
+
+
+class StructuredOutputsBody(BaseModel):
+    """vLLM's StructuredOutputsParams as JSON (the constraint is checked in `spec`)."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    json_: str | dict[str, Any] | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+
+    def spec(self) -> StructuredOutputSpec:
+        try:
+            return StructuredOutputSpec.from_params(json=self.json_, regex=self.regex, choice=self.choice,
+                                                    grammar=self.grammar, json_object=self.json_object,
+                                                    structural_tag=self.structural_tag)
+        except GrammarError as e:
+            raise InvalidParameter(str(e)) from None
 
 
 class DecodeRequest(BaseModel):
@@ -42,8 +83,9 @@ class DecodeRequest(BaseModel):
     sampling: SamplingBody = Field(default_factory=SamplingBody)
     stream: bool = False
     timeout_s: float | None = Field(None, gt=0)
-    top_logprobs: int | None = Field(None, ge=0)
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     prompt_token_ids: list[int] | None = None
+    structured_outputs: StructuredOutputsBody | None = None
 
     @field_validator("sampling", mode="before")
     @classmethod
@@ -67,6 +109,10 @@ class DecodeRequest(BaseModel):
                 frequency_penalty=s.frequency_penalty or 0.0,
                 prompt_token_ids=tuple(self.prompt_token_ids or ()),
                 speculative=True if s.speculative is None else s.speculative,
+                logprobs=self.top_logprobs,
+                min_p=s.min_p or 0.0,
+                logit_bias=tuple((int(k), b) for k, b in (s.logit_bias or {}).items()),
+                allowed_token_ids=None if s.allowed_token_ids is None else tuple(s.allowed_token_ids),
             )
         except ValueError as e:
             raise BadRequest(str(e)) from None
@@ -96,6 +142,4 @@ def parse_body(model: type[BaseModel], raw: bytes) -> Any:
             f"{'.'.join(str(p) for p in err['loc']) or 'body'}: {err['msg']}" for err in e.errors()[:5]
         )
         raise BadRequest(f"invalid {model.__name__}: {problems}") from None
-    if isinstance(obj, DecodeRequest) and obj.top_logprobs:
-        raise Unsupported("logprobs are not supported by this decode node (top_logprobs must be 0 or absent)")
     return obj
