@@ -228,14 +228,7 @@ LIMITS = [
 
 @pytest.mark.parametrize("name, extra", LIMITS, ids=[n for n, _ in LIMITS])
 @pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
-def test_limit_cases_same_status_and_message(sdk, name, extra, stream, request):
-    if stream and name == "top_logprobs_too_many":
-        # Known gap (issue 13): vLLM checks max_logprobs in its engine's input processor, after a streamed reply
-        # has begun (200, then the error event); the express lane learns it from its non-streamed prefill leg and
-        # answers the same message as a 400 before the stream. Strict: this fails loudly once the lanes agree.
-        request.applymarker(pytest.mark.xfail(strict=True, reason="vLLM reports top_logprobs > 20 inside a 200 "
-                                              "stream; the express lane answers 400 with the same message"))
-
+def test_limit_cases_same_status_and_message(sdk, name, extra, stream):
     def attempt(lane):
         model, headers = (EXPRESS_ALIAS, EXPRESS) if lane == "express" else (NATIVE_ALIAS, {})
         body = {"temperature": 0, **extra}

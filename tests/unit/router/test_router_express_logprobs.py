@@ -138,3 +138,34 @@ async def test_tilert_pool_does_not_carry_logprobs(make_client, upstreams, token
         r = await c.post("/v1/completions", json=COMP)
     assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs"
     assert PROMPT_IDS  # (the kit's prompt ids, unused here)
+
+
+_TOO_MANY = {"error": {"message": "Requested sample logprobs of 21, which is greater than max allowed: 20",
+                       "type": "BadRequestError", "param": "logprobs", "code": 400}}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_engine_checked_logprobs_refusal_is_in_stream_when_streaming(make_client, upstreams, tokenizer, stream):
+    """vLLM checks max_logprobs in its engine's input processor: a streamed request gets 200 + the error event
+    (+ [DONE]), a plain one the 400. The express prefill leg is never streamed, so the lane relays the prefill's
+    400 the way vLLM streams it; the node's reservation is cancelled either way."""
+    node = LpNode(upstreams, tokenizer)
+    upstreams.on(PREFILL, "/v1/chat/completions", lambda request, body: httpx.Response(400, json=_TOO_MANY))
+    async with make_client() as (c, _):
+        r = await c.post("/v1/chat/completions", json=dict(CHAT, top_logprobs=21, stream=stream))
+    if stream:
+        assert r.status_code == 200
+        assert parse_sse(r.text) == [_TOO_MANY, "[DONE]"]
+    else:
+        assert r.status_code == 400 and r.json() == _TOO_MANY
+    assert node.cancelled == node.reserved[:1]
+
+
+async def test_other_prefill_refusals_stay_400_when_streaming(make_client, upstreams, tokenizer):
+    """Checks made before the engine (e.g. max_tokens past the context, a bad schema) are 400 on a stream too."""
+    LpNode(upstreams, tokenizer)
+    body = {"error": {"message": "bad schema", "type": "BadRequestError", "param": "response_format", "code": 400}}
+    upstreams.on(PREFILL, "/v1/chat/completions", lambda request, b: httpx.Response(400, json=body))
+    async with make_client() as (c, _):
+        r = await c.post("/v1/chat/completions", json=dict(CHAT, stream=True))
+    assert r.status_code == 400 and r.json() == body

@@ -54,10 +54,10 @@ from starlette.responses import Response
 
 from ..config import ExpressNode, ExpressPool, QueueConfig
 from ..detokenizer import IncrementalDetokenizer, ModelText, OutputAssembler
-from ..errors import LaneBusy, RouterError, UpstreamError, UpstreamUnavailable
+from ..errors import LaneBusy, RouterError, UpstreamError, UpstreamRejected, UpstreamUnavailable
 from ..gate import Lease, NodeGate, NoHealthyNode, QueueFull, QueueTimeout
 from ..metrics import RequestRecord, node_label
-from ..openai_shapes import ClientRequest
+from ..openai_shapes import SSE_DONE, ClientRequest, sse
 from ..prefill import derive_tilert_rid, express_prefill_body, first_token_id, prompt_token_ids, prompt_tokens
 from ..resilience import Deadline
 from ..output_limits import check_requested, effective_max_tokens
@@ -79,6 +79,29 @@ def _label(text: str) -> str:
     """A short metric-safe label from a free-form reason (`too_long: 9000 > 4096` -> `too_long`)."""
     head = text.split(":", 1)[0].strip().lower()
     return "".join(c if c.isalnum() or c == "_" else "_" for c in head)[:40] or "failed"
+
+
+# Request fields vLLM checks in its engine's input processor (SamplingParams.verify: max_logprobs,
+# prompt_logprobs): a streamed request to a vLLM server learns of those refusals as an error event inside a
+# 200 stream, not as a 400. The express prefill leg is not streamed, so its 400 is relayed the way vLLM would
+# have streamed it (the native lane's decode server does so itself).
+_ENGINE_CHECKED_PARAMS = frozenset({"logprobs", "prompt_logprobs"})
+
+
+def _checked_by_vllm_engine(e: UpstreamRejected) -> bool:
+    err = e.body().get("error")
+    return e.stage == "prefill" and e.status == 400 and isinstance(err, dict) and err.get("param") in _ENGINE_CHECKED_PARAMS
+
+
+def _in_stream_error(e: UpstreamRejected, record: RequestRecord) -> Response:
+    async def events() -> AsyncIterator[bytes]:
+        yield sse(e.body())
+        yield SSE_DONE
+        record.finish(e.status, 0)
+
+    async def nothing() -> None:
+        return None
+    return ManagedStream(events(), on_close=nothing, record=record)
 
 
 class ExpressLane:
@@ -128,6 +151,10 @@ class ExpressLane:
             self.ctx.metrics.queue_wait.labels("express").observe(lease.waited_s)
             try:
                 return await self._serve(req, pool, lease, record, deadline)
+            except UpstreamRejected as e:
+                if req.stream and _checked_by_vllm_engine(e):
+                    return _in_stream_error(e, record)
+                raise
             except NodeBusy:
                 busy += 1
                 log.info("express node %s busy (attempt %d)", lease.node.url, busy)
