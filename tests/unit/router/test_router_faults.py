@@ -403,15 +403,20 @@ async def test_first_token_that_ends_the_answer_never_waits_for_the_node(make_cl
 
 def test_continuation_body_is_a_token_id_completion_with_the_remaining_budget():
     from expresslane.router.lanes.continuation import continuation_body
+    from expresslane.router.request import options_of
 
     chat = {"model": "tiny-x", "messages": [{"role": "user", "content": "x"}], "stream": True, "max_tokens": 10,
             "temperature": 0, "top_p": 0.9, "seed": 7, "stop": ["\n"], "min_tokens": 5, "ignore_eos": True,
             "stop_token_ids": [3], "stream_options": {"include_usage": True}, "logit_bias": None}
-    body = continuation_body(chat, "served", [1, 2, 3, 9, 9], max_tokens_left=8, generated=2)
+    opts = options_of(chat, chat=True)
+    body = continuation_body(chat, opts, "served", [1, 2, 3, 9, 9], max_tokens_left=8, generated=2)
     assert body == {"model": "served", "prompt": [1, 2, 3, 9, 9], "max_tokens": 8, "stream": True,
                     "return_token_ids": True, "temperature": 0, "top_p": 0.9, "seed": 7, "min_tokens": 3,
                     "ignore_eos": True, "stop_token_ids": [3]}
-    assert "min_tokens" not in continuation_body(chat, "served", [1], max_tokens_left=8, generated=5)
+    assert "min_tokens" not in continuation_body(chat, opts, "served", [1], max_tokens_left=8, generated=5)
+    # the typed request's reading, not the raw body's: a min_tokens the client sent as null counts as 0
+    assert "min_tokens" not in continuation_body(dict(chat, min_tokens=None), options_of(dict(chat, min_tokens=None),
+                                                 chat=True), "served", [1], max_tokens_left=8, generated=0)
 
 
 async def test_kv_transfer_failed_spills_at_once_with_the_node_reason(make_client, upstreams, tokenizer):

@@ -17,23 +17,30 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import UpstreamError
+from ..request import RequestOptions
 from ..resilience import Deadline
 from .base import shielded
 from .native import NativeLane, decode_body
 
 __all__ = ["Continuation", "continuation_body"]
 
-# Client fields that carry over to the continuation (stop strings stay with the router's assembler).
+# Sampling fields forwarded verbatim to vLLM (which validated them on the prefill leg already); the fields the
+# router itself interprets (min_tokens, ignore_eos, stop_token_ids) come from the typed request. Stop strings stay
+# with the router's assembler.
 _CARRY = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
-          "seed", "ignore_eos", "stop_token_ids", "skip_special_tokens", "spaces_between_special_tokens")
+          "seed", "skip_special_tokens", "spaces_between_special_tokens")
 
 
-def continuation_body(client_body: dict[str, Any], model: str, history: list[int], max_tokens_left: int,
-                      generated: int) -> dict[str, Any]:
+def continuation_body(client_body: dict[str, Any], opts: RequestOptions, model: str, history: list[int],
+                      max_tokens_left: int, generated: int) -> dict[str, Any]:
     """The /v1/completions body that continues the request from `history` (prompt + generated token ids)."""
     out = {k: client_body[k] for k in _CARRY if client_body.get(k) is not None}
+    if opts.ignore_eos:
+        out["ignore_eos"] = True
+    if opts.stop_token_ids:
+        out["stop_token_ids"] = list(opts.stop_token_ids)
     out.update(model=model, prompt=list(history), max_tokens=max_tokens_left, stream=True, return_token_ids=True)
-    min_left = int(client_body.get("min_tokens") or 0) - generated
+    min_left = opts.min_tokens - generated
     if min_left > 0:
         out["min_tokens"] = min_left
     return out
@@ -47,10 +54,10 @@ class Continuation:
     pool: str
     finish_reason: str | None = None
 
-    async def tokens(self, client_body: dict[str, Any], history: list[int], max_tokens_left: int, generated: int,
-                     deadline: Deadline) -> AsyncIterator[list[int]]:
+    async def tokens(self, client_body: dict[str, Any], opts: RequestOptions, history: list[int],
+                     max_tokens_left: int, generated: int, deadline: Deadline) -> AsyncIterator[list[int]]:
         native, cfg = self.native, self.native.ctx.config
-        body = continuation_body(client_body, cfg.native_model(self.pool), history, max_tokens_left, generated)
+        body = continuation_body(client_body, opts, cfg.native_model(self.pool), history, max_tokens_left, generated)
         path = "/v1/completions"
         kvp, _ = await native.prefill(body, path, deadline)
         url = native.pick_node(self.pool)

@@ -416,7 +416,7 @@ class ExpressLane:
         outcome = "failed"
         done = len(asm.token_ids)
         try:
-            async with contextlib.aclosing(cont.tokens(req.body, leg.prompt_ids + asm.token_ids,
+            async with contextlib.aclosing(cont.tokens(req.body, req.opts, leg.prompt_ids + asm.token_ids,
                                                        leg.max_tokens - done, done, deadline)) as native_batches:
                 async for ids in native_batches:
                     yield ids
