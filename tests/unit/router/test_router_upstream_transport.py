@@ -128,3 +128,14 @@ async def test_the_router_sends_upstream_calls_through_aiohttp_by_default(model_
     app = create_app(make_config(), registry=CollectorRegistry(), model_text=model_text)
     async with app.router.lifespan_context(app):
         assert isinstance(app.state.lanes.ctx.client._transport, AiohttpTransport)
+
+
+def test_connect_timeout_is_httpx_connect_alone_not_plus_the_pool_timeout():
+    """The router's client has pool = decode_s (minutes): a connect to a dead host must still give up after
+    connect_s (aiohttp's connect timeout already includes the wait for a pool slot)."""
+    from expresslane.router.upstream import _client_timeout
+
+    t = httpx.Timeout(600.0, connect=2.0).as_dict()
+    ct = _client_timeout(t)
+    assert ct.connect == 2.0 and ct.sock_read == 600.0 and ct.total is None
+    assert _client_timeout({"connect": None, "pool": 3.0, "read": None}).connect == 3.0

@@ -195,9 +195,7 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         import aiohttp
 
-        t = request.extensions.get("timeout") or {}
-        timeout = aiohttp.ClientTimeout(total=None, connect=_add(t.get("pool"), t.get("connect")),
-                                        sock_read=t.get("read"))
+        timeout = _client_timeout(request.extensions.get("timeout") or {})
         body = await request.aread()
         try:
             resp = await self._get_session().request(
@@ -220,5 +218,12 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
             self._session = None
 
 
-def _add(a: float | None, b: float | None) -> float | None:
-    return None if a is None and b is None else (a or 0.0) + (b or 0.0)
+def _client_timeout(t: dict[str, float | None]) -> Any:
+    """httpx's timeout dict as aiohttp's. aiohttp's `connect` covers the wait for a pool slot AND the TCP
+    connect, so it is httpx's connect timeout alone: adding httpx's pool timeout (the client default, decode_s)
+    would let a connect to a dead host wait minutes instead of connect_s."""
+    import aiohttp
+
+    connect = t.get("connect")
+    return aiohttp.ClientTimeout(total=None, connect=connect if connect is not None else t.get("pool"),
+                                 sock_read=t.get("read"))
