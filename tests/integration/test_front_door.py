@@ -1,5 +1,5 @@
 """The router's front door against the real stack (stock vLLM prefill + native decode, our express node):
-capability routing serves an express request that asks for logprobs on the native lane, exactly; model cards carry
+capability routing serves an express request that asks for a feature the node lacks on the native lane, exactly; model cards carry
 vLLM's own max_model_len; /tokenize, /detokenize, /version pass through; unknown paths are OpenAI errors;
 X-Request-Id comes back."""
 
@@ -8,23 +8,28 @@ from __future__ import annotations
 from exactness import EXPRESS_ALIAS, MAX_TOKENS, NATIVE_ALIAS, token_prompt
 
 
-def test_express_request_with_logprobs_is_served_natively_and_exactly(live_stack, http):
+def test_a_feature_the_express_node_lacks_is_served_natively_and_exactly(live_stack, http):
+    """`bad_words` is native-only (vLLM takes words, the node takes ids): with `unsupported: native` the express
+    alias serves it on the native lane, says so in headers and the reroute metric, and equals a single server.
+    logprobs, which the express node now honours, stay on the express lane with the same tokens."""
     prompt = token_prompt(40, salt=31)
-    body = {"model": EXPRESS_ALIAS, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "logprobs": 2}
-    ref = http.post(f"{live_stack.prefill_url}/v1/completions", json=dict(body, model="tiny-llama")).json()
+    body = {"model": EXPRESS_ALIAS, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
+            "bad_words": ["zqzqzq"]}
+    ref = http.post(f"{live_stack.prefill_url}/v1/completions",
+                    json=dict(body, model="tiny-llama", logprobs=2)).json()["choices"][0]
     r = http.post(f"{live_stack.router_url}/v1/completions", json=body, headers={"X-Request-Id": "fd-int-1"})
     assert r.status_code == 200, r.text
     assert r.headers["x-expresslane-lane"] == "native"
-    assert r.headers["x-expresslane-reroute"].startswith("unsupported_feature:logprobs")
+    assert r.headers["x-expresslane-reroute"].startswith("unsupported_feature:bad_words")
     assert r.headers["x-request-id"] == "fd-int-1"
-    got = r.json()["choices"][0]
-    assert got["text"] == ref["choices"][0]["text"]
-    assert got["logprobs"]["tokens"] == ref["choices"][0]["logprobs"]["tokens"]
+    assert r.json()["choices"][0]["text"] == ref["text"]
     metrics = http.get(f"{live_stack.router_url}/metrics").text
-    assert f'expresslane_router_capability_reroutes_total{{alias="{EXPRESS_ALIAS}",feature="logprobs"}} 1.0' in metrics
-    plain = http.post(f"{live_stack.router_url}/v1/completions", json={k: v for k, v in body.items() if k != "logprobs"})
-    assert plain.headers["x-expresslane-lane"] == "express"
-    assert plain.json()["choices"][0]["text"] == got["text"]
+    assert f'expresslane_router_capability_reroutes_total{{alias="{EXPRESS_ALIAS}",feature="bad_words"}} 1.0' in metrics
+    plain = {k: v for k, v in body.items() if k != "bad_words"}
+    lp = http.post(f"{live_stack.router_url}/v1/completions", json=dict(plain, logprobs=2))
+    assert lp.status_code == 200 and lp.headers["x-expresslane-lane"] == "express", lp.text
+    assert lp.json()["choices"][0]["text"] == ref["text"]
+    assert lp.json()["choices"][0]["logprobs"]["tokens"] == ref["logprobs"]["tokens"]
 
 
 def test_model_cards_tokenizer_and_version_pass_through(live_stack, http):
