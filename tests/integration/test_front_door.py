@@ -5,13 +5,30 @@ X-Request-Id comes back."""
 
 from __future__ import annotations
 
+import time
+
 from exactness import EXPRESS_ALIAS, MAX_TOKENS, NATIVE_ALIAS, token_prompt
+
+
+def _router_ready(http, router_url: str, bound_s: float = 30.0) -> dict:
+    """The router's /ready once every upstream is up (a node that answered its first probe before it was ready
+    stays ejected until a half-open probe re-admits it); the last body if it never says so within bound_s."""
+    end, body = time.monotonic() + bound_s, {}
+    while time.monotonic() < end:
+        r = http.get(f"{router_url}/ready")
+        body = r.json()
+        if r.status_code == 200:
+            break
+        time.sleep(0.25)
+    return body
 
 
 def test_a_feature_the_express_node_lacks_is_served_natively_and_exactly(live_stack, http):
     """`bad_words` is native-only (vLLM takes words, the node takes ids): with `unsupported: native` the express
     alias serves it on the native lane, says so in headers and the reroute metric, and equals a single server.
     logprobs, which the express node now honours, stay on the express lane with the same tokens."""
+    ready = _router_ready(http, live_stack.router_url)
+    assert ready.get("status") == "ok" or all(u.get("healthy") for u in (ready.get("upstreams") or {}).values()), ready
     prompt = token_prompt(40, salt=31)
     body = {"model": EXPRESS_ALIAS, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
             "bad_words": ["zqzqzq"]}
