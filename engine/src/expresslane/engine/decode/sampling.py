@@ -205,15 +205,20 @@ class Sampler:
             logits = logits - p.frequency_penalty * self.counts - p.presence_penalty * (self.counts > 0)
         if p.greedy:
             return logits.argmax(dim=-1, keepdim=True)
+        probs = self._probs(logits)
+        q = torch.empty_like(probs).exponential_(generator=self.generator)
+        return probs.div(q).argmax(dim=-1, keepdim=True)
+
+
+    def _probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """vLLM's order after the penalties, for sampling: temperature, min_p, top-k / top-p, softmax."""
+        p = self.params
         logits = logits / p.temperature
         if p.min_p:
             logits = _min_p(logits, p.min_p)
         if self._top_k or self._top_p:
             logits = _top_k_top_p(logits, self._top_k, self._top_p)
-        probs = logits.softmax(dim=-1)
-        q = torch.empty_like(probs).exponential_(generator=self.generator)
-        return probs.div(q).argmax(dim=-1, keepdim=True)
-
+        return logits.softmax(dim=-1)
 
     def verify(self, logits: torch.Tensor, drafts: list[int], num_output_tokens: int) -> list[int]:
         """logits: [k+1, vocab] float32 of a verify forward over (current token, d1..dk); row i is the next-token
@@ -238,12 +243,7 @@ class Sampler:
             while n < k and drafts[n] == target[n]:
                 n += 1
             return drafts[:n] + [target[n]]
-        logits = logits / p.temperature
-        if p.min_p:
-            logits = _min_p(logits, p.min_p)
-        if self._top_k or self._top_p:
-            logits = _top_k_top_p(logits, self._top_k, self._top_p)
-        probs = logits.softmax(dim=-1)
+        probs = self._probs(logits)
         p_draft = probs[:-1].gather(1, d[:, None]).squeeze(1)  # [k]
         u = torch.rand(k, device=probs.device, generator=self.generator)
         accept = (u < p_draft).long()
