@@ -64,6 +64,8 @@ CASES = [(1, 0), (1, 1), (1, 31), (1, 32), (1, 257), (1, 498), (2, 5), (3, 64), 
 @pytest.mark.parametrize("kernel", ["live", pytest.param("split", marks=needs_triton)])
 @pytest.mark.parametrize("hkv,g,d", [(2, 2, 32), (1, 4, 64), (4, 1, 16)])
 def test_kernel_matches_masked_sdpa(kernel, hkv, g, d, request):
+    if kernel == "split" and DEVICE == "cpu" and (hkv, g, d) != (1, 4, 64):
+        pytest.skip("the interpreted kernel is slow: one GQA shape on CPU (every shape on a GPU)")
     if kernel == "split" and _ran_in_fresh_process(request):
         return
     s = 500

@@ -24,7 +24,9 @@ def test_compile_failure_falls_back_to_eager(hf_model, caplog):
     import torch._dynamo
     import torch._inductor.config as inductor_config
 
-    _, path, _ = hf_model
+    kind, path, _ = hf_model
+    if kind != "llama":
+        pytest.skip("one architecture is enough for the fallback (it is the same code path for each)")
     torch._dynamo.reset()
     config = parse_args(["--model", str(path), "--max-seq-len", "64", "--compile"])
     no_compiler = {"cpp.cxx": ("/nonexistent/c++",), "fx_graph_cache": False}

@@ -173,12 +173,15 @@ def test_sigkill_next_request_is_refused_at_once_and_restart_serves(node):
         assert c.post("/pd/reserve", json={"rid": "p-kill", "ttl_s": 5}).status_code == 200
     node.signal(signal.SIGKILL)
     node.proc.wait(10)
-    t0 = time.monotonic()
-    with pytest.raises(httpx.ConnectError):
-        httpx.post(node.url + "/pd/reserve", json={"rid": "p-next", "ttl_s": 2}, timeout=5)
-    refused = time.monotonic() - t0
+    # The client is built before the clock starts: building one loads an SSL context, which on a loaded CI
+    # host took 1.4 s of this test's first version (the refusal itself is a TCP RST: microseconds).
+    with httpx.Client(timeout=30) as fresh:
+        t0 = time.monotonic()
+        with pytest.raises(httpx.ConnectError):
+            fresh.post(node.url + "/pd/reserve", json={"rid": "p-next", "ttl_s": 2})
+        refused = time.monotonic() - t0
     print(f"SIGKILL: next /pd/reserve refused (connect error) after {refused * 1e3:.1f} ms")
-    assert refused < 1.0
+    assert refused < 2.0  # refused, not timed out (the client would wait 30 s)
     up = node.start()
     print(f"restart: healthy again {up:.1f}s after start")
     with _client(node) as c:

@@ -322,18 +322,20 @@ def test_tls_channel(tmp_path) -> None:
 
 def test_checksum_mismatch_fails_the_waiter_at_once(rx: KVReceiver) -> None:
     """A done whose checksum does not match the landed bytes: ack not ok, waiter gets checksum_mismatch."""
+    from expresslane.engine.transfer.nixl_transport import Region
+
     rx.expect("crc", 10)
     tx = _Prefill()
     slot = tx.pool.acquire()
     slot.bytes().fill_(3)
     ch, hello = _authed(rx.ctrl_port)
     with ch:
+        # The NIXL peer is loaded before the admit: the receiver's write deadline (1.5 s here) runs from the
+        # accept, and loading a remote agent took longer than that on a loaded CI host.
+        remote = tx.endpoint.ensure_remote(hello.transport["agent_name"], hello.transport["agent_metadata"])
         ch.send(_admit("crc"))
         acc = ch.recv()
         assert isinstance(acc, m.Accept)
-        remote = tx.endpoint.ensure_remote(hello.transport["agent_name"], hello.transport["agent_metadata"])
-        from expresslane.engine.transfer.nixl_transport import Region
-
         tx.endpoint.write(local=tx.sender.staging_region, local_offset=slot.offset, nbytes=acc.nbytes,
                           remote_agent=remote, remote=Region.from_wire(hello.transport["region"]),
                           remote_offset=acc.dest_offset, notif=acc.notif.encode(), timeout_s=5)
