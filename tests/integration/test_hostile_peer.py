@@ -32,6 +32,7 @@ def secured_stack(tiny_model_dir, tmp_path_factory):
     base = int(os.environ.get("EXPRESSLANE_TEST_PORT_BASE", "20000")) + 300
     ctrl = 5556 + base
     stack = DevStack(model_dir=tiny_model_dir, state_dir=tmp_path_factory.mktemp("secured-stack"), port_base=base,
+                     services=("prefill", "decode-express", "router"),  # no native lane: nothing here uses it
                      extra_env={"EXPRESSLANE_PEER_SECRET": SECRET,
                                 "EXPRESSLANE_ALLOWED_DESTINATIONS": f"127.0.0.1:{ctrl}"})
     stack.start()
