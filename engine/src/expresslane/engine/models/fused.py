@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+import triton.testing
 
 # (rows per program, K per iteration): 8,192 weights (16 KB of bf16) a program and iteration.
 GEMV_CONFIGS = ((4, 2048), (8, 1024), (16, 512), (32, 256))
