@@ -32,6 +32,9 @@ from expresslane.engine.models.transformer import Transformer  # noqa: E402
 DTYPES = [torch.float32] + ([torch.bfloat16] if DEVICE == "cuda" else [])
 # float32: only summation order differs; bf16: one rounding of a projection output may differ by an ulp.
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+# A whole step in bf16 compounds those ulps over the layers: 0.021 seen on the H200 for this 2-layer model
+# (the 1B / 8B shapes: 0.027 / 0.052, docs/bench/2026-12-01-gpu-speed-3); a wrong kernel gives O(1).
+STEP_TOL = {torch.float32: 1e-5, torch.bfloat16: 5e-2}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -156,8 +159,8 @@ def test_lean_step_matches_the_transformer(dtype, bias, tied):
         lean = LeanStep(model, cos, sin, list(k.unbind(0)), list(v.unbind(0)))
         out = lean.forward(token, start)
     assert out.shape == ref.shape == (1, cfg.vocab_size)
-    assert _rel(out, ref) < TOL[dtype]
-    assert _rel(k, k_ref) < TOL[dtype] and _rel(v, v_ref) < TOL[dtype]
+    assert _rel(out, ref) < STEP_TOL[dtype]
+    assert _rel(k, k_ref) < STEP_TOL[dtype] and _rel(v, v_ref) < STEP_TOL[dtype]
     assert torch.equal(k[:, :pos], k_ref[:, :pos]) and torch.equal(k[:, pos + 1:], k_ref[:, pos + 1:])
     if dtype == torch.float32:
         assert int(out.argmax()) == int(ref.argmax())
