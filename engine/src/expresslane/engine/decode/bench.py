@@ -2,7 +2,7 @@
 
     python -m expresslane.engine.decode.bench --model DIR [--dtype float32] [--device cpu] [--prompt-len 128]
         [--contexts 1024,8192] [--tokens 256] [--attention live|masked|split] [--compile]
-        [--cuda-graph auto|on|off] [--speculation off|lookup] [--oracle-k 1,2,3,4] [--threads N] [--json F]
+        [--cuda-graph auto|on|off] [--lean auto|on|off] [--speculation off|lookup] [--oracle-k 1,2,3,4] [--threads N] [--json F]
 
 For each context (prompt length) it prints tok/s of plain decoding and, with --oracle-k, of speculative
 decoding with an oracle drafter: the model's own greedy continuation (decoded first without speculation)
