@@ -204,3 +204,23 @@ def test_lean_graph_decodes_like_the_eager_step(bias, tied):
         first = int(engine.prefill(prompt).argmax())
         outs.append(list(engine.generate(first, len(prompt), SamplingParams(max_tokens=40, ignore_eos=True))))
     assert outs[0] == outs[1]
+
+
+def test_bf16_rounding_on_the_bits_is_round_to_nearest_even():
+    """fused._rounded rounds float32 to bf16 on the bits (so the compiler cannot fuse RoPE's product and sum
+    into one bf16 FMA): it must agree with torch's float32 -> bf16 cast, ties included."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _round_kernel(x_ptr, out_ptr, N: tl.constexpr):
+        offs = tl.arange(0, N)
+        tl.store(out_ptr + offs, fused._rounded(tl.load(x_ptr + offs), tl.bfloat16))
+
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(1024, generator=gen) * torch.logspace(-20, 20, 1024)
+    ties = torch.tensor([1.0 + 2.0 ** -8, 1.0 + 3 * 2.0 ** -8, -(1.0 + 2.0 ** -8), 3.0, 0.0, -0.0] * 4)
+    x = torch.cat([x[: 1024 - ties.numel()], ties]).to(DEVICE)
+    out = torch.empty_like(x)
+    _round_kernel[(1,)](x, out, N=1024)
+    assert torch.equal(out, x.to(torch.bfloat16).float())

@@ -58,6 +58,20 @@ def _input_chunk(x_ptr, nw_ptr, cols, K, rstd, HAS_NORM: tl.constexpr):
 
 
 @triton.jit
+def _rounded(x, dt: tl.constexpr):
+    """float32 x rounded to dt (nearest even), as a float32 value. For bf16 the rounding is done on the bits:
+    written as `x.to(bf16)`, the compiler turns "round(a*c) + round(b*s)" into one bf16 FMA (seen in the
+    PTX: fma.rn.bf16x2), which skips the product's rounding the PyTorch step (and vLLM's rotary kernel) does.
+    Inf stays inf; NaN is not expected here."""
+    if dt == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        return bits.to(tl.float32, bitcast=True)
+    else:
+        return x.to(dt).to(tl.float32)
+
+
+@triton.jit
 def _dot_rows(w_ptr, rows, rmask, xv, cols, K):
     w = tl.load(w_ptr + rows[:, None] * K + cols[None, :], mask=rmask[:, None] & (cols[None, :] < K), other=0.0)
     return w.to(tl.float32) * xv[None, :]
@@ -100,8 +114,8 @@ def _norm_qkv_rope_kernel(x_ptr, nw_ptr, w_ptr, b_ptr, cos_ptr, sin_ptr, start_p
         sin_b = tl.load(sin_ptr + pos * D + HALF + j).to(tl.float32)
         af = a.to(tl.float32)
         bf = b.to(tl.float32)
-        ra = ((af * cos_a).to(dt).to(tl.float32) + (bf * sin_a).to(dt).to(tl.float32)).to(dt)
-        rb = ((bf * cos_b).to(dt).to(tl.float32) + (af * sin_b).to(dt).to(tl.float32)).to(dt)
+        ra = (_rounded(af * cos_a, dt) + _rounded(bf * sin_a, dt)).to(dt)
+        rb = (_rounded(bf * cos_b, dt) + _rounded(af * sin_b, dt)).to(dt)
         if head < NH:
             tl.store(q_ptr + rows_a, ra)
             tl.store(q_ptr + rows_b, rb)
