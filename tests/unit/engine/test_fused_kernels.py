@@ -78,6 +78,12 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm())
 
 
+# Block shapes the tests run (rows or row pairs, K per iteration, prefetch): the measured loop and the prefetching
+# one, each at a shape whose K-block is larger and one smaller than the test's K (64).
+SINGLE = [(4, 2048, 0), (16, 512, 0), (8, 512, 1), (32, 16, 1)]
+PAIRS = [(2, 2048, 0), (8, 512, 0), (4, 512, 1), (2, 16, 1)]
+
+
 def _pairs(cands, limit):
     return [c for c in cands if c[0] <= limit]
 
@@ -97,7 +103,7 @@ def test_norm_qkv_rope_matches_the_step(dtype, bias):
         qkv = qkv.view(1, cfg.num_heads + 2 * cfg.num_kv_heads, d)
         qk = apply_rope(qkv[:, : cfg.num_heads + cfg.num_kv_heads], cos[pos:pos + 1], sin[pos:pos + 1])
     ref_q, ref_k, ref_v = qk[0, : cfg.num_heads], qk[0, cfg.num_heads:], qkv[0, cfg.num_heads + cfg.num_kv_heads:]
-    for cfg_ in _pairs(fused.PAIR_CONFIGS, d // 2):
+    for cfg_ in _pairs(PAIRS, d // 2):
         kc = torch.full((s, cfg.num_kv_heads, d), float("nan"), dtype=dtype, device=DEVICE)
         vc = kc.clone()
         q = torch.full((cfg.q_size,), float("nan"), dtype=dtype, device=DEVICE)
@@ -124,14 +130,14 @@ def test_gemv_residual_gate_up_and_head_match_the_step(dtype):
         gate, up = layer.mlp.gate_up_proj(layer.post_attention_layernorm(x[None]))[0].split(cfg.intermediate_size)
         ref_h = torch.nn.functional.silu(gate) * up
         ref_logits = model.lm_head(model.norm(x)).float()
-    for c in fused.GEMV_CONFIGS[:3]:
+    for c in SINGLE:
         res = x.clone()
         fused.gemv_residual(a, layer.self_attn.o_proj.weight, layer.self_attn.o_proj.bias, res, config=c)
         assert _rel(res, ref_res) < TOL[dtype], c
         logits = torch.full((cfg.vocab_size,), float("nan"), device=DEVICE)
         fused.norm_gemv(x, model.norm.weight, cfg.rms_norm_eps, model.lm_head.weight, logits, config=c)
         assert _rel(logits, ref_logits) < TOL[dtype], c
-    for c in fused.PAIR_CONFIGS[:3]:
+    for c in PAIRS:
         h = torch.full((cfg.intermediate_size,), float("nan"), dtype=dtype, device=DEVICE)
         fused.norm_gate_up_silu(x, layer.post_attention_layernorm.weight, cfg.rms_norm_eps,
                                 layer.mlp.gate_up_proj.weight, layer.mlp.gate_up_proj.bias, h, config=c)
