@@ -11,7 +11,8 @@
    tokens through DecodeEngine.generate (best of 2, speculation off), the graph replay's ms per step, the
    bound (copy bandwidth over weights + live K/V at the mean context) and % of it; the greedy tokens of the two
    steps compared; the split-KV attention alone per context; a profile of the lean step's kernels at 1k.
-3. Optionally the fused-kernel unit tests on the GPU (--pytest) and the compiled PyTorch step (--compiled).
+3. Optionally the GPU unit tests that go through the lean step (--pytest: test_fused_kernels, test_cuda_graph,
+   test_gpu_speculative) and the compiled PyTorch step (--compiled).
 
 Every result is one JSON line appended to OUTDIR/results.jsonl as soon as it exists (a timeout keeps what was
 measured); a part that would start after --deadline-s is skipped and says so.
@@ -354,8 +355,11 @@ def main() -> None:
             traceback.print_exc()
             torch.cuda.empty_cache()
     if args.pytest and not late("pytest"):
-        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                               "tests/unit/engine/test_fused_kernels.py"], capture_output=True, text=True,
+        # The GPU tests that run through the lean step (the server-flag test needs starlette, absent there).
+        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
+                               "-k", "not server_flag", "tests/unit/engine/test_fused_kernels.py",
+                               "tests/unit/engine/test_cuda_graph.py", "tests/unit/engine/test_gpu_speculative.py"],
+                              capture_output=True, text=True,
                               timeout=max(10, args.deadline_s + 60 - (time.time() - T0)))
         emit("pytest", rc=proc.returncode, tail=proc.stdout[-1500:])
     if args.compiled and not late("compiled 1B"):
