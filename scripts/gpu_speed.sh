@@ -3,7 +3,10 @@
 # (weights + live KV) for Llama-1B- and 8B-shaped bf16 at contexts 1k / 8k / 32k, plain and with an oracle
 # draft at k = 1..4 (acceptance sweep), and transformers' static-cache + compile generate as the reference.
 #
-#   bash scripts/gpu_speed.sh [OUTDIR] [PART]     # PART: all (default) | tests | engine | hf
+#   bash scripts/gpu_speed.sh [OUTDIR] [PART]     # PART: all (default) | tests | engine | hf | lean
+#
+# PART lean runs scripts/gpu_lean.py alone (the lean step against the PyTorch step, no checkpoint written;
+# LEAN_ARGS adds its flags, e.g. "--pytest --compiled"); it is not part of "all".
 #
 # Environment: SHAPES (llama-1b llama-8b), STEPS (bench step flags, one word per run, default --compile; e.g.
 # "--compile --compile-mode=max-autotune-no-cudagraphs"), CONTEXTS, TOKENS, ORACLE_K, STEP_TIMEOUT (s per run).
@@ -27,7 +30,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --f
 if [[ $PART == all || $PART == tests ]]; then
   echo "== GPU exactness tests"
   "$PY" -m pytest -q -p no:cacheprovider tests/unit/engine/test_attention.py tests/unit/engine/test_cuda_graph.py \
-    tests/unit/engine/test_gpu_speculative.py 2>&1 | grep -v "^[0-9.]*s \(call\|setup\|teardown\)" || true
+    tests/unit/engine/test_gpu_speculative.py tests/unit/engine/test_fused_kernels.py 2>&1 | grep -v "^[0-9.]*s \(call\|setup\|teardown\)" || true
 fi
 
 if [[ $PART == all || $PART == engine || $PART == hf ]]; then
@@ -53,5 +56,10 @@ if [[ $PART == all || $PART == hf ]]; then
     timeout ${HF_TIMEOUT:-240} "$PY" scripts/gpu_hf_reference.py "$MODELS/$shape" --contexts ${HF_CONTEXTS:-1024} \
       --tokens ${TOKENS:-256} || echo "transformers reference $shape: failed or timed out (rc $?)"
   done
+fi
+if [[ $PART == lean ]]; then
+  echo "== lean step vs PyTorch step"
+  # shellcheck disable=SC2086
+  "$PY" scripts/gpu_lean.py --out "$OUTDIR" ${LEAN_ARGS:-} || echo "gpu_lean.py: rc $?"
 fi
 echo "== done $(date -u +%FT%TZ)"

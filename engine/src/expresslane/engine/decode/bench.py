@@ -2,7 +2,7 @@
 
     python -m expresslane.engine.decode.bench --model DIR [--dtype float32] [--device cpu] [--prompt-len 128]
         [--contexts 1024,8192] [--tokens 256] [--attention live|masked|split] [--compile]
-        [--cuda-graph auto|on|off] [--speculation off|lookup] [--oracle-k 1,2,3,4] [--threads N] [--json F]
+        [--cuda-graph auto|on|off] [--lean auto|on|off] [--speculation off|lookup] [--oracle-k 1,2,3,4] [--threads N] [--json F]
 
 For each context (prompt length) it prints tok/s of plain decoding and, with --oracle-k, of speculative
 decoding with an oracle drafter: the model's own greedy continuation (decoded first without speculation)
@@ -147,6 +147,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--compile-mode", default=None, help="torch.compile mode, e.g. max-autotune-no-cudagraphs")
     ap.add_argument("--cuda-graph", choices=["auto", "on", "off"], default="auto")
+    ap.add_argument("--lean", choices=["auto", "on", "off"], default="auto",
+                    help="the lean T = 1 step (fused Triton kernels, CUDA graph; auto: wherever it applies)")
     ap.add_argument("--speculation-k", type=int, default=4, help="most drafts per verify step (0: off)")
     ap.add_argument("--oracle-k", default="", help="acceptance sweep: comma-separated k for the oracle drafter")
     ap.add_argument("--threads", type=int, default=None)
@@ -167,6 +169,7 @@ def main(argv: list[str] | None = None) -> None:
             args.model, dtype=args.dtype, device=args.device, max_seq_len=max_seq_len, attention=args.attention,
             compile=args.compile or bool(args.compile_mode), compile_mode=args.compile_mode, cuda_graph=CUDA_GRAPH_CHOICES[args.cuda_graph],
             speculation=SpeculationConfig(k=args.speculation_k) if args.speculation_k else None)
+        engine.runner.set_lean(CUDA_GRAPH_CHOICES[args.lean])
         engine.warmup()
     except (OSError, ValueError) as e:  # missing checkpoint, unsupported model, bad option combination
         ap.error(str(e))

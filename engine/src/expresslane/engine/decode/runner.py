@@ -12,7 +12,11 @@ buffers (token rows, the start position), picks the attention kernel, and runs t
   it: that guard failure recompiled the first verify steps of a stream (a 17 s gap at token 151 on 2 CPUs;
   tests/unit/engine/test_no_recompile.py counts dynamo's compiles after warmup);
 * graph / compiled graph (CUDA, fixed-shape attention): one CUDA graph per T bucket, captured on first use
-  (`capture` does it ahead of time), replayed with the start position read from a device buffer.
+  (`capture` does it ahead of time), replayed with the start position read from a device buffer;
+* lean graph (CUDA, split-KV attention, the default there): the T = 1 bucket's graph holds the lean step
+  (models/lean.py: 6 fused Triton kernels a layer, no torch.compile) instead of the PyTorch step; the verify
+  buckets (T > 1) stay the (compiled) graph. `lean=None` picks it wherever it applies, `lean=True` demands it
+  (ValueError saying why it does not apply), `lean=False` keeps the PyTorch step; `set_lean` switches later.
 
 The model owns the math, the engine owns the cache; the runner owns nothing else.
 """
@@ -33,12 +37,13 @@ class StepMode(str, enum.Enum):
     COMPILED = "compiled"
     GRAPH = "graph"
     COMPILED_GRAPH = "compiled-graph"
+    LEAN_GRAPH = "lean-graph"  # T = 1: the lean step's graph; T > 1: graph or compiled graph
 
 
 class StepRunner:
     def __init__(self, model: Transformer, cache: StaticKVCache, cos: torch.Tensor, sin: torch.Tensor, *,
                  attention: AttentionKind, compile: bool, cuda_graph: bool, max_rows: int,
-                 compile_mode: str | None = None) -> None:
+                 compile_mode: str | None = None, lean: bool | None = None) -> None:
         if cuda_graph and attention is AttentionKind.LIVE:
             raise ValueError("a CUDA graph needs fixed-shape attention (masked or split), not live")
         self.model, self.cache, self.cos, self.sin = model, cache, cos, sin
@@ -55,16 +60,52 @@ class StepRunner:
             self._start = torch.zeros(1, dtype=torch.long, device=device)
             self._tokens = torch.zeros(max_rows, dtype=torch.long, device=device)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._lean = None
         self._set_step()
+        self.set_lean(lean)
+
+    def lean_unsupported_reason(self) -> str | None:
+        """Why the lean T = 1 step cannot run here (None: it can)."""
+        if not self.cuda_graph or self.device.type != "cuda":
+            return "the lean step runs as a CUDA graph on a CUDA device"
+        if self.attention is not AttentionKind.SPLIT_KV:
+            return f"the lean step uses the split-KV attention, not {self.attention.value}"
+        try:  # imported here: Triton's jit must not be set up on a CPU-only host (its interpreter is a test mode)
+            from ..models.lean import LeanStep
+        except ImportError as e:
+            return f"the lean step needs triton ({e})"
+        return LeanStep.unsupported_reason(self.model)
+
+    def set_lean(self, lean: bool | None) -> None:
+        """None: the lean T = 1 step wherever it applies; True: it, or ValueError; False: the PyTorch step."""
+        why = self.lean_unsupported_reason()
+        if lean and why:
+            raise ValueError(why)
+        on = why is None if lean is None else lean
+        if on == (self._lean is not None):
+            return
+        self._graphs.pop(1, None)
+        if on:
+            from ..models.lean import LeanStep
+
+            self._lean = LeanStep(self.model, self.cos, self.sin, self.cache.k_layers, self.cache.v_layers)
+        else:
+            self._lean = None
+
+    @property
+    def lean(self) -> bool:
+        return self._lean is not None
 
     @property
     def mode(self) -> StepMode:
+        if self._lean is not None:
+            return StepMode.LEAN_GRAPH
         if self.cuda_graph:
             return StepMode.COMPILED_GRAPH if self.compile else StepMode.GRAPH
         return StepMode.COMPILED if self.compile else StepMode.EAGER
 
     def _set_step(self) -> None:
-        self._graphs.clear()
+        self._graphs = {1: self._graphs[1]} if self._lean is not None and 1 in self._graphs else {}
         self._step = (torch.compile(self._forward, dynamic=True, mode=self.compile_mode) if self.compile
                       else self._forward)
 
@@ -114,14 +155,17 @@ class StepRunner:
         # Warm-up runs on a side stream first (cuBLAS workspaces, torch.compile, Triton autotune), as capture
         # requires. They compute the same step for the same tokens and start, so the cache rows they write are
         # the ones the step writes anyway.
+        # The lean step's first warm-up run also picks its kernels' block shapes (models/fused.py).
         tokens = self._tokens[:t]
+        lean = self._lean if t == 1 else None
+        step = (lambda tok, start, kv_len: lean.forward(tok, start)) if lean is not None else self._step
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             for _ in range(3):
-                self._step(tokens, self._start, None)
+                step(tokens, self._start, None)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-            logits = self._step(tokens, self._start, None)
+            logits = step(tokens, self._start, None)
         self._graphs[t] = (graph, logits)

@@ -1,0 +1,338 @@
+"""Fused batch-1 kernels of the lean decode step (models/lean.py), in Triton.
+
+Each kernel is a GEMV (one activation row times a [N, K] row-major weight, float32 accumulation) with the
+work around it folded in, so a decoder layer is six launches (this file's four, the split-KV attention's two):
+
+* `norm_qkv_rope`: RMSNorm of the residual, the QKV projection (+ bias), RoPE of q and k, and the write of
+  k and v into the cache at the position read from the device. A program owns BJ row pairs (j, j + D/2) of
+  one head, so the rotation needs nothing from another program.
+* `gemv_residual`: o_proj / down_proj (+ bias) added into the residual stream in place.
+* `norm_gate_up_silu`: RMSNorm, the gate and up rows of gate_up_proj, silu(gate) * up.
+* `norm_gemv`: the final RMSNorm and the lm_head, float32 logits out.
+
+Rounding follows the PyTorch step (models/transformer.py) at every point it rounds: the norm in float32 cast
+to the model dtype then scaled by the weight in the model dtype, each projection's output rounded to the
+model dtype, RoPE's two products and their sum rounded, silu(gate) rounded before the product with up, the
+residual sum rounded. What differs is the GEMV's summation order (as between any two GEMV kernels).
+
+The RMSNorm statistic is recomputed by every program from the whole input row (a few KB from L2): that is what
+lets the norm live inside the projection's kernel. Block shapes are picked per (kernel, N, K) by timing each
+candidate once on the device (`pick_config`); off a GPU (Triton's interpreter, the unit tests) the first
+candidate that fits is used. Two loops: the plain one (each iteration loads its tile, then multiplies; the norm
+statistic is a loop of its own first), measured on the H200 (docs/performance.md, "GPU lean step (session 3)"),
+and a prefetching one (the next tile is loaded before this one's products; the first tile's load is issued
+before the norm statistic, which is one load of the row), added after that run and picked only where the
+device's timing finds it faster. Both compute the same sums in the same order.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+import triton.testing
+
+# (rows per program, K per iteration, prefetch): 8,192 weights (16 KB of bf16) a program and iteration; with
+# prefetch (1) the next iteration's tile is loaded before this one's products, so two tiles of half the size
+# are in flight, and the RMSNorm statistic is one load of the whole row issued after the first tile's load.
+# Prefetch 0 is the loop measured on the H200 in docs/bench/2026-12-01-gpu-speed-3; the prefetch candidates
+# were added after that run (not measured yet): the device's timing picks whichever is faster.
+GEMV_CONFIGS = ((4, 2048, 0), (8, 1024, 0), (16, 512, 0), (32, 256, 0), (8, 512, 1), (16, 256, 1), (32, 128, 1))
+# (row pairs per program, K per iteration, prefetch) for the kernels that own two row sets.
+PAIR_CONFIGS = ((2, 2048, 0), (4, 1024, 0), (8, 512, 0), (16, 256, 0), (4, 512, 1), (8, 256, 1), (16, 128, 1))
+
+
+@triton.jit
+def _rstd(x_ptr, K, eps, BLOCK_K: tl.constexpr):
+    acc = tl.zeros([BLOCK_K], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        cols = k0 + tl.arange(0, BLOCK_K)
+        xv = tl.load(x_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
+        acc += xv * xv
+    return 1.0 / tl.sqrt(tl.sum(acc, axis=0) / K + eps)
+
+
+@triton.jit
+def _rstd_once(x_ptr, K, eps, K_POW2: tl.constexpr):
+    """The same statistic from one load of the whole row (one memory latency instead of K / BLOCK_K)."""
+    cols = tl.arange(0, K_POW2)
+    xv = tl.load(x_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
+    return 1.0 / tl.sqrt(tl.sum(xv * xv, axis=0) / K + eps)
+
+
+@triton.jit
+def _input_chunk(x_ptr, nw_ptr, cols, K, rstd, HAS_NORM: tl.constexpr):
+    """x[cols] as the projection sees it: the model-dtype RMSNorm output, or x itself (float32 values)."""
+    kmask = cols < K
+    xv = tl.load(x_ptr + cols, mask=kmask, other=0.0)
+    if HAS_NORM:
+        dt = xv.dtype
+        xn = (xv.to(tl.float32) * rstd).to(dt)
+        nw = tl.load(nw_ptr + cols, mask=kmask, other=0.0)
+        xv = (xn.to(tl.float32) * nw.to(tl.float32)).to(dt)
+    return xv.to(tl.float32)
+
+
+@triton.jit
+def _rounded(x, dt: tl.constexpr):
+    """float32 x rounded to dt (nearest even), as a float32 value. For bf16 the rounding is done on the bits:
+    written as `x.to(bf16)`, the compiler turns "round(a*c) + round(b*s)" into one bf16 FMA (seen in the
+    PTX: fma.rn.bf16x2), which skips the product's rounding the PyTorch step (and vLLM's rotary kernel) does.
+    Inf stays inf; NaN is not expected here."""
+    if dt == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        return bits.to(tl.float32, bitcast=True)
+    else:
+        return x.to(dt).to(tl.float32)
+
+
+@triton.jit
+def _dot_rows(w_ptr, rows, rmask, xv, cols, K):
+    w = tl.load(w_ptr + rows[:, None] * K + cols[None, :], mask=rmask[:, None] & (cols[None, :] < K), other=0.0)
+    return w.to(tl.float32) * xv[None, :]
+
+
+@triton.jit
+def _load_rows(w_ptr, rows, rmask, cols, K):
+    return tl.load(w_ptr + rows[:, None] * K + cols[None, :], mask=rmask[:, None] & (cols[None, :] < K), other=0.0)
+
+
+@triton.jit
+def _gemv1(w_ptr, rows, rmask, x_ptr, nw_ptr, K, eps, HAS_NORM: tl.constexpr, BLOCK_N: tl.constexpr,
+           BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr, K_POW2: tl.constexpr):
+    """sum_k w[rows, k] * in[k] in float32, in = RMSNorm(x) (HAS_NORM) or x."""
+    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    if PREFETCH:
+        w_cur = _load_rows(w_ptr, rows, rmask, tl.arange(0, BLOCK_K), K)
+        rstd = 1.0
+        if HAS_NORM:
+            rstd = _rstd_once(x_ptr, K, eps, K_POW2)
+        for k0 in range(0, K, BLOCK_K):
+            cols = k0 + tl.arange(0, BLOCK_K)
+            w_next = _load_rows(w_ptr, rows, rmask, cols + BLOCK_K, K)
+            xv = _input_chunk(x_ptr, nw_ptr, cols, K, rstd, HAS_NORM)
+            acc += w_cur.to(tl.float32) * xv[None, :]
+            w_cur = w_next
+    else:
+        rstd = 1.0
+        if HAS_NORM:
+            rstd = _rstd(x_ptr, K, eps, BLOCK_K)
+        for k0 in range(0, K, BLOCK_K):
+            cols = k0 + tl.arange(0, BLOCK_K)
+            xv = _input_chunk(x_ptr, nw_ptr, cols, K, rstd, HAS_NORM)
+            acc += _dot_rows(w_ptr, rows, rmask, xv, cols, K)
+    return tl.sum(acc, axis=1)
+
+
+@triton.jit
+def _gemv2(w_ptr, rows_a, rows_b, rmask, x_ptr, nw_ptr, K, eps, BJ: tl.constexpr, BLOCK_K: tl.constexpr,
+           PREFETCH: tl.constexpr, K_POW2: tl.constexpr):
+    """_gemv1 over RMSNorm(x) for two row sets that share the input (RoPE pairs, gate and up rows)."""
+    acc_a = tl.zeros([BJ, BLOCK_K], tl.float32)
+    acc_b = tl.zeros([BJ, BLOCK_K], tl.float32)
+    if PREFETCH:
+        first = tl.arange(0, BLOCK_K)
+        wa = _load_rows(w_ptr, rows_a, rmask, first, K)
+        wb = _load_rows(w_ptr, rows_b, rmask, first, K)
+        rstd = _rstd_once(x_ptr, K, eps, K_POW2)
+        for k0 in range(0, K, BLOCK_K):
+            cols = k0 + tl.arange(0, BLOCK_K)
+            wa_next = _load_rows(w_ptr, rows_a, rmask, cols + BLOCK_K, K)
+            wb_next = _load_rows(w_ptr, rows_b, rmask, cols + BLOCK_K, K)
+            xv = _input_chunk(x_ptr, nw_ptr, cols, K, rstd, True)
+            acc_a += wa.to(tl.float32) * xv[None, :]
+            acc_b += wb.to(tl.float32) * xv[None, :]
+            wa = wa_next
+            wb = wb_next
+    else:
+        rstd = _rstd(x_ptr, K, eps, BLOCK_K)
+        for k0 in range(0, K, BLOCK_K):
+            cols = k0 + tl.arange(0, BLOCK_K)
+            xv = _input_chunk(x_ptr, nw_ptr, cols, K, rstd, True)
+            acc_a += _dot_rows(w_ptr, rows_a, rmask, xv, cols, K)
+            acc_b += _dot_rows(w_ptr, rows_b, rmask, xv, cols, K)
+    return tl.sum(acc_a, axis=1), tl.sum(acc_b, axis=1)
+
+
+@triton.jit
+def _norm_qkv_rope_kernel(x_ptr, nw_ptr, w_ptr, b_ptr, cos_ptr, sin_ptr, start_ptr, q_ptr, kc_ptr, vc_ptr,
+                          K, eps, stride_kc_s, stride_kc_h, stride_vc_s, stride_vc_h,
+                          NH: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr, HAS_BIAS: tl.constexpr,
+                          BJ: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr,
+                          K_POW2: tl.constexpr):
+    HALF: tl.constexpr = D // 2
+    NBLK: tl.constexpr = HALF // BJ
+    pid = tl.program_id(0)
+    head = pid // NBLK
+    j = (pid % NBLK) * BJ + tl.arange(0, BJ)
+    rows_a = head * D + j
+    rows_b = rows_a + HALF
+    ok = j < HALF
+    a, b = _gemv2(w_ptr, rows_a, rows_b, ok, x_ptr, nw_ptr, K, eps, BJ, BLOCK_K, PREFETCH, K_POW2)
+    if HAS_BIAS:
+        a += tl.load(b_ptr + rows_a).to(tl.float32)
+        b += tl.load(b_ptr + rows_b).to(tl.float32)
+    dt = q_ptr.dtype.element_ty
+    a = a.to(dt)
+    b = b.to(dt)
+    pos = tl.load(start_ptr)
+    if head < NH + NKV:  # q or k: rotate. cos/sin rows are the signed tables of rope.py: sin = (-s, s)
+        cos_a = tl.load(cos_ptr + pos * D + j).to(tl.float32)
+        cos_b = tl.load(cos_ptr + pos * D + HALF + j).to(tl.float32)
+        sin_a = tl.load(sin_ptr + pos * D + j).to(tl.float32)
+        sin_b = tl.load(sin_ptr + pos * D + HALF + j).to(tl.float32)
+        af = a.to(tl.float32)
+        bf = b.to(tl.float32)
+        ra = (_rounded(af * cos_a, dt) + _rounded(bf * sin_a, dt)).to(dt)
+        rb = (_rounded(bf * cos_b, dt) + _rounded(af * sin_b, dt)).to(dt)
+        if head < NH:
+            tl.store(q_ptr + rows_a, ra)
+            tl.store(q_ptr + rows_b, rb)
+        else:
+            kp = kc_ptr + pos * stride_kc_s + (head - NH) * stride_kc_h + j
+            tl.store(kp, ra)
+            tl.store(kp + HALF, rb)
+    else:
+        vp = vc_ptr + pos * stride_vc_s + (head - NH - NKV) * stride_vc_h + j
+        tl.store(vp, a)
+        tl.store(vp + HALF, b)
+
+
+@triton.jit
+def _gemv_residual_kernel(a_ptr, w_ptr, b_ptr, res_ptr, N, K, HAS_BIAS: tl.constexpr,
+                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rmask = rows < N
+    y = _gemv1(w_ptr, rows, rmask, a_ptr, a_ptr, K, 0.0, False, BLOCK_N, BLOCK_K, PREFETCH, 16)
+    if HAS_BIAS:
+        y += tl.load(b_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
+    res = tl.load(res_ptr + rows, mask=rmask, other=0.0)
+    dt = res.dtype
+    out = (res.to(tl.float32) + y.to(dt).to(tl.float32)).to(dt)
+    tl.store(res_ptr + rows, out, mask=rmask)
+
+
+@triton.jit
+def _norm_gate_up_silu_kernel(x_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, I, K, eps, HAS_BIAS: tl.constexpr,
+                              BJ: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr,
+                              K_POW2: tl.constexpr):
+    rows_g = tl.program_id(0) * BJ + tl.arange(0, BJ)
+    rows_u = rows_g + I
+    ok = rows_g < I
+    g, u = _gemv2(w_ptr, rows_g, rows_u, ok, x_ptr, nw_ptr, K, eps, BJ, BLOCK_K, PREFETCH, K_POW2)
+    if HAS_BIAS:
+        g += tl.load(b_ptr + rows_g, mask=ok, other=0.0).to(tl.float32)
+        u += tl.load(b_ptr + rows_u, mask=ok, other=0.0).to(tl.float32)
+    dt = out_ptr.dtype.element_ty
+    gf = g.to(dt).to(tl.float32)
+    s = (gf / (1.0 + tl.exp(-gf))).to(dt)
+    out = (s.to(tl.float32) * u.to(dt).to(tl.float32)).to(dt)
+    tl.store(out_ptr + rows_g, out, mask=ok)
+
+
+@triton.jit
+def _norm_gemv_kernel(x_ptr, nw_ptr, w_ptr, out_ptr, N, K, eps, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      PREFETCH: tl.constexpr, K_POW2: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rmask = rows < N
+    y = _gemv1(w_ptr, rows, rmask, x_ptr, nw_ptr, K, eps, True, BLOCK_N, BLOCK_K, PREFETCH, K_POW2)
+    dt = x_ptr.dtype.element_ty
+    tl.store(out_ptr + rows, y.to(dt).to(tl.float32), mask=rmask)
+
+
+# ---------------------------------------------------------------------------------------------- launchers
+
+_PICKED: dict[tuple, tuple[int, int, int]] = {}
+TUNING_LOG: list[dict] = []  # what pick_config measured (the GPU bench writes it out)
+
+
+def _fits(cfg: tuple[int, int, int], k: int, max_rows: int | None) -> bool:
+    rows, block_k, _ = cfg
+    return (max_rows is None or rows <= max_rows) and block_k <= max(16, triton.next_power_of_2(k))
+
+
+def pick_config(name: str, n: int, k: int, candidates, launch, max_rows: int | None = None,
+                restore: torch.Tensor | None = None, device: torch.device | None = None,
+                config: tuple[int, int, int] | None = None) -> tuple[int, int, int]:
+    """The fastest candidate for (name, n, k) on this device, timed once (`launch(cfg)` runs the kernel);
+    `restore`: a tensor the kernel updates in place, put back after the timing runs; `config`: use this one."""
+    if config is not None:
+        return config
+    key = (name, n, k, str(device))
+    if key in _PICKED:
+        return _PICKED[key]
+    fitting = [c for c in candidates if _fits(c, k, max_rows)] or [min(candidates)]
+    if device is None or device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+        _PICKED[key] = fitting[0]
+        return fitting[0]
+    saved = restore.clone() if restore is not None else None
+    times = {}
+    for cfg in fitting:
+        times[cfg] = triton.testing.do_bench(lambda: launch(cfg), warmup=5, rep=20, return_mode="median")
+    if saved is not None:
+        restore.copy_(saved)
+    best = min(times, key=times.get)
+    TUNING_LOG.append({"kernel": name, "n": n, "k": k, "best": list(best),
+                       "us": {f"{c[0]}x{c[1]}" + ("p" if c[2] else ""): round(1e3 * t, 2) for c, t in times.items()}})
+    _PICKED[key] = best
+    return best
+
+
+def norm_qkv_rope(x, norm_w, eps, w, b, cos, sin, start, q_out, k_cache, v_cache, num_heads, num_kv_heads,
+                  head_dim, config=None):
+    """x [K] residual; w [(NH + 2 NKV) * D, K]; writes q_out [NH * D] and k_cache/v_cache[start] (caches
+    [S, NKV, D]); cos/sin: rope.py's tables [S, D]; start: [1] long on the device."""
+    k = x.shape[-1]
+    half = head_dim // 2
+    heads = num_heads + 2 * num_kv_heads
+
+    def launch(cfg):
+        bj, bk, pre = cfg
+        _norm_qkv_rope_kernel[(heads * (half // bj),)](
+            x, norm_w, w, b if b is not None else w, cos, sin, start, q_out, k_cache, v_cache, k, eps,
+            k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+            NH=num_heads, NKV=num_kv_heads, D=head_dim, HAS_BIAS=b is not None, BJ=bj, BLOCK_K=bk, PREFETCH=pre,
+            K_POW2=triton.next_power_of_2(k), num_warps=4)
+
+    cands = [c for c in PAIR_CONFIGS if half % c[0] == 0] or [(1, 2048, 0)]
+    launch(pick_config("norm_qkv_rope", w.shape[0], k, cands, launch, max_rows=half, device=x.device, config=config))
+
+
+def gemv_residual(a, w, b, residual, config=None):
+    """residual [N] += (w [N, K] @ a [K] + b), rounded as the PyTorch step rounds, in place."""
+    n, k = w.shape
+
+    def launch(cfg):
+        bn, bk, pre = cfg
+        _gemv_residual_kernel[(triton.cdiv(n, bn),)](a, w, b if b is not None else w, residual, n, k,
+                                                     HAS_BIAS=b is not None, BLOCK_N=bn, BLOCK_K=bk, PREFETCH=pre,
+                                                     num_warps=4)
+
+    launch(pick_config("gemv_residual", n, k, GEMV_CONFIGS, launch, restore=residual, device=a.device, config=config))
+
+
+def norm_gate_up_silu(x, norm_w, eps, w, b, out, config=None):
+    """out [I] = silu(gate) * up of gate_up_proj (w [2I, K], gate rows first) over RMSNorm(x)."""
+    i2, k = w.shape
+    i = i2 // 2
+
+    def launch(cfg):
+        bj, bk, pre = cfg
+        _norm_gate_up_silu_kernel[(triton.cdiv(i, bj),)](x, norm_w, w, b if b is not None else w, out, i, k, eps,
+                                                         HAS_BIAS=b is not None, BJ=bj, BLOCK_K=bk, PREFETCH=pre,
+                                                         K_POW2=triton.next_power_of_2(k), num_warps=4)
+
+    launch(pick_config("norm_gate_up_silu", i2, k, PAIR_CONFIGS, launch, device=x.device, config=config))
+
+
+def norm_gemv(x, norm_w, eps, w, out, config=None):
+    """out [N] float32 = (w [N, K] @ RMSNorm(x)) rounded to the model dtype (the lm_head)."""
+    n, k = w.shape
+
+    def launch(cfg):
+        bn, bk, pre = cfg
+        _norm_gemv_kernel[(triton.cdiv(n, bn),)](x, norm_w, w, out, n, k, eps, BLOCK_N=bn, BLOCK_K=bk, PREFETCH=pre,
+                                                 K_POW2=triton.next_power_of_2(k), num_warps=4)
+
+    launch(pick_config("norm_gemv", n, k, GEMV_CONFIGS, launch, device=x.device, config=config))

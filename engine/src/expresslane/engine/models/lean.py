@@ -1,0 +1,69 @@
+"""The lean T = 1 decode step: the Transformer's forward for one token as 6 fused kernels a layer.
+
+Per layer: `norm_qkv_rope` (RMSNorm + QKV GEMV + bias + RoPE + the K/V cache write), the split-KV attention
+(partial + merge, models/triton_decode.py), `gemv_residual` (o_proj into the residual), `norm_gate_up_silu`
+(RMSNorm + gate/up GEMV + SwiGLU), `gemv_residual` (down_proj into the residual). Around them one embedding
+gather and `norm_gemv` (final RMSNorm + lm_head, float32 logits). Every buffer is the step's own and the
+position is read from the device, so the whole step is captured as one CUDA graph (decode/runner.py owns that).
+
+It computes what `Transformer.forward` computes for T = 1 with the same roundings (models/fused.py says
+where); it reads the same parameters (no copies: the QKV and gate/up weights are already concatenated).
+Models with per-head q/k norms (Qwen3) are not covered: `LeanStep.supports` says so and the runner keeps the
+PyTorch step for them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import fused
+from .transformer import Transformer
+from .triton_decode import split_kv_attention
+
+
+class LeanStep:
+    def __init__(self, model: Transformer, cos: torch.Tensor, sin: torch.Tensor,
+                 k_layers: list[torch.Tensor], v_layers: list[torch.Tensor]) -> None:
+        why = self.unsupported_reason(model)
+        if why:
+            raise ValueError(f"the lean step does not cover this model: {why}")
+        cfg = model.config
+        self.model, self.cfg = model, cfg
+        self.cos, self.sin = cos, sin
+        self.k_layers, self.v_layers = k_layers, v_layers
+        p = next(model.parameters())
+        dtype, device = p.dtype, p.device
+        self.x = torch.empty(cfg.hidden_size, dtype=dtype, device=device)  # the residual stream
+        self.q = torch.empty(cfg.q_size, dtype=dtype, device=device)
+        self.h = torch.empty(cfg.intermediate_size, dtype=dtype, device=device)
+        self.logits = torch.empty(1, cfg.vocab_size, dtype=torch.float32, device=device)
+
+    @staticmethod
+    def unsupported_reason(model: Transformer) -> str | None:
+        cfg = model.config
+        if cfg.qk_norm:
+            return "per-head q/k RMSNorm (Qwen3)"
+        if cfg.head_dim % 2:
+            return f"odd head_dim {cfg.head_dim}"
+        return None
+
+    def forward(self, tokens: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
+        """tokens [1] long, start [1] long (both on the device). Returns float32 logits [1, vocab] (the
+        step's own buffer)."""
+        m, cfg = self.model, self.cfg
+        torch.index_select(m.embed_tokens.weight, 0, tokens, out=self.x.view(1, -1))
+        q3 = self.q.view(1, cfg.num_heads, cfg.head_dim)
+        for layer, kc, vc in zip(m.layers, self.k_layers, self.v_layers):
+            att = layer.self_attn
+            fused.norm_qkv_rope(self.x, layer.input_layernorm.weight, layer.input_layernorm.eps,
+                                att.qkv_proj.weight, att.qkv_proj.bias, self.cos, self.sin, start, self.q, kc, vc,
+                                cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+            out = split_kv_attention(q3, kc, vc, start, att.scale)
+            fused.gemv_residual(out.view(-1), att.o_proj.weight, att.o_proj.bias, self.x)
+            mlp = layer.mlp
+            fused.norm_gate_up_silu(self.x, layer.post_attention_layernorm.weight,
+                                    layer.post_attention_layernorm.eps, mlp.gate_up_proj.weight,
+                                    mlp.gate_up_proj.bias, self.h)
+            fused.gemv_residual(self.h, mlp.down_proj.weight, mlp.down_proj.bias, self.x)
+        fused.norm_gemv(self.x, m.norm.weight, m.norm.eps, m.lm_head.weight, self.logits.view(-1))
+        return self.logits
