@@ -96,3 +96,12 @@ def test_cli_speculation_and_attention_flags() -> None:
     for bad in (["--spec-k", "0"], ["--spec-k", "17"], ["--speculation", "maybe"], ["--attention", "flash"]):
         with pytest.raises(SystemExit):
             parse_args(["--model", "m", *bad])
+
+
+def test_lean_flag(capsys) -> None:
+    assert parse_args(["--model", "m"]).lean is False  # off until a GPU run checks its last kernel changes
+    assert parse_args(["--model", "m", "--device", "cuda", "--lean", "auto"]).lean is None
+    assert parse_args(["--model", "m", "--device", "cuda:0", "--lean", "on"]).lean is True
+    with pytest.raises(SystemExit):
+        parse_args(["--model", "m", "--lean", "on"])  # cpu
+    assert "--lean on needs a cuda device" in capsys.readouterr().err

@@ -104,7 +104,7 @@ class DecodeEngine:
     def __init__(self, model: Transformer, config: ModelConfig, *, dtype: torch.dtype, device: torch.device,
                  max_seq_len: int, attention: str | AttentionKind = "live", compile: bool = False,
                  cuda_graph: bool | None = None, speculation: SpeculationConfig | None = SpeculationConfig(),
-                 compile_mode: str | None = None) -> None:
+                 compile_mode: str | None = None, lean: bool | None = False) -> None:
         kind = parse_attention(attention)
         cuda_graph = resolve_cuda_graph(cuda_graph, device.type, kind)
         self.model = model
@@ -126,14 +126,16 @@ class DecodeEngine:
         self._drafter_factory = speculation.drafter if speculation else None
         self.runner = StepRunner(model, self.cache, self.cos, self.sin, attention=kind, compile=compile,
                                  cuda_graph=cuda_graph, max_rows=1 + (speculation.k if speculation else 0),
-                                 compile_mode=compile_mode)
+                                 compile_mode=compile_mode, lean=lean)
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, *, dtype: str | torch.dtype = "float32",
                         device: str | torch.device = "cpu", max_seq_len: int = 4096, attention: str | None = None,
                         compile: bool = False, cuda_graph: bool | None = None,
                         speculation: SpeculationConfig | None = SpeculationConfig(),
-                        compile_mode: str | None = None) -> "DecodeEngine":
+                        compile_mode: str | None = None, lean: bool | None = False) -> "DecodeEngine":
+        """lean: the fused T = 1 step on CUDA (decode/runner.py). False (the default until a GPU run has
+        checked its last kernel changes), None wherever it applies, True or ValueError."""
         config = ModelConfig.from_model_dir(model_dir)
         if dtype == "auto":  # the checkpoint's own dtype, like vLLM's --dtype auto for these dtypes
             dtype = config.checkpoint_dtype or "float32"
@@ -146,7 +148,7 @@ class DecodeEngine:
         model = load_model(model_dir, config, torch_dtype, device)
         return cls(model, config, dtype=torch_dtype, device=device, max_seq_len=max_seq_len,
                    attention=attention, compile=compile, cuda_graph=cuda_graph, speculation=speculation,
-                   compile_mode=compile_mode)
+                   compile_mode=compile_mode, lean=lean)
 
     @property
     def compile(self) -> bool:

@@ -41,7 +41,7 @@ def build_engine(config: ServerConfig) -> DecodeEngine:
     t0 = time.perf_counter()
     engine = DecodeEngine.from_pretrained(config.model, dtype=config.dtype, device=config.device,
                                           max_seq_len=config.max_seq_len, attention=config.attention,
-                                          compile=config.compile, cuda_graph=config.cuda_graph,
+                                          compile=config.compile, cuda_graph=config.cuda_graph, lean=config.lean,
                                           speculation=SpeculationConfig(k=config.spec_k) if config.speculation
                                           else None)
     if config.warmup:
@@ -55,10 +55,10 @@ def build_engine(config: ServerConfig) -> DecodeEngine:
             engine.disable_compile()
             engine.warmup()
     log.info("engine ready in %.1fs: %s %s on %s, max_seq_len=%d, %.1f MB of weights, attention=%s, compile=%s, "
-             "cuda_graph=%s, speculation=%s",
+             "cuda_graph=%s, lean=%s, speculation=%s",
              time.perf_counter() - t0, engine.config.model_type, config.dtype, config.device, config.max_seq_len,
              engine.weight_bytes() / 1e6, engine.attention, engine.compile, engine.cuda_graph,
-             f"k={config.spec_k}" if config.speculation else "off")
+             engine.runner.lean, f"k={config.spec_k}" if config.speculation else "off")
     return engine
 
 

@@ -40,6 +40,7 @@ class ServerConfig:
     spec_k: int = 4  # most draft tokens per verify step
     compile: bool = False
     cuda_graph: bool | None = None  # None: on for cuda with masked attention (the engine's default)
+    lean: bool | None = False  # the fused T = 1 CUDA step: False off, None where it applies, True or fail
     threads: int | None = None  # torch intra-op threads on CPU; None = one per bound CPU, else torch default
     cpu_bind: tuple[int, ...] | None = None  # pin the whole process to these CPUs; None = inherit
     warmup: bool = True
@@ -115,6 +116,10 @@ def parse_args(argv: list[str] | None = None, env: Mapping[str, str] | None = No
     ap.add_argument("--compile", action="store_true", help="torch.compile the decode step")
     ap.add_argument("--cuda-graph", choices=["auto", "on", "off"], default="auto",
                     help="replay the decode step as one CUDA graph (auto: on for cuda with masked attention)")
+    ap.add_argument("--lean", choices=["auto", "on", "off"], default="off",
+                    help="the fused T = 1 decode step on CUDA (6 Triton kernels a layer; needs --cuda-graph and split "
+                         "attention): auto = wherever it applies, on = or fail at start (off by default: its last "
+                         "kernel changes have not run on a GPU yet, docs/performance.md)")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch CPU threads (default: one per --cpu-bind CPU, else torch's default)")
     ap.add_argument("--cpu-bind", default=None, metavar="LIST",
@@ -145,6 +150,9 @@ def parse_args(argv: list[str] | None = None, env: Mapping[str, str] | None = No
         resolve_cuda_graph(cuda_graph, device_type, a.attention or default_attention(device_type))
     except ValueError as e:
         ap.error(f"--cuda-graph {a.cuda_graph}: {e}")
+    lean = {"auto": None, "on": True, "off": False}[a.lean]
+    if lean and device_type != "cuda":
+        ap.error(f"--lean on needs a cuda device, not {a.device}")
     if a.threads is not None and a.threads < 1:
         ap.error("--threads must be >= 1")
     try:
@@ -158,7 +166,7 @@ def parse_args(argv: list[str] | None = None, env: Mapping[str, str] | None = No
         request_deadline_s=a.request_deadline_s, stall_timeout_s=a.stall_timeout_s,
         health_interval_s=a.health_interval_s, health_probe_timeout_s=a.health_probe_timeout_s,
         max_connections=a.max_connections, verify_checksum=a.verify_checksum, node_token=node_token,
-        peer_secret=peer_secret.encode() if peer_secret else None, attention=a.attention, compile=a.compile, cuda_graph=cuda_graph,
+        peer_secret=peer_secret.encode() if peer_secret else None, attention=a.attention, compile=a.compile, cuda_graph=cuda_graph, lean=lean,
         speculation=a.speculation == "on", spec_k=a.spec_k,
         threads=a.threads,
         cpu_bind=cpu_bind, warmup=a.warmup, log_level=a.log_level,
