@@ -312,12 +312,13 @@ def create_app(config: RouterConfig, *, secrets: RouterSecrets | None = None,
                 record.finish(500)
             raise
 
-    @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         return await serve(request, "completion")
 
-    @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await serve(request, "chat")
 
+    # The hot path: plain Starlette routes (no FastAPI dependency solving per request), matched first.
+    app.router.routes[0:0] = [Route("/v1/completions", completions, methods=["POST"]),
+                              Route("/v1/chat/completions", chat_completions, methods=["POST"])]
     return app

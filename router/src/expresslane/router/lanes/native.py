@@ -104,7 +104,8 @@ class NativeLane:
     def _track(self, pool: str, url: str, delta: int) -> None:
         key = (pool, url)
         self._outstanding[key] += delta
-        self.ctx.metrics.inflight.labels(pool, node_label(url)).set(self._outstanding[key])
+        m = self.ctx.metrics
+        m.child(m.inflight, pool, node_label(url)).set(self._outstanding[key])
 
     def _unavailable(self, what: str) -> UpstreamUnavailable:
         ra = self.ctx.config.resilience.unavailable_retry_after_s
