@@ -1,5 +1,5 @@
 """The one-shot JSON leg (prefill legs, the native non-streaming decode leg) on its three paths, against a real local
-aiohttp server: AiohttpTransport.post_json (the router's hot path, no httpx objects), and HttpxJson over an
+aiohttp server: AiohttpTransport.post_json (the router's hot path, no httpx objects), and HttpxOneShot over an
 httpx client on AiohttpTransport or on httpx's own transport (the reference). Every reply and every failure must
 come back the same: the same dict, the same typed error with the same kind, status and relayed bytes."""
 
@@ -16,7 +16,7 @@ import pytest
 from expresslane.router.aiohttp_upstream import AiohttpTransport
 from expresslane.router.errors import RouterError, UpstreamError, UpstreamRejected, UpstreamTimeout, UpstreamUnavailable
 from expresslane.router.requestlog import _request_id, upstream_request_id_hook
-from expresslane.router.upstream import HttpxJson
+from expresslane.router.upstream import HttpxOneShot
 
 web = pytest.importorskip("aiohttp.web")
 
@@ -72,7 +72,7 @@ async def server():
     app = web.Application()
     app.add_routes([
         web.post("/echo", echo), web.post("/gz", gz), web.post("/slow", slow), web.post("/trickle", trickle),
-        web.post("/dropped", dropped),
+        web.post("/dropped", dropped), web.get("/slow-get", slow),
         web.post("/400", status(400, '{"error": {"message": "bad", "code": 400}}')),
         web.post("/503", status(503, "overloaded", "text/plain")),
         web.post("/500", status(500, "boom", "text/plain")),
@@ -99,7 +99,7 @@ class _Poster:
         self.client = httpx.AsyncClient(trust_env=False, timeout=T, event_hooks={"request": [upstream_request_id_hook]},
                                         **kw)
         await self.client.__aenter__()
-        return transport if self.path == "aiohttp-direct" else HttpxJson(self.client)
+        return transport if self.path == "aiohttp-direct" else HttpxOneShot(self.client)
 
     async def __aexit__(self, *exc):
         await self.client.__aexit__(*exc)
@@ -155,8 +155,8 @@ async def test_every_failure_is_typed_the_same(server, path):
 
 
 async def test_the_router_sends_json_legs_straight_on_its_aiohttp_pool(model_text):
-    """create_app's lifespan gives the lanes the AiohttpTransport itself as their JsonPoster (one pool with the
-    httpx client's), and HttpxJson over the client when a test passes its own transport."""
+    """create_app's lifespan gives the lanes the AiohttpTransport itself as their OneShotCalls (one pool with the
+    httpx client's), and HttpxOneShot over the client when a test passes its own transport."""
     from prometheus_client import CollectorRegistry
 
     from expresslane.router.app import create_app
@@ -166,9 +166,24 @@ async def test_the_router_sends_json_legs_straight_on_its_aiohttp_pool(model_tex
     app = create_app(make_config(), registry=CollectorRegistry(), model_text=model_text)
     async with app.router.lifespan_context(app):
         ctx = app.state.lanes.ctx
-        assert ctx.json is ctx.client._transport and isinstance(ctx.json, AiohttpTransport)
+        assert ctx.calls is ctx.client._transport and isinstance(ctx.calls, AiohttpTransport)
     app = create_app(make_config(), registry=CollectorRegistry(), model_text=model_text,
                      transport=httpx.MockTransport(lambda r: httpx.Response(500)))
     async with app.router.lifespan_context(app):
         ctx = app.state.lanes.ctx
-        assert isinstance(ctx.json, HttpxJson) and ctx.json.client is ctx.client
+        assert isinstance(ctx.calls, HttpxOneShot) and ctx.calls.client is ctx.client
+
+
+@pytest.mark.parametrize("path", PATHS)
+async def test_health_probe_status_and_failures_are_the_same(server, path):
+    """get_status (health.py's probe): the status of any reply; a timeout is an httpx.TimeoutException and a
+    refused connect an httpx.HTTPError on every path (probe_timeout / probe_connect)."""
+    url, _ = server
+    async with _Poster(path) as p:
+        assert await p.get_status(url + "/echo", timeout=T) == 405  # the route is POST only
+        assert await p.get_status(url + "/nowhere", timeout=T) == 404
+        with pytest.raises(httpx.TimeoutException):
+            await p.get_status(url + "/slow-get", timeout=httpx.Timeout(5, read=0.3, connect=2))
+        with pytest.raises(httpx.HTTPError) as refused:
+            await p.get_status(f"http://127.0.0.1:{_free_port()}/health", timeout=T)
+        assert not isinstance(refused.value, httpx.TimeoutException)

@@ -53,7 +53,7 @@ from .openai_shapes import ClientRequest, Kind, parse_request
 from .requestlog import RequestIdMiddleware, upstream_request_id_hook
 from .secrets import RouterSecrets
 from .aiohttp_upstream import AiohttpTransport
-from .upstream import HttpxJson
+from .upstream import HttpxOneShot
 
 __all__ = ["create_app", "Lanes", "resolve_lane"]
 
@@ -161,7 +161,7 @@ def create_app(config: RouterConfig, *, secrets: RouterSecrets | None = None,
             # one-shot JSON legs straight on aiohttp's pool; a test's own transport gets them through httpx
             ctx = LaneContext(config=config, client=client, metrics=metrics, clock=clock, health=monitor,
                               headers=secrets.upstream_headers,
-                              json=pool if isinstance(pool, AiohttpTransport) else HttpxJson(client))
+                              calls=pool if isinstance(pool, AiohttpTransport) else HttpxOneShot(client))
             native = NativeLane(ctx, {n: p for n, p in config.pools.items() if isinstance(p, NativePool)})
             express = ExpressLane(ctx, {n: p for n, p in config.pools.items() if isinstance(p, ExpressPool)},
                                   native, mt)
@@ -172,7 +172,7 @@ def create_app(config: RouterConfig, *, secrets: RouterSecrets | None = None,
                 relay_check=lambda body, kind: check_express_supported(body, kind,
                                                                        tool_parser=config.tool_call_parser))
             app.state.endpoints = Endpoints(config, client, secrets, clock)
-            async with monitor.running(client):
+            async with monitor.running(ctx.calls):
                 yield
             await ctx.drain(t.cancel_s + t.connect_s)  # cancels still in flight reach their nodes
             app.state.lanes = None

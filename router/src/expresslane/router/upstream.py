@@ -6,9 +6,9 @@ read/write/connect timeout             -> UpstreamTimeout (504)
 503                                    -> UpstreamUnavailable
 other non-2xx, non-JSON 2xx, bad shape -> UpstreamError (502)
 
-One-shot JSON calls (the prefill legs, the native lane's non-streaming decode leg) go through a `JsonPoster`:
+One-shot calls (the prefill legs, the native lane's non-streaming decode leg, health probes) go through a `OneShotCalls`:
 the router's own aiohttp pool (`aiohttp_upstream.AiohttpTransport.post_json`, no httpx objects on that path) or,
-given another httpx transport (tests: httpx.MockTransport), `HttpxJson` over the router's httpx.AsyncClient. Both
+given another httpx transport (tests: httpx.MockTransport), `HttpxOneShot` over the router's httpx.AsyncClient. Both
 raise the same typed errors: `status_error` and `json_object` below are the one mapping of a reply.
 """
 
@@ -25,7 +25,7 @@ import httpx
 from .errors import UpstreamError, UpstreamRejected, UpstreamTimeout, UpstreamUnavailable
 from .resilience import Deadline, DeadlineExceeded
 
-__all__ = ["HttpxJson", "JsonPoster", "LineReader", "open_stream", "post_json", "map_transport_error", "check_status",
+__all__ = ["HttpxOneShot", "OneShotCalls", "LineReader", "open_stream", "post_json", "map_transport_error", "check_status",
            "read_json", "status_error", "json_object", "total_timeout_error"]
 
 
@@ -79,15 +79,17 @@ def total_timeout_error(url: str, total: float | None, *, stage: str) -> Upstrea
     return UpstreamTimeout(f"{stage}: {url} did not answer within {total:g}s", stage=stage, kind="timeout")
 
 
-class JsonPoster(Protocol):
-    """POST a JSON body, read the whole JSON-object reply, every failure typed (module docstring)."""
-
+class OneShotCalls(Protocol):
     async def post_json(self, url: str, body: dict, *, stage: str, timeout: httpx.Timeout,
-                        headers: dict[str, str] | None = None) -> dict[str, Any]: ...
+                        headers: dict[str, str] | None = None) -> dict[str, Any]:
+        """POST a JSON body, read the whole JSON-object reply, every failure typed (module docstring)."""
+
+    async def get_status(self, url: str, *, timeout: httpx.Timeout, headers: dict[str, str] | None = None) -> int:
+        """GET, read and drop the body, the status; failures as httpx's exceptions (health.py maps them)."""
 
 
-class HttpxJson:
-    """JsonPoster over an httpx.AsyncClient (whatever its transport)."""
+class HttpxOneShot:
+    """OneShotCalls over an httpx.AsyncClient (whatever its transport)."""
 
     def __init__(self, client: httpx.AsyncClient) -> None:
         self.client = client
@@ -95,6 +97,9 @@ class HttpxJson:
     async def post_json(self, url: str, body: dict, *, stage: str, timeout: httpx.Timeout,
                         headers: dict[str, str] | None = None) -> dict[str, Any]:
         return await post_json(self.client, url, body, stage=stage, timeout=timeout, headers=headers)
+
+    async def get_status(self, url: str, *, timeout: httpx.Timeout, headers: dict[str, str] | None = None) -> int:
+        return (await self.client.get(url, headers=headers, timeout=timeout)).status_code
 
 
 async def post_json(client: httpx.AsyncClient, url: str, body: dict, *, stage: str,

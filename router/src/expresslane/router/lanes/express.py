@@ -247,7 +247,7 @@ class ExpressLane:
         body = express_prefill_body(req.body, cfg.prefill.model, chat=req.kind == "chat", kv_transfer_params=marker)
         self.native.require_prefill_up()
         try:
-            pre = await ctx.json.post_json(cfg.prefill.url + req.path, body, stage="prefill",
+            pre = await ctx.calls.post_json(cfg.prefill.url + req.path, body, stage="prefill",
                                   headers=ctx.headers("vllm"),
                                   timeout=ctx.timeout(deadline.timeout_for(cfg.timeouts.prefill_s, stage="prefill")))
         except RouterError as e:

@@ -131,7 +131,7 @@ class NativeLane:
         ctx, cfg = self.ctx, self.ctx.config
         self.require_prefill_up()
         try:
-            pre = await ctx.json.post_json(cfg.prefill.url + path, native_prefill_body(body, cfg.prefill.model),
+            pre = await ctx.calls.post_json(cfg.prefill.url + path, native_prefill_body(body, cfg.prefill.model),
                                   stage="prefill", headers=ctx.headers("vllm"),
                                   timeout=ctx.timeout(deadline.timeout_for(cfg.timeouts.prefill_s, stage="prefill")))
             kvp = pre.get("kv_transfer_params")
@@ -176,7 +176,7 @@ class NativeLane:
         ctx = self.ctx
         self._track(pool, url, +1)
         try:
-            out = await ctx.json.post_json(url + req.path, body, stage="decode", headers=ctx.headers("vllm"),
+            out = await ctx.calls.post_json(url + req.path, body, stage="decode", headers=ctx.headers("vllm"),
                                   timeout=ctx.timeout(deadline.timeout_for(ctx.config.timeouts.decode_s,
                                                                            stage="decode")))
         except RouterError as e:
