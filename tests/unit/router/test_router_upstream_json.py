@@ -187,3 +187,17 @@ async def test_health_probe_status_and_failures_are_the_same(server, path):
         with pytest.raises(httpx.HTTPError) as refused:
             await p.get_status(f"http://127.0.0.1:{_free_port()}/health", timeout=T)
         assert not isinstance(refused.value, httpx.TimeoutException)
+
+
+@pytest.mark.parametrize("path", PATHS)
+async def test_a_cancelled_call_is_cancelled_not_mapped_and_the_pool_still_serves(server, path):
+    """A client that disconnects cancels the lane's task (app.run_until_disconnect): the leg must end as a
+    cancellation (never turned into a typed timeout or transport error), and the pool must keep serving."""
+    url, _ = server
+    async with _Poster(path) as p:
+        task = asyncio.ensure_future(p.post_json(url + "/slow", {}, stage="prefill", timeout=T))
+        await asyncio.sleep(0.3)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert (await p.post_json(url + "/echo", {"after": 1}, stage="prefill", timeout=T))["echo"] == {"after": 1}
