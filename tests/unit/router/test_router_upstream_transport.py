@@ -14,7 +14,8 @@ import pytest
 
 from expresslane.router.errors import UpstreamRejected, UpstreamTimeout, UpstreamUnavailable
 from expresslane.router.resilience import Deadline
-from expresslane.router.upstream import AiohttpTransport, LineReader, open_stream, post_json
+from expresslane.router.aiohttp_upstream import AiohttpTransport
+from expresslane.router.upstream import LineReader, open_stream, post_json
 
 web = pytest.importorskip("aiohttp.web")
 
@@ -133,9 +134,9 @@ async def test_the_router_sends_upstream_calls_through_aiohttp_by_default(model_
 def test_connect_timeout_is_httpx_connect_alone_not_plus_the_pool_timeout():
     """The router's client has pool = decode_s (minutes): a connect to a dead host must still give up after
     connect_s (aiohttp's connect timeout already includes the wait for a pool slot)."""
-    from expresslane.router.upstream import _client_timeout
+    from expresslane.router.aiohttp_upstream import _client_timeout
 
-    t = httpx.Timeout(600.0, connect=2.0).as_dict()
-    ct = _client_timeout(t)
+    t = httpx.Timeout(600.0, connect=2.0)
+    ct = _client_timeout(t.connect, t.read, t.pool)
     assert ct.connect == 2.0 and ct.sock_read == 600.0 and ct.total is None
-    assert _client_timeout({"connect": None, "pool": 3.0, "read": None}).connect == 3.0
+    assert _client_timeout(None, None, 3.0).connect == 3.0

@@ -58,14 +58,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"# {secrets!r}; {n_keys} client API key(s) parsed", file=sys.stderr)
         return 0
     setup_logging(args.log_level, args.log_format)
-    import uvicorn
-
     from .app import create_app
+    from .serving import serve
 
     app = create_app(config, secrets=secrets, access_log=not args.no_access_log)
-    uvicorn.run(app, host=args.host or config.listen.host, port=args.port or config.listen.port,
-                log_level=args.log_level.lower(), access_log=False, log_config=None)  # our handlers, not uvicorn's
-    return 0
+    return serve(app, host=args.host or config.listen.host, port=args.port or config.listen.port,
+                 log_level=args.log_level.lower())  # our log handlers, not uvicorn's
 
 
 if __name__ == "__main__":

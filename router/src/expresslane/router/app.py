@@ -52,7 +52,8 @@ from .metrics import RequestRecord, RouterMetrics
 from .openai_shapes import ClientRequest, Kind, parse_request
 from .requestlog import RequestIdMiddleware, upstream_request_id_hook
 from .secrets import RouterSecrets
-from .upstream import AiohttpTransport
+from .aiohttp_upstream import AiohttpTransport
+from .upstream import HttpxOneShot
 
 __all__ = ["create_app", "Lanes", "resolve_lane"]
 
@@ -151,13 +152,16 @@ def create_app(config: RouterConfig, *, secrets: RouterSecrets | None = None,
             assert config.tokenizer_dir is not None
             mt = await anyio.to_thread.run_sync(load_model_text, config.tokenizer_dir)
         t = config.timeouts
+        pool = transport or AiohttpTransport()
         async with httpx.AsyncClient(
-                transport=transport or AiohttpTransport(), trust_env=False,  # aiohttp's pool: ~0.6 ms less CPU per call
+                transport=pool, trust_env=False,  # aiohttp's pool (aiohttp_upstream.py)
                 timeout=httpx.Timeout(t.decode_s, connect=t.connect_s),
                 limits=httpx.Limits(max_connections=512, max_keepalive_connections=64),
                 event_hooks={"request": [upstream_request_id_hook]}) as client:  # X-Request-Id on both legs
+            # one-shot JSON legs straight on aiohttp's pool; a test's own transport gets them through httpx
             ctx = LaneContext(config=config, client=client, metrics=metrics, clock=clock, health=monitor,
-                              headers=secrets.upstream_headers)
+                              headers=secrets.upstream_headers,
+                              calls=pool if isinstance(pool, AiohttpTransport) else HttpxOneShot(client))
             native = NativeLane(ctx, {n: p for n, p in config.pools.items() if isinstance(p, NativePool)})
             express = ExpressLane(ctx, {n: p for n, p in config.pools.items() if isinstance(p, ExpressPool)},
                                   native, mt)
@@ -168,7 +172,7 @@ def create_app(config: RouterConfig, *, secrets: RouterSecrets | None = None,
                 relay_check=lambda body, kind: check_express_supported(body, kind,
                                                                        tool_parser=config.tool_call_parser))
             app.state.endpoints = Endpoints(config, client, secrets, clock)
-            async with monitor.running(client):
+            async with monitor.running(ctx.calls):
                 yield
             await ctx.drain(t.cancel_s + t.connect_s)  # cancels still in flight reach their nodes
             app.state.lanes = None
@@ -308,12 +312,13 @@ def create_app(config: RouterConfig, *, secrets: RouterSecrets | None = None,
                 record.finish(500)
             raise
 
-    @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         return await serve(request, "completion")
 
-    @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await serve(request, "chat")
 
+    # The hot path: plain Starlette routes (no FastAPI dependency solving per request), matched first.
+    app.router.routes[0:0] = [Route("/v1/completions", completions, methods=["POST"]),
+                              Route("/v1/chat/completions", chat_completions, methods=["POST"])]
     return app

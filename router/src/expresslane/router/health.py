@@ -31,6 +31,7 @@ import httpx
 from .config import ExpressPool, RouterConfig
 from .metrics import RouterMetrics, node_label
 from .resilience import HealthConfig
+from .upstream import OneShotCalls
 
 __all__ = ["BreakerState", "CircuitBreaker", "HealthMonitor", "Upstream"]
 
@@ -181,42 +182,43 @@ class HealthMonitor:
             cb()
 
     # ---- active probes ---------------------------------------------------------------------------
-    async def probe(self, client: httpx.AsyncClient, u: Upstream) -> None:
+    async def probe(self, calls: OneShotCalls, u: Upstream) -> None:
         before = u.breaker.allows_traffic()
         t = self.cfg.timeout_s
         try:
-            r = await client.get(u.url + "/health", headers=self._headers(u.auth),
-                                 timeout=httpx.Timeout(t, connect=t))
+            status = await calls.get_status(u.url + "/health", headers=self._headers(u.auth),
+                                            timeout=httpx.Timeout(t, connect=t))
         except httpx.TimeoutException:
             self.report_failure(u.url, "probe_timeout", passive=False)
         except httpx.HTTPError:
             self.report_failure(u.url, "probe_connect", passive=False)
         else:
-            if r.status_code == 200:
+            if status == 200:
                 self.report_success(u.url)
             else:
-                self.report_failure(u.url, f"probe_http_{r.status_code}", passive=False)
+                self.report_failure(u.url, f"probe_http_{status}", passive=False)
         if before != u.breaker.allows_traffic():
             self._set_gauge(u)  # an OPEN -> HALF_OPEN move seen by the probe also updates the gauge
 
-    async def probe_all(self, client: httpx.AsyncClient) -> None:
-        await asyncio.gather(*(self.probe(client, u) for u in self.upstreams.values()))
+    async def probe_all(self, calls: OneShotCalls) -> None:
+        await asyncio.gather(*(self.probe(calls, u) for u in self.upstreams.values()))
 
-    async def run(self, client: httpx.AsyncClient) -> None:
+    async def run(self, calls: OneShotCalls) -> None:
         """Probe forever (the lifespan cancels it): a round starts every interval_s, however long the last
         one took (a hung node's probe costs timeout_s, and must not slow the detection of the next failure)."""
         loop = asyncio.get_running_loop()
         while True:
             started = loop.time()
             try:
-                await self.probe_all(client)
+                await self.probe_all(calls)
             except Exception:  # a bug in a probe must not stop the monitor
                 log.exception("health probe round failed")
             await asyncio.sleep(max(0.0, self.cfg.interval_s - (loop.time() - started)))
 
     @contextlib.asynccontextmanager
-    async def running(self, client: httpx.AsyncClient):
-        task = asyncio.create_task(self.run(client)) if self.cfg.enabled else None
+    async def running(self, calls: OneShotCalls):
+        """Probe in the background while the body runs (`calls`: the lanes' one-shot calls, LaneContext.calls)."""
+        task = asyncio.create_task(self.run(calls)) if self.cfg.enabled else None
         try:
             yield self
         finally:

@@ -7,6 +7,7 @@ pools, nodes, lanes and aliases are created up front so dashboards show zeros, n
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -67,7 +68,18 @@ class RouterMetrics:
                                            ["pool", "outcome"], registry=r)
         self.retries = Counter(P + "retries_total", "Decode legs retried on another node of the pool",
                                ["lane", "pool", "reason"], registry=r)
+        self._children: dict[tuple[Any, tuple[str, ...]], Any] = {}
         self._precreate(config)
+
+    def child(self, metric: Any, *labels: str) -> Any:
+        """`metric.labels(*labels)`, looked up once (prometheus_client takes a lock and builds a key per call;
+        the hot path asks for the same few children on every request and every streamed chunk). Label values
+        come from bounded sets (configured lanes, pools, nodes, aliases; HTTP statuses)."""
+        key = (metric, labels)
+        c = self._children.get(key)
+        if c is None:
+            c = self._children[key] = metric.labels(*labels)
+        return c
 
     def _precreate(self, config: RouterConfig) -> None:
         for lane in LANES:
@@ -116,9 +128,9 @@ class RequestRecord:
         now = self._clock()
         if self.first_token_at is None:
             self.first_token_at = now
-            self._m.ttft.labels(self.lane).observe(now - self.started)
+            self._m.child(self._m.ttft, self.lane).observe(now - self.started)
         else:
-            self._m.itl.labels(self.lane).observe(now - (self.last_token_at or now))
+            self._m.child(self._m.itl, self.lane).observe(now - (self.last_token_at or now))
         self.last_token_at = now
 
     def finish(self, status: int, completion_tokens: int = 0) -> None:
@@ -126,11 +138,12 @@ class RequestRecord:
             return
         self.finished = True
         now = self._clock()
-        self._m.requests.labels(self.lane, self.alias, str(status)).inc()
-        self._m.e2e.labels(self.lane).observe(now - self.started)
+        m = self._m
+        m.child(m.requests, self.lane, self.alias, str(status)).inc()
+        m.child(m.e2e, self.lane).observe(now - self.started)
         if completion_tokens > 0:
-            self._m.generated_tokens.labels(self.lane).inc(completion_tokens)
+            m.child(m.generated_tokens, self.lane).inc(completion_tokens)
         if (completion_tokens > 1 and self.first_token_at is not None and self.last_token_at is not None
                 and self.last_token_at > self.first_token_at):
-            self._m.user_tps.labels(self.lane).observe(
+            m.child(m.user_tps, self.lane).observe(
                 (completion_tokens - 1) / (self.last_token_at - self.first_token_at))

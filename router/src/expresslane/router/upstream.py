@@ -6,10 +6,10 @@ read/write/connect timeout             -> UpstreamTimeout (504)
 503                                    -> UpstreamUnavailable
 other non-2xx, non-JSON 2xx, bad shape -> UpstreamError (502)
 
-`AiohttpTransport` is an httpx transport on aiohttp's connection pool (give it to the router's
-httpx.AsyncClient): the same client API, the lanes and tests unchanged, and about half the CPU per upstream call
-(httpcore's pool and HTTP/1.1 state machine are most of httpx's cost; measured in the ops report of issue 15.7).
-aiohttp's errors come back as the httpx exceptions map_transport_error knows.
+One-shot calls (the prefill legs, the native lane's non-streaming decode leg, health probes) go through a `OneShotCalls`:
+the router's own aiohttp pool (`aiohttp_upstream.AiohttpTransport.post_json`, no httpx objects on that path) or,
+given another httpx transport (tests: httpx.MockTransport), `HttpxOneShot` over the router's httpx.AsyncClient. Both
+raise the same typed errors: `status_error` and `json_object` below are the one mapping of a reply.
 """
 
 from __future__ import annotations
@@ -18,15 +18,15 @@ import asyncio
 import contextlib
 import json
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 
 from .errors import UpstreamError, UpstreamRejected, UpstreamTimeout, UpstreamUnavailable
 from .resilience import Deadline, DeadlineExceeded
 
-__all__ = ["AiohttpTransport", "LineReader", "open_stream", "post_json", "map_transport_error", "check_status",
-           "read_json"]
+__all__ = ["HttpxOneShot", "OneShotCalls", "LineReader", "open_stream", "post_json", "map_transport_error", "check_status",
+           "read_json", "status_error", "json_object", "total_timeout_error"]
 
 
 def map_transport_error(exc: httpx.HTTPError, *, stage: str, url: str) -> UpstreamError:
@@ -39,26 +39,67 @@ def map_transport_error(exc: httpx.HTTPError, *, stage: str, url: str) -> Upstre
     return UpstreamError(f"{stage}: {url} failed: {type(exc).__name__}: {exc}", stage=stage, kind="transport")
 
 
+def status_error(status: int, content: bytes, content_type: str | None, *, stage: str) -> UpstreamError | None:
+    """The mapped error of a reply's status, None for a 2xx."""
+    if 200 <= status < 300:
+        return None
+    if 400 <= status < 500:
+        return UpstreamRejected(status, content, content_type, stage=stage)
+    detail = content[:300].decode("utf-8", "replace")
+    cls = UpstreamUnavailable if status == 503 else UpstreamError
+    return cls(f"{stage}: upstream answered {status}: {detail}", stage=stage, kind=f"http_{status}")
+
+
 async def check_status(resp: httpx.Response, *, stage: str) -> None:
     """Raise the mapped error for a non-2xx reply (reads the body of a streamed reply first)."""
     if resp.is_success:
         return
     content = await resp.aread()
-    if 400 <= resp.status_code < 500:
-        raise UpstreamRejected(resp.status_code, content, resp.headers.get("content-type"), stage=stage)
-    detail = content[:300].decode("utf-8", "replace")
-    cls = UpstreamUnavailable if resp.status_code == 503 else UpstreamError
-    raise cls(f"{stage}: upstream answered {resp.status_code}: {detail}", stage=stage, kind=f"http_{resp.status_code}")
+    err = status_error(resp.status_code, content, resp.headers.get("content-type"), stage=stage)
+    if err is not None:
+        raise err
 
 
-def read_json(resp: httpx.Response, *, stage: str) -> dict[str, Any]:
+def json_object(content: bytes, *, stage: str) -> dict[str, Any]:
+    """A reply body that must be one JSON object (UpstreamError otherwise)."""
     try:
-        data = resp.json()
+        data = json.loads(content)
     except (ValueError, UnicodeDecodeError):
         raise UpstreamError(f"{stage}: upstream reply is not JSON", stage=stage) from None
     if not isinstance(data, dict):
         raise UpstreamError(f"{stage}: upstream reply is not a JSON object", stage=stage)
     return data
+
+
+def read_json(resp: httpx.Response, *, stage: str) -> dict[str, Any]:
+    return json_object(resp.content, stage=stage)
+
+
+def total_timeout_error(url: str, total: float | None, *, stage: str) -> UpstreamTimeout:
+    return UpstreamTimeout(f"{stage}: {url} did not answer within {total:g}s", stage=stage, kind="timeout")
+
+
+class OneShotCalls(Protocol):
+    async def post_json(self, url: str, body: dict, *, stage: str, timeout: httpx.Timeout,
+                        headers: dict[str, str] | None = None) -> dict[str, Any]:
+        """POST a JSON body, read the whole JSON-object reply, every failure typed (module docstring)."""
+
+    async def get_status(self, url: str, *, timeout: httpx.Timeout, headers: dict[str, str] | None = None) -> int:
+        """GET, read and drop the body, the status; failures as httpx's exceptions (health.py maps them)."""
+
+
+class HttpxOneShot:
+    """OneShotCalls over an httpx.AsyncClient (whatever its transport)."""
+
+    def __init__(self, client: httpx.AsyncClient) -> None:
+        self.client = client
+
+    async def post_json(self, url: str, body: dict, *, stage: str, timeout: httpx.Timeout,
+                        headers: dict[str, str] | None = None) -> dict[str, Any]:
+        return await post_json(self.client, url, body, stage=stage, timeout=timeout, headers=headers)
+
+    async def get_status(self, url: str, *, timeout: httpx.Timeout, headers: dict[str, str] | None = None) -> int:
+        return (await self.client.get(url, headers=headers, timeout=timeout)).status_code
 
 
 async def post_json(client: httpx.AsyncClient, url: str, body: dict, *, stage: str,
@@ -73,8 +114,7 @@ async def post_json(client: httpx.AsyncClient, url: str, body: dict, *, stage: s
     except httpx.HTTPError as e:
         raise map_transport_error(e, stage=stage, url=url) from None
     except TimeoutError:
-        raise UpstreamTimeout(f"{stage}: {url} did not answer within {total:g}s", stage=stage,
-                              kind="timeout") from None
+        raise total_timeout_error(url, total, stage=stage) from None
     return read_json(resp, stage=stage)
 
 
@@ -149,81 +189,3 @@ def loads_line(line: str, *, stage: str) -> dict[str, Any]:
     if not isinstance(obj, dict):
         raise UpstreamError(f"{stage}: bad line from upstream: {line[:200]!r}", stage=stage)
     return obj
-
-
-class _AiohttpBody(httpx.AsyncByteStream):
-    """A reply body read from aiohttp, chunk by chunk; aiohttp's errors as httpx's."""
-
-    def __init__(self, resp: Any, request: httpx.Request) -> None:
-        self._resp, self._request = resp, request
-
-    async def __aiter__(self) -> AsyncIterator[bytes]:
-        import aiohttp
-
-        try:
-            async for chunk in self._resp.content.iter_any():
-                yield chunk
-        except (asyncio.TimeoutError, aiohttp.ServerTimeoutError) as e:
-            raise httpx.ReadTimeout(str(e) or "read timed out", request=self._request) from e
-        except aiohttp.ClientError as e:
-            raise httpx.ReadError(str(e) or type(e).__name__, request=self._request) from e
-
-    async def aclose(self) -> None:
-        self._resp.release()
-
-
-class AiohttpTransport(httpx.AsyncBaseTransport):
-    """httpx requests sent through one aiohttp ClientSession (made on first use, inside the running loop).
-    Timeouts: httpx's connect (aiohttp's includes the wait for a pool slot) and read (per socket read);
-    no redirects, no cookies, no proxies from the environment, no decompression (httpx decodes)."""
-
-    def __init__(self, *, max_connections: int = 512, keepalive_expiry_s: float = 5.0) -> None:
-        self._max_connections = max_connections
-        self._keepalive_s = keepalive_expiry_s
-        self._session: Any = None
-
-    def _get_session(self) -> Any:
-        import aiohttp
-
-        if self._session is None:
-            self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=self._max_connections, keepalive_timeout=self._keepalive_s),
-                cookie_jar=aiohttp.DummyCookieJar(), auto_decompress=False, trust_env=False,
-                skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding", "Content-Type"))
-        return self._session
-
-    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        import aiohttp
-
-        timeout = _client_timeout(request.extensions.get("timeout") or {})
-        body = await request.aread()
-        try:
-            resp = await self._get_session().request(
-                request.method, str(request.url), headers=[(k.decode("latin-1"), v.decode("latin-1")) for k, v in request.headers.raw], data=body or None,
-                timeout=timeout, allow_redirects=False, compress=None)
-        except aiohttp.ConnectionTimeoutError as e:
-            raise httpx.ConnectTimeout(str(e) or "connect timed out", request=request) from e
-        except (asyncio.TimeoutError, aiohttp.ServerTimeoutError) as e:
-            raise httpx.ReadTimeout(str(e) or "read timed out", request=request) from e
-        except aiohttp.ClientConnectorError as e:
-            raise httpx.ConnectError(str(e), request=request) from e
-        except aiohttp.ClientError as e:
-            raise httpx.RemoteProtocolError(str(e) or type(e).__name__, request=request) from e
-        return httpx.Response(resp.status, headers=list(resp.raw_headers), stream=_AiohttpBody(resp, request),
-                              request=request, extensions={"http_version": b"HTTP/1.1"})
-
-    async def aclose(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
-
-
-def _client_timeout(t: dict[str, float | None]) -> Any:
-    """httpx's timeout dict as aiohttp's. aiohttp's `connect` covers the wait for a pool slot AND the TCP
-    connect, so it is httpx's connect timeout alone: adding httpx's pool timeout (the client default, decode_s)
-    would let a connect to a dead host wait minutes instead of connect_s."""
-    import aiohttp
-
-    connect = t.get("connect")
-    return aiohttp.ClientTimeout(total=None, connect=connect if connect is not None else t.get("pool"),
-                                 sock_read=t.get("read"))

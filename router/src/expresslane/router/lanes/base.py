@@ -18,6 +18,7 @@ from ..config import RouterConfig
 from ..errors import RouterError, UpstreamError
 from ..metrics import RequestRecord, RouterMetrics
 from ..resilience import Deadline
+from ..upstream import HttpxOneShot, OneShotCalls
 
 if TYPE_CHECKING:
     from ..health import HealthMonitor
@@ -35,7 +36,12 @@ class LaneContext:
     clock: Callable[[], float]
     health: "HealthMonitor | None" = None
     headers: Callable[[str], dict[str, str]] = lambda kind: {}  # secrets.upstream_headers
+    calls: OneShotCalls | None = None  # one-shot calls (the hot path); None = through `client` (HttpxOneShot)
     _background: set[asyncio.Task] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        if self.calls is None:
+            self.calls = HttpxOneShot(self.client)
 
     def timeout(self, read_s: float) -> httpx.Timeout:
         return httpx.Timeout(read_s, connect=self.config.timeouts.connect_s)

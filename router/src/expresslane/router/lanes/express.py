@@ -63,7 +63,7 @@ from ..resilience import Deadline
 from ..output_limits import check_requested, effective_max_tokens
 from ..logprobs import Position, TokenStrings, from_node, from_prefill
 from ..structured import node_structured_outputs
-from ..upstream import map_transport_error, post_json, read_json
+from ..upstream import map_transport_error, read_json
 from .base import EJECTING_KINDS, LaneContext, ManagedStream, closing_on_error, count_upstream_error
 from .continuation import Continuation
 from .express_node import STAGE, Leg, NodeBusy, NodeClient, NodeFailed, NodeTokens
@@ -247,7 +247,7 @@ class ExpressLane:
         body = express_prefill_body(req.body, cfg.prefill.model, chat=req.kind == "chat", kv_transfer_params=marker)
         self.native.require_prefill_up()
         try:
-            pre = await post_json(ctx.client, cfg.prefill.url + req.path, body, stage="prefill",
+            pre = await ctx.calls.post_json(cfg.prefill.url + req.path, body, stage="prefill",
                                   headers=ctx.headers("vllm"),
                                   timeout=ctx.timeout(deadline.timeout_for(cfg.timeouts.prefill_s, stage="prefill")))
         except RouterError as e:

@@ -36,7 +36,7 @@ from ..metrics import RequestRecord, node_label
 from ..openai_shapes import SSE_DONE, ClientRequest, iter_sse_data, sse
 from ..prefill import native_prefill_body, prompt_tokens
 from ..resilience import Deadline
-from ..upstream import LineReader, open_stream, post_json
+from ..upstream import LineReader, open_stream
 from .base import EJECTING_KINDS, LaneContext, ManagedStream, closing_on_error, count_upstream_error
 
 __all__ = ["NativeLane", "NativeStream", "decode_body", "fix_usage"]
@@ -104,7 +104,8 @@ class NativeLane:
     def _track(self, pool: str, url: str, delta: int) -> None:
         key = (pool, url)
         self._outstanding[key] += delta
-        self.ctx.metrics.inflight.labels(pool, node_label(url)).set(self._outstanding[key])
+        m = self.ctx.metrics
+        m.child(m.inflight, pool, node_label(url)).set(self._outstanding[key])
 
     def _unavailable(self, what: str) -> UpstreamUnavailable:
         ra = self.ctx.config.resilience.unavailable_retry_after_s
@@ -130,7 +131,7 @@ class NativeLane:
         ctx, cfg = self.ctx, self.ctx.config
         self.require_prefill_up()
         try:
-            pre = await post_json(ctx.client, cfg.prefill.url + path, native_prefill_body(body, cfg.prefill.model),
+            pre = await ctx.calls.post_json(cfg.prefill.url + path, native_prefill_body(body, cfg.prefill.model),
                                   stage="prefill", headers=ctx.headers("vllm"),
                                   timeout=ctx.timeout(deadline.timeout_for(cfg.timeouts.prefill_s, stage="prefill")))
             kvp = pre.get("kv_transfer_params")
@@ -175,7 +176,7 @@ class NativeLane:
         ctx = self.ctx
         self._track(pool, url, +1)
         try:
-            out = await post_json(ctx.client, url + req.path, body, stage="decode", headers=ctx.headers("vllm"),
+            out = await ctx.calls.post_json(url + req.path, body, stage="decode", headers=ctx.headers("vllm"),
                                   timeout=ctx.timeout(deadline.timeout_for(ctx.config.timeouts.decode_s,
                                                                            stage="decode")))
         except RouterError as e:
