@@ -196,12 +196,22 @@ def _kernel_cache_dir() -> Path:
     return Path(tempfile.gettempdir()) / f"expresslane-kernels-{os.getuid()}"
 
 
+def _cpu_flags() -> str:
+    """This CPU's feature flags: a cache shared between hosts (a network home) must not hand a -march=native
+    build to a CPU without those instructions."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        return ""
+
+
 def _build_native() -> ctypes.CDLL:
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("g++")
     if not cc:
         raise RuntimeError("no C compiler (cc, gcc or g++) on PATH")
-    key = hashlib.sha256("\0".join([_NATIVE_SRC, cc, *_NATIVE_FLAGS, sys.platform, os.uname().machine])
-                         .encode()).hexdigest()[:16]
+    key = hashlib.sha256("\0".join([_NATIVE_SRC, cc, *_NATIVE_FLAGS, sys.platform, os.uname().machine,
+                                    _cpu_flags()]).encode()).hexdigest()[:16]
     out_dir = _kernel_cache_dir()
     out_dir.mkdir(parents=True, exist_ok=True)
     lib = out_dir / f"live_attention_{key}.so"
