@@ -89,7 +89,7 @@ listen: {{host: 127.0.0.1, port: {port}}}
 prefill: {{url: "{ep.prefill}", model: "{ep.served_model}"}}
 tokenizer_dir: "{ep.model_dir}"
 max_model_len: {max_model_len}
-timeouts: {{connect_s: 10, prefill_s: 900, decode_s: 900, kv_wait_s: 600, cancel_s: 1}}
+timeouts: {{connect_s: 10, prefill_s: 900, decode_s: 900, kv_wait_s: 300, cancel_s: 1}}
 pools:
   native: {{kind: native, nodes: ["{ep.native}"]}}
   express:

@@ -410,3 +410,19 @@ def test_router_cpu_seconds_of_live_processes_only():
     gone = subprocess.Popen(["true"])
     gone.wait()
     assert overheads._cpu_seconds([os.getpid(), gone.pid]) is None
+
+
+def test_bench_router_config_is_one_the_router_and_the_express_node_accept(tmp_path):
+    """The bench router's kv_wait_s is sent to the express node as timeout_s: above the node's default
+    --max-timeout-s the node refuses every express request (400), and the whole bench fails at warm-up."""
+    import yaml
+
+    from bench_lib.servers import Endpoints, bench_router_yaml
+    from expresslane.engine.server.config import ServerConfig
+    from expresslane.router.config import parse_config
+
+    ep = Endpoints(router="http://127.0.0.1:1", prefill="http://127.0.0.1:2", native="http://127.0.0.1:3",
+                   express="http://127.0.0.1:4", connector_metrics=None, express_ctrl_host="127.0.0.1",
+                   express_ctrl_port=5, model_dir=tmp_path)
+    cfg = parse_config(yaml.safe_load(bench_router_yaml(ep, 6, 4096)))
+    assert 0 < cfg.timeouts.kv_wait_s <= ServerConfig(model="m").max_timeout_s

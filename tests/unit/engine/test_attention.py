@@ -6,6 +6,7 @@ engine on each kernel decodes exactly like transformers. Garbage past the live l
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 
@@ -13,7 +14,9 @@ import pytest
 import torch
 
 from expresslane.engine.decode import DecodeEngine, SamplingParams
-from expresslane.engine.models.attention import _sdpa, causal_mask, live_attention
+from expresslane.engine.models import attention as attention_mod
+from expresslane.engine.models.attention import (_bmm_live_attention, _native_live_attention, _sdpa, causal_mask,
+                                                 live_attention, native_kernel)
 
 from .test_engine_vs_transformers import N_NEW, PROMPT, hf_greedy
 
@@ -30,6 +33,9 @@ try:
 except ImportError:  # no triton on this host
     split_kv_attention = None
 needs_triton = pytest.mark.skipif(split_kv_attention is None, reason="needs triton")
+HAS_CC = any(shutil.which(c) for c in ("cc", "gcc", "g++")) or bool(os.environ.get("CC"))
+needs_cc = pytest.mark.skipif(DEVICE != "cpu" or not HAS_CC, reason="the native kernel is CPU-only and needs a C compiler")
+LIVE_KERNELS = {"live": live_attention, "native": _native_live_attention, "bmm": _bmm_live_attention}
 
 
 def _ran_in_fresh_process(request) -> bool:
@@ -61,7 +67,8 @@ def _reference(q, k, v, start, t):
 CASES = [(1, 0), (1, 1), (1, 31), (1, 32), (1, 257), (1, 498), (2, 5), (3, 64), (5, 0), (5, 200), (5, 494)]
 
 
-@pytest.mark.parametrize("kernel", ["live", pytest.param("split", marks=needs_triton)])
+@pytest.mark.parametrize("kernel", ["live", pytest.param("native", marks=needs_cc), "bmm",
+                                    pytest.param("split", marks=needs_triton)])
 @pytest.mark.parametrize("hkv,g,d", [(2, 2, 32), (1, 4, 64), (4, 1, 16)])
 def test_kernel_matches_masked_sdpa(kernel, hkv, g, d, request):
     if kernel == "split" and DEVICE == "cpu" and (hkv, g, d) != (1, 4, 64):
@@ -72,13 +79,15 @@ def test_kernel_matches_masked_sdpa(kernel, hkv, g, d, request):
     k, v, gen = _case(hkv * 100 + g, s, hkv, g, d, torch.float32)
     for t, start in CASES:
         q = torch.randn(t, hkv * g, d, generator=gen).to(DEVICE)
+        if kernel in LIVE_KERNELS:  # as the model makes it: a slice of the fused q/k/v projection (strided)
+            q = torch.cat([q, torch.randn(t, 2 * hkv, d, generator=gen).to(DEVICE)], dim=1)[:, : hkv * g]
         # Poison every row past the live length: a kernel that reads them returns NaN.
         kp, vp = k.clone(), v.clone()
         kp[start + t:] = float("nan")
         vp[start + t:] = float("nan")
         ref = _reference(q, k, v, start, t)
-        if kernel == "live":
-            got = live_attention(q, kp, vp, start + t, d ** -0.5)
+        if kernel in LIVE_KERNELS:
+            got = LIVE_KERNELS[kernel](q, kp, vp, start + t, d ** -0.5)
         else:
             got = split_kv_attention(q, kp, vp, torch.tensor([start], device=DEVICE), d ** -0.5)
         err = ((got.double() - ref).norm() / ref.norm()).item()
@@ -101,14 +110,45 @@ def test_split_kv_half_precision(dtype, request):
         assert err < 1e-2, (t, start, err)
 
 
-def test_a_wrong_kernel_is_caught():
+@pytest.mark.parametrize("kernel", ["bmm", pytest.param("native", marks=needs_cc)])
+def test_a_wrong_kernel_is_caught(kernel):
     """The bound is tight enough: reading one row too few changes the result far past it."""
     hkv, g, d = 2, 2, 32
     k, v, gen = _case(9, 100, hkv, g, d, torch.float32)
     q = torch.randn(1, hkv * g, d, generator=gen).to(DEVICE)
     ref = _reference(q, k, v, 40, 1)
-    short = live_attention(q, k, v, 40, d ** -0.5)  # sees rows [0, 40) instead of [0, 41)
+    short = LIVE_KERNELS[kernel](q, k, v, 40, d ** -0.5)  # sees rows [0, 40) instead of [0, 41)
     assert ((short.double() - ref).norm() / ref.norm()).item() > 1e-3
+
+
+@needs_cc
+@pytest.mark.parametrize("hkv,g,d", [(8, 4, 128), (4, 2, 80), (1, 1, 256)])
+def test_native_kernel_long_context_and_wide_verify(hkv, g, d):
+    """Head sizes of real checkpoints, 3,800 live rows, up to 17 verify rows (k = 16)."""
+    k, v, gen = _case(hkv + g + d, 4096, hkv, g, d, torch.float32)
+    for t, start in [(1, 3799), (17, 3783), (9, 2000)]:
+        q = torch.randn(t, hkv * g, d, generator=gen)
+        kp, vp = k.clone(), v.clone()
+        kp[start + t:] = float("nan")
+        vp[start + t:] = float("nan")
+        ref = _reference(q, k, v, start, t)
+        got = _native_live_attention(q, kp, vp, start + t, d ** -0.5)
+        err = ((got.double() - ref).norm() / ref.norm()).item()
+        assert err < 1e-5, (t, start, err)
+
+
+@needs_cc
+def test_the_cpu_engine_decodes_on_the_native_kernel():
+    """The engine tests run one torch thread (conftest), float32, head sizes the kernel is built for: the
+    live path there is the native kernel, so every CPU exactness test (engine vs transformers, speculation,
+    compiled step) covers it. A build failure must not pass unnoticed as the bmm fallback."""
+    assert torch.get_num_threads() == 1
+    assert native_kernel() is not None
+    q = torch.zeros(1, 4, 16)
+    cache = torch.zeros(8, 2, 16)
+    assert attention_mod._native_fits(q, cache, cache)
+    assert not attention_mod._native_fits(q.double(), cache.double(), cache.double())
+    assert not attention_mod._native_fits(torch.zeros(1, 4, 24), torch.zeros(8, 2, 24), torch.zeros(8, 2, 24))
 
 
 @pytest.mark.parametrize("attention", ["live", "masked", pytest.param("split", marks=needs_triton)])
@@ -127,3 +167,19 @@ def test_engine_on_each_kernel_matches_transformers(hf_model, attention, request
                                                              prompt_token_ids=lookup))
     assert list(gen) == expected
     assert gen.spec.accepted_tokens > 0
+
+
+@pytest.mark.parametrize("t", [1, 3])
+def test_live_attention_compiles_without_a_graph_break(t):
+    """The compiled step traces attend() in one graph: whether the native kernel runs is decided at trace
+    time (a graph break there cost about 1 ms a step in dynamo's guards, measured)."""
+    from expresslane.engine.models.attention import AttentionKind, StepContext, attend
+
+    hkv, g, d, n = 2, 2, 16, 40
+    k, v, gen = _case(3, 64, hkv, g, d, torch.float32)
+    q = torch.randn(t, hkv * g, d, generator=gen)
+    ctx = StepContext(AttentionKind.LIVE, torch.tensor([n - t]), kv_len=n)
+    torch._dynamo.reset()
+    got = torch.compile(lambda q, k, v: attend(q, k, v, ctx, d ** -0.5), backend="eager", fullgraph=True)(q, k, v)
+    ref = _reference(q, k, v, n - t, t)
+    assert ((got.double() - ref).norm() / ref.norm()).item() < 1e-5

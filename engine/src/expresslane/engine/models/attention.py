@@ -3,12 +3,13 @@
 One step of the decode engine is T = 1 (plain decode) or T = k + 1 (verification of k drafts); row i may
 see cache rows [0, start_pos + i]. Three kernels, chosen per engine (`AttentionKind`):
 
-* ``LIVE`` (CPU default): the live rows only. Eager: one query block as two batched matmuls per KV head
-  (GQA: the query heads of one KV head share one matmul, the cache is never expanded); 1.13x PyTorch's CPU
-  SDPA at 3800 rows. Under torch.compile: SDPA over the live rows (with a [T, L] mask when T > 1), which
-  inductor fuses better than it handles an opaque op beside the in-place cache write (measured: the custom
-  op compiled ran at 115 tok/s against 168 for compiled SDPA at 3800 rows); a symbolic `kv_len` serves every
-  length.
+* ``LIVE`` (CPU default): the live rows only. In float32 with one torch thread (the express node's CPU
+  setting) a native C kernel (below): one sequential sweep over the live K rows and one over the V rows for
+  every head and row at once, 2.0-2.2x PyTorch's kernels in the tiny model's step at 3800 rows, eager and
+  compiled (under torch.compile an opaque custom op; whether to use it is decided when the step is traced).
+  Otherwise two batched matmuls per KV head eagerly (GQA: the query heads of one KV head share one matmul,
+  the cache is never expanded) and SDPA over the live rows under torch.compile (a symbolic `kv_len` serves
+  every length).
 * ``MASKED`` (fixed shapes): PyTorch SDPA over the whole static cache with a [T, max_seq_len] mask built on
   the device from `start_pos`: CUDA-graph friendly, reads every cache row (the reference path).
 * ``SPLIT_KV`` (CUDA default): the flash-decoding Triton kernel in `triton_decode.py`: the length is read on
@@ -19,11 +20,23 @@ Prefill (T rows from position 0) always uses SDPA with `is_causal` (top-left ali
 
 from __future__ import annotations
 
+import ctypes
 import enum
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
 
 
 class AttentionKind(str, enum.Enum):
@@ -55,6 +68,14 @@ class StepContext:
 def live_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_len: int,
                    scale: float) -> torch.Tensor:
     """q [T, H, D] at positions kv_len-T .. kv_len-1; caches [S, Hkv, D]. Returns [T, H, D]."""
+    if _native_fits(q, k_cache, v_cache):
+        return _native_live_attention(q, k_cache, v_cache, kv_len, scale)
+    return _bmm_live_attention(q, k_cache, v_cache, kv_len, scale)
+
+
+def _bmm_live_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_len: int,
+                        scale: float) -> torch.Tensor:
+    """Two batched matmuls per KV head (any dtype, device and thread count)."""
     t, h, d = q.shape
     hkv = k_cache.shape[1]
     g = h // hkv
@@ -73,6 +94,209 @@ def live_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     return out.view(hkv, g, t, d).permute(2, 0, 1, 3).reshape(t, h, d).to(q.dtype)
 
 
+# ---- the native CPU decode kernel (float32, one thread) ---------------------------------------------------
+#
+# Decode attention is a stream over the live K and V rows: with T = 1 and a few heads it does a handful of
+# flops per byte. The kernel walks the cache in its own order (row j holds every KV head), once for K and once
+# for V, for all H query heads and T rows at once, with scores and softmax in an [H*T, L] scratch: each live
+# K/V byte is read once per step, sequentially. PyTorch's kernels read the same bytes
+# per head, strided, in per-block GEMM calls (the bmm kernel above, SDPA): in the tiny model's step at 3800 rows (K/V of 4 layers plus the
+# weights, about 29 MB, do not stay in this host's L3) they took 1.1-2.3 ms per layer against 0.36 ms for
+# this kernel (torch.profiler, docs/performance.md "CPU stack (session 3)"). The C source is compiled once per
+# machine by the host's C compiler (-O3 -march=native -ffast-math; the runtime image has g++) into a per-user
+# cache and called through ctypes. It reads only rows < L (rows past the length may hold anything); the
+# causal limit of each verify row is applied in its softmax. Without a compiler the PyTorch kernels run and
+# one warning says so.
+
+_NATIVE_SRC = r"""
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#ifdef __cplusplus
+extern "C" {
+#endif
+/* One sweep over the live K rows and one over the live V rows, in cache order (row j holds every KV head),
+   for all H query heads and T rows at once. Query row r = t * H + head; work: R * (L + 2 * D) floats. */
+static inline __attribute__((always_inline)) void el_attn(
+        const float *__restrict__ q, const float *__restrict__ kc, const float *__restrict__ vc,
+        float *__restrict__ out, float *__restrict__ work, const int64_t T, const int64_t H,
+        const int64_t Hkv, const int64_t D, const int64_t L, const float scale, const int64_t qs_t,
+        const int64_t qs_h, const int64_t cs_s, const int64_t cs_h) {
+    const int64_t G = H / Hkv, R = T * H;
+    float *__restrict__ scores = work;      /* [R, L] */
+    float *__restrict__ qv = work + R * L;  /* [R, D] scaled queries */
+    float *__restrict__ acc = qv + R * D;   /* [R, D] */
+    for (int64_t t = 0; t < T; ++t)
+        for (int64_t h = 0; h < H; ++h)
+            for (int64_t d = 0; d < D; ++d) qv[(t * H + h) * D + d] = q[t * qs_t + h * qs_h + d] * scale;
+    for (int64_t j = 0; j < L; ++j) {
+        const float *__restrict__ krow = kc + j * cs_s;
+        for (int64_t t = 0; t < T; ++t)
+            for (int64_t h = 0; h < H; ++h) {
+                const float *__restrict__ k = krow + (h / G) * cs_h;
+                const float *__restrict__ qr = qv + (t * H + h) * D;
+                float s = 0.f;
+                for (int64_t d = 0; d < D; ++d) s += qr[d] * k[d];
+                scores[(t * H + h) * L + j] = s;
+            }
+    }
+    for (int64_t r = 0; r < R; ++r) { /* row t sees cache rows [0, L - T + t] */
+        const int64_t lim = L - T + r / H + 1;
+        float *__restrict__ sr = scores + r * L;
+        float m = sr[0];
+        for (int64_t j = 1; j < lim; ++j) m = sr[j] > m ? sr[j] : m;
+        float sum = 0.f;
+        for (int64_t j = 0; j < lim; ++j) { const float e = expf(sr[j] - m); sr[j] = e; sum += e; }
+        const float inv = 1.f / sum;
+        for (int64_t j = 0; j < lim; ++j) sr[j] *= inv;
+        for (int64_t j = lim; j < L; ++j) sr[j] = 0.f;
+    }
+    memset(acc, 0, sizeof(float) * R * D);
+    for (int64_t j = 0; j < L; ++j) {
+        const float *__restrict__ vrow = vc + j * cs_s;
+        for (int64_t t = 0; t < T; ++t)
+            for (int64_t h = 0; h < H; ++h) {
+                const float *__restrict__ v = vrow + (h / G) * cs_h;
+                const float p = scores[(t * H + h) * L + j];
+                float *__restrict__ a = acc + (t * H + h) * D;
+                for (int64_t d = 0; d < D; ++d) a[d] += p * v[d];
+            }
+    }
+    memcpy(out, acc, sizeof(float) * R * D); /* out [T, H, D] contiguous = acc's layout */
+}
+#define EL_CASE(DD) case DD: el_attn(q, kc, vc, out, work, T, H, Hkv, DD, L, scale, qs_t, qs_h, cs_s, cs_h); return 0;
+int el_live_attention_f32(const float *q, const float *kc, const float *vc, float *out, float *work,
+                          int64_t T, int64_t H, int64_t Hkv, int64_t D, int64_t L, float scale,
+                          int64_t qs_t, int64_t qs_h, int64_t cs_s, int64_t cs_h) {
+    switch (D) { EL_CASE(16) EL_CASE(32) EL_CASE(64) EL_CASE(80) EL_CASE(96) EL_CASE(128) EL_CASE(256) }
+    return -1;
+}
+#ifdef __cplusplus
+}
+#endif
+"""
+_NATIVE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fPIC", "-shared"]
+# EXPRESSLANE_CPU_ATTENTION=torch keeps PyTorch's kernels (the bmm's eagerly, SDPA compiled): for A/B runs.
+_NATIVE_WANTED = os.environ.get("EXPRESSLANE_CPU_ATTENTION", "native") != "torch"
+_NATIVE_HEAD_DIMS = (16, 32, 64, 80, 96, 128, 256)  # the switch in el_live_attention_f32
+_native_lock = threading.Lock()
+_native_fn = None  # the loaded kernel, False once loading failed
+_scratch = threading.local()
+
+
+def _kernel_cache_dir() -> Path:
+    root = os.environ.get("EXPRESSLANE_KERNEL_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "expresslane", "kernels")
+    try:
+        Path(root).mkdir(parents=True, exist_ok=True)
+        if os.access(root, os.W_OK):
+            return Path(root)
+    except OSError:
+        pass
+    return Path(tempfile.gettempdir()) / f"expresslane-kernels-{os.getuid()}"
+
+
+def _cpu_flags() -> str:
+    """This CPU's feature flags: a cache shared between hosts (a network home) must not hand a -march=native
+    build to a CPU without those instructions."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        return ""
+
+
+def _build_native() -> ctypes.CDLL:
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("g++")
+    if not cc:
+        raise RuntimeError("no C compiler (cc, gcc or g++) on PATH")
+    key = hashlib.sha256("\0".join([_NATIVE_SRC, cc, *_NATIVE_FLAGS, sys.platform, os.uname().machine,
+                                    _cpu_flags()]).encode()).hexdigest()[:16]
+    out_dir = _kernel_cache_dir()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    lib = out_dir / f"live_attention_{key}.so"
+    if not lib.exists():
+        with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
+            src, so = Path(tmp) / "live_attention.c", Path(tmp) / "live_attention.so"
+            src.write_text(_NATIVE_SRC)
+            proc = subprocess.run([cc, *_NATIVE_FLAGS, "-o", str(so), str(src), "-lm"], capture_output=True,
+                                  text=True, timeout=120)
+            if proc.returncode != 0:
+                raise RuntimeError(f"{cc} failed: {proc.stderr.strip()[-800:]}")
+            os.replace(so, lib)  # atomic: a concurrent builder's result is as good
+    dll = ctypes.CDLL(str(lib))
+    fn = dll.el_live_attention_f32
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 5 + [ctypes.c_float] + [ctypes.c_int64] * 4
+    return fn
+
+
+def native_kernel():
+    """The compiled kernel (built on first use), or None where it cannot be built (warned once)."""
+    global _native_fn
+    if _native_fn is None:
+        with _native_lock:
+            if _native_fn is None:
+                try:
+                    _native_fn = _build_native()
+                except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+                    logger.warning("expresslane: the native CPU decode attention could not be built (%s); "
+                                   "decoding with the batched-matmul kernel instead", e)
+                    _native_fn = False
+    return _native_fn or None
+
+
+def _native_layout(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Shapes and layouts the native kernel takes: float32 on CPU, a head size it is built for, unit inner
+    strides, K and V caches of one layout."""
+    return (q.device.type == "cpu" and q.dtype == k_cache.dtype == v_cache.dtype == torch.float32
+            and q.shape[-1] in _NATIVE_HEAD_DIMS and q.stride(-1) == 1 and k_cache.stride() == v_cache.stride()
+            and k_cache.stride(-1) == 1)
+
+
+def _native_usable() -> bool:
+    """The kernel is wanted and built here and torch runs one thread (with more, PyTorch's threaded kernels
+    win). Under torch.compile this is decided once, when the step is traced (a constant, no graph break)."""
+    return _NATIVE_WANTED and torch.get_num_threads() == 1 and native_kernel() is not None
+
+
+# What torch.compiler.assume_constant_result(fn) does, without importing torch._dynamo (and with it Triton)
+# when this module is imported; tests/unit/engine/test_attention.py compiles attend with fullgraph=True.
+_native_usable._dynamo_marked_constant = True
+
+
+def _native_fits(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    return _native_layout(q, k_cache, v_cache) and _native_usable()
+
+
+def _native_live_attention(q, k_cache, v_cache, kv_len, scale):
+    t, h, d = q.shape
+    hkv = k_cache.shape[1]
+    need = h * t * (kv_len + 2 * d)
+    work = getattr(_scratch, "buf", None)
+    if work is None or work.numel() < need:
+        work = _scratch.buf = torch.empty(max(need, 1 << 16), dtype=torch.float32)
+    out = torch.empty(t, h, d, dtype=torch.float32)
+    rc = native_kernel()(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
+                         work.data_ptr(), t, h, hkv, d, kv_len, scale, q.stride(0), q.stride(1),
+                         k_cache.stride(0), k_cache.stride(1))
+    if rc != 0:  # _native_fits admits only the head sizes the kernel is built for
+        raise RuntimeError(f"native live attention refused head_dim {d}")
+    return out
+
+
+@torch.library.custom_op("expresslane::cpu_live_attention", mutates_args=())
+def cpu_live_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_len: int,
+                       scale: float) -> torch.Tensor:
+    """live_attention as one opaque op for the compiled step."""
+    return live_attention(q, k_cache, v_cache, kv_len, scale)
+
+
+@cpu_live_attention.register_fake
+def _(q, k_cache, v_cache, kv_len, scale):
+    return q.new_empty(q.shape)
+
+
 def causal_mask(arange: torch.Tensor, start_pos: torch.Tensor, t: int) -> torch.Tensor:
     """[T, S] bool: row i may see cache rows <= start_pos + i (built on the device, fixed shape)."""
     positions = start_pos + arange[:t]
@@ -87,6 +311,8 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: S
     if ctx.kind is AttentionKind.LIVE:
         if not torch.compiler.is_compiling():
             return live_attention(q, k_cache, v_cache, ctx.kv_len, scale)
+        if _native_fits(q, k_cache, v_cache):
+            return cpu_live_attention(q, k_cache, v_cache, ctx.kv_len, scale)
         t, n = q.shape[0], ctx.kv_len
         mask = None
         if t > 1:  # row i sees keys [0, n - t + i]
