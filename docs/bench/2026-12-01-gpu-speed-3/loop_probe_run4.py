@@ -1,5 +1,5 @@
-"""gpu_loop_probe.py at 1k / 8k / 32k (max_seq_len 33,088, random K/V): engine.generate (best of 3) vs the lean
-graph's replay alone (docs/bench/2026-12-01-gpu-speed-3/run5).  PYTHONPATH=engine/src python3 scripts/gpu_loop_probe2.py OUT"""
+"""Host overhead of the engine's token loop vs a bare loop over the same lean graph (1B and 8B shapes, 1k;
+docs/bench/2026-12-01-gpu-speed-3/run4).  PYTHONPATH=engine/src python3 docs/bench/2026-12-01-gpu-speed-3/loop_probe_run4.py OUT"""
 import json, os, sys, time, torch
 sys.argv = [sys.argv[0], "--out", sys.argv[1]]
 import importlib.util
@@ -10,16 +10,13 @@ exec(compile(src, "gpu_lean.py", "exec"), g)
 from expresslane.engine.decode import DecodeEngine
 for shape in ("llama-1b", "llama-8b"):
     model = g["make_model"](shape)
-    e = DecodeEngine(model, model.config, dtype=torch.bfloat16, device=g["DEV"], max_seq_len=33088, attention="split", cuda_graph=True, speculation=None)
+    e = DecodeEngine(model, model.config, dtype=torch.bfloat16, device=g["DEV"], max_seq_len=2048, attention="split", cuda_graph=True, speculation=None)
     e.warmup()
     r = e.runner
-    n = 256
-    with torch.no_grad():
-        e.cache.k.normal_(); e.cache.v.normal_()
-    for ctx in (1024, 8192, 32768):
-      with torch.inference_mode():
+    ctx, n = 1024, 256
+    with torch.inference_mode():
         tok = torch.tensor([424], device="cuda")
-        for mode in ():
+        for mode in ("argmax_item", "argmax_no_sync"):
             for rep in range(2):
                 torch.cuda.synchronize(); t0 = time.perf_counter()
                 for i in range(n):
@@ -31,7 +28,7 @@ for shape in ("llama-1b", "llama-8b"):
                         tok = nxt.view(1)
                 torch.cuda.synchronize(); dt = time.perf_counter() - t0
             g["emit"]("loop_probe", shape=shape, loop=mode, tok_per_s=n / dt, ms_per_token=1e3 * dt / n)
-        rate, _ = g["decode"](e, ctx, n, repeats=3)
-        g["emit"]("loop_probe", shape=shape, context=ctx, loop="engine.generate", tok_per_s=rate, ms_per_token=1e3 / rate)
-        g["emit"]("loop_probe", shape=shape, context=ctx, loop="graph replay only", ms_per_token=g["replay_ms"](e, ctx))
+        rate, _ = g["decode"](e, ctx, n)
+        g["emit"]("loop_probe", shape=shape, loop="engine.generate", tok_per_s=rate, ms_per_token=1e3 / rate)
+        g["emit"]("loop_probe", shape=shape, loop="graph replay only", ms_per_token=g["replay_ms"](e, ctx))
     del e, model, r; torch.cuda.empty_cache()
