@@ -6,9 +6,7 @@ come back the same: the same dict, the same typed error with the same kind, stat
 from __future__ import annotations
 
 import asyncio
-import gzip
 import json
-import socket
 
 import httpx
 import pytest
@@ -19,38 +17,22 @@ from expresslane.router.requestlog import _request_id, upstream_request_id_hook
 from expresslane.router.upstream import HttpxOneShot
 
 web = pytest.importorskip("aiohttp.web")
+from ._aiohttp_server import echo, free_port, gz, serving, slow  # noqa: E402
 
 T = httpx.Timeout(5, connect=2)
 PATHS = ("aiohttp-direct", "httpx-on-aiohttp", "httpx-reference")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture()
 async def server():
     seen: list[dict] = []
 
-    async def echo(request):
-        body = await request.json()
-        seen.append({"body": body, "headers": request.headers.copy()})
-        return web.json_response({"echo": body, "choices": [{"text": "ok"}]})
-
     def status(code: int, text: str, ctype: str = "application/json"):
         async def handler(request):
             return web.Response(status=code, text=text, content_type=ctype)
         return handler
-
-    async def gz(request):
-        return web.Response(body=gzip.compress(json.dumps({"z": 1}).encode()),
-                            headers={"Content-Encoding": "gzip", "Content-Type": "application/json"})
-
-    async def slow(request):
-        await asyncio.sleep(2)
-        return web.json_response({})
 
     async def trickle(request):  # every read comes in time, the whole reply does not
         resp = web.StreamResponse(headers={"Content-Type": "application/json"})
@@ -69,22 +51,16 @@ async def server():
         request.transport.close()
         return resp
 
-    app = web.Application()
-    app.add_routes([
-        web.post("/echo", echo), web.post("/gz", gz), web.post("/slow", slow), web.post("/trickle", trickle),
+    async with serving([
+        web.post("/echo", echo(seen)), web.post("/gz", gz), web.post("/slow", slow), web.post("/trickle", trickle),
         web.post("/dropped", dropped), web.get("/slow-get", slow),
         web.post("/400", status(400, '{"error": {"message": "bad", "code": 400}}')),
         web.post("/503", status(503, "overloaded", "text/plain")),
         web.post("/500", status(500, "boom", "text/plain")),
         web.post("/notjson", status(200, "<html>", "text/html")),
         web.post("/list", status(200, "[1, 2]")),
-    ])
-    runner = web.AppRunner(app)
-    await runner.setup()
-    port = _free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    yield f"http://127.0.0.1:{port}", seen
-    await runner.cleanup()
+    ]) as url:
+        yield url, seen
 
 
 class _Poster:
@@ -148,7 +124,7 @@ async def test_every_failure_is_typed_the_same(server, path):
         assert isinstance(trickle, UpstreamTimeout) and trickle.kind == "timeout" and "within 0.5s" in trickle.message
         dropped = await _error(p, url + "/dropped")
         assert type(dropped) is UpstreamError and dropped.kind == "transport"
-        refused = await _error(p, f"http://127.0.0.1:{_free_port()}/x")
+        refused = await _error(p, f"http://127.0.0.1:{free_port()}/x")
         assert isinstance(refused, UpstreamUnavailable) and refused.kind == "connect"
         # the pool still serves after every failure
         assert (await p.post_json(url + "/echo", {"ok": 1}, stage="decode", timeout=T))["echo"] == {"ok": 1}
@@ -185,7 +161,7 @@ async def test_health_probe_status_and_failures_are_the_same(server, path):
         with pytest.raises(httpx.TimeoutException):
             await p.get_status(url + "/slow-get", timeout=httpx.Timeout(5, read=0.3, connect=2))
         with pytest.raises(httpx.HTTPError) as refused:
-            await p.get_status(f"http://127.0.0.1:{_free_port()}/health", timeout=T)
+            await p.get_status(f"http://127.0.0.1:{free_port()}/health", timeout=T)
         assert not isinstance(refused.value, httpx.TimeoutException)
 
 

@@ -4,9 +4,7 @@ replies, streams and typed errors as httpx's own transport."""
 from __future__ import annotations
 
 import asyncio
-import gzip
 import json
-import socket
 import time
 
 import httpx
@@ -18,33 +16,17 @@ from expresslane.router.aiohttp_upstream import AiohttpTransport
 from expresslane.router.upstream import LineReader, open_stream, post_json
 
 web = pytest.importorskip("aiohttp.web")
+from ._aiohttp_server import echo, free_port, gz, serving, slow  # noqa: E402
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture()
 async def server():
     seen: list[dict] = []
 
-    async def completions(request):
-        body = await request.json()
-        seen.append({"body": body, "headers": request.headers.copy()})
-        return web.json_response({"echo": body, "choices": [{"text": "ok"}]})
-
     async def rejected(request):
         return web.json_response({"error": "bad"}, status=400)
-
-    async def gz(request):
-        return web.Response(body=gzip.compress(json.dumps({"z": 1}).encode()),
-                            headers={"Content-Encoding": "gzip", "Content-Type": "application/json"})
-
-    async def slow(request):
-        await asyncio.sleep(2)
-        return web.json_response({})
 
     async def stream(request):
         resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
@@ -57,15 +39,9 @@ async def server():
         await resp.write_eof()
         return resp
 
-    app = web.Application()
-    app.add_routes([web.post("/v1/completions", completions), web.post("/rejected", rejected),
-                    web.post("/gz", gz), web.post("/slow", slow), web.post("/stream", stream)])
-    runner = web.AppRunner(app)
-    await runner.setup()
-    port = _free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    yield f"http://127.0.0.1:{port}", seen
-    await runner.cleanup()
+    async with serving([web.post("/v1/completions", echo(seen)), web.post("/rejected", rejected),
+                        web.post("/gz", gz), web.post("/slow", slow), web.post("/stream", stream)]) as url:
+        yield url, seen
 
 
 def _client() -> httpx.AsyncClient:
@@ -113,7 +89,7 @@ async def test_typed_errors(server):
             await post_json(c, url + "/slow", {}, stage="prefill", timeout=httpx.Timeout(5, read=0.3, connect=2))
         assert slow.value.kind == "timeout"
         with pytest.raises(UpstreamUnavailable) as refused:
-            await post_json(c, f"http://127.0.0.1:{_free_port()}/x", {}, stage="prefill", timeout=T)
+            await post_json(c, f"http://127.0.0.1:{free_port()}/x", {}, stage="prefill", timeout=T)
         assert refused.value.kind == "connect"
 
 
