@@ -105,7 +105,31 @@ def test_load_model_text_reads_eos_and_sampling_defaults(tmp_path, tokenizer, eo
     mt = load_model_text(tmp_path)
     assert mt.eos_token_ids == {eos_id, 3, tokenizer.token_to_id("<|bos|>")}
     assert mt.generation_defaults == {"temperature": 0.6, "top_p": 0.9}
+    assert mt.default_max_tokens is None
     assert mt.tokenizer.decode(tokenizer.encode("hello").ids) == "hello"
+
+
+def test_generation_defaults_are_the_keys_vllm_takes(tmp_path, tokenizer):
+    """The same defaults vLLM 0.32 derives from generation_config.json (ModelConfig.get_diff_sampling_param),
+    max_new_tokens apart: the router keeps it as the default output budget."""
+    from vllm.config.model import ModelConfig as VllmModelConfig
+
+    gen = {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "min_p": 0.05, "repetition_penalty": 1.1,
+           "presence_penalty": 0.5, "frequency_penalty": 0.25, "max_new_tokens": 7, "do_sample": True,
+           "typical_p": 0.9}
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "generation_config.json").write_text(json.dumps(gen))
+    mt = load_model_text(tmp_path)
+
+    class _Cfg:  # the attributes get_diff_sampling_param reads
+        generation_config = "auto"
+        override_generation_config: dict = {}
+
+        def try_get_generation_config(self):
+            return dict(gen)
+
+    want = VllmModelConfig.get_diff_sampling_param(_Cfg())
+    assert {**mt.generation_defaults, "max_tokens": mt.default_max_tokens} == want
 
 
 def test_load_model_text_without_tokenizer_json_fails_loudly(tmp_path):

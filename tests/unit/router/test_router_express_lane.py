@@ -495,3 +495,33 @@ async def test_client_disconnect_while_queued_leaves_the_queue(make_client, node
         await asyncio.wait_for(task, 1)
         assert gate_of(app).waiting == 0
         holder.cancel()
+
+
+def test_generation_defaults_fill_only_what_the_client_left_and_the_node_kind_takes():
+    from expresslane.router.lanes.express_options import sampling_of
+
+    defaults = {"temperature": 0.6, "top_k": 20, "min_p": 0.05, "frequency_penalty": 0.25}
+    assert sampling_of({"temperature": 0, "seed": 1}, defaults) == {"temperature": 0, "seed": 1, "top_k": 20,
+                                                                    "min_p": 0.05, "frequency_penalty": 0.25}
+    # a TileRT node takes neither min_p nor frequency_penalty: its own loop applies its model's config
+    assert sampling_of({}, defaults, "tilert") == {"temperature": 0.6, "top_k": 20}
+
+
+async def test_generation_config_max_new_tokens_is_the_default_budget(upstreams, node, model_text):
+    """A chat request without max_tokens gets the model's generation_config max_new_tokens as its budget, as
+    vLLM falls back to it (completions keep their 16; an explicit value wins)."""
+    import dataclasses
+
+    from prometheus_client import CollectorRegistry
+
+    from expresslane.router.app import create_app
+
+    app = create_app(make_config(), transport=upstreams.transport, registry=CollectorRegistry(),
+                     model_text=dataclasses.replace(model_text, default_max_tokens=3))
+    chat = {"model": "tiny-x", "messages": [{"role": "user", "content": "x"}]}
+    async with app.router.lifespan_context(app):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router") as client:
+            for body in (chat, dict(chat, max_tokens=9), {"model": "tiny-x", "prompt": "hi"}):
+                assert (await client.post("/v1/" + ("chat/completions" if "messages" in body else "completions"),
+                                          json=body)).status_code == 200
+    assert [d["max_tokens"] for d in upstreams.bodies(EXPRESS, "/pd/decode")] == [3, 9, 16]

@@ -63,6 +63,9 @@ def test_effective_budget_is_vllms_get_max_tokens():
         for n_prompt in (1, 6, 63):
             req = body.get("max_completion_tokens", body.get("max_tokens", None if chat else 16))
             assert effective_max_tokens(options_of(body, chat), L, n_prompt) == get_max_tokens(L, req, n_prompt, {}), (body, n_prompt)
+            for default in (5, 1000):  # a generation_config max_new_tokens: vLLM's default_sampling_params
+                assert (effective_max_tokens(options_of(body, chat), L, n_prompt, default)
+                        == get_max_tokens(L, req, n_prompt, {"max_tokens": default})), (body, n_prompt, default)
 
 
 @pytest.fixture

@@ -37,9 +37,13 @@ class ModelText:
     tokenizer: Any
     eos_token_ids: frozenset[int] = frozenset()
     generation_defaults: dict[str, Any] = field(default_factory=dict)
+    default_max_tokens: int | None = None  # generation_config max_new_tokens (vLLM's default_sampling_params)
 
 
-_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "repetition_penalty")
+# vLLM 0.32's ModelConfig.get_diff_sampling_param (--generation-config auto, the default): the keys it takes from
+# generation_config.json as defaults for what a request leaves unset; max_new_tokens becomes max_tokens.
+_DEFAULT_KEYS = ("repetition_penalty", "presence_penalty", "frequency_penalty", "temperature", "top_k", "top_p",
+                 "min_p")
 
 
 def _ids(value: Any) -> set[int]:
@@ -76,7 +80,9 @@ def load_model_text(model_dir: str | Path) -> ModelText:
     if isinstance(eos_tok, str) and tokenizer.token_to_id(eos_tok) is not None:
         eos.add(tokenizer.token_to_id(eos_tok))
     defaults = {k: gen[k] for k in _DEFAULT_KEYS if gen.get(k) is not None}
-    return ModelText(tokenizer, frozenset(eos), defaults)
+    max_new = gen.get("max_new_tokens")
+    return ModelText(tokenizer, frozenset(eos), defaults,
+                     max_new if isinstance(max_new, int) and not isinstance(max_new, bool) else None)
 
 
 class IncrementalDetokenizer:

@@ -264,7 +264,8 @@ class ExpressLane:
             leg.rid = derive_tilert_rid(leg.response_id)
         leg.n_prompt = prompt_tokens(pre)
         # vLLM's budget and min_tokens check; a refusal here cancels the node's reservation (closing_on_error)
-        leg.max_tokens = effective_max_tokens(req.opts, await self._model_len(), leg.n_prompt)
+        leg.max_tokens = effective_max_tokens(req.opts, await self._model_len(), leg.n_prompt,
+                                              self.model_text.default_max_tokens if self.model_text else None)
         leg.first_token_id = first_token_id(pre, chat=req.kind == "chat")
         leg.prompt_ids = prompt_token_ids(pre)
         leg.constrained = node_structured_outputs(req.body, chat=req.kind == "chat",

@@ -68,9 +68,12 @@ def check_express_supported(body: dict[str, Any], kind: str = "expresslane", *,
 
 
 def sampling_of(body: dict[str, Any], defaults: dict[str, Any], kind: str = "expresslane") -> dict[str, Any]:
-    """The sampling block of /pd/decode: the client's values, vLLM's generation-config defaults otherwise."""
-    out = {k: body[k] for k in SAMPLING_KEYS[kind] if body.get(k) is not None
+    """The sampling block of /pd/decode: the client's values, vLLM's generation-config defaults otherwise (only
+    the keys this node kind takes: a TileRT node applies its own model's config)."""
+    keys = SAMPLING_KEYS[kind]
+    out = {k: body[k] for k in keys if body.get(k) is not None
            and not (k in _OPTIONAL_KEYS and not _set(body[k]))}  # a neutral optional key is not sent at all
     for k, v in defaults.items():
-        out.setdefault(k, v)
+        if k in keys:
+            out.setdefault(k, v)
     return out
