@@ -151,6 +151,20 @@ def test_the_cpu_engine_decodes_on_the_native_kernel():
     assert not attention_mod._native_fits(torch.zeros(1, 4, 24), torch.zeros(8, 2, 24), torch.zeros(8, 2, 24))
 
 
+@needs_cc
+def test_loading_the_native_kernel_keeps_subnormals():
+    """Loading the kernel must not change the process's floating point: a library linked with -ffast-math
+    carries crtfastmath.o, which sets flush-to-zero / denormals-are-zero for every thread's later float ops
+    (torch's, numpy's, Python's own). Checked in a fresh interpreter, so what loaded it is this kernel alone."""
+    code = ("import torch; from expresslane.engine.models.attention import native_kernel; "
+            "assert native_kernel() is not None; x = float('5e-324'); "
+            "t = torch.tensor([1e-40], dtype=torch.float32); "
+            "print(x * 1.0 > 0, (t * 1.0).item() != 0.0)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["True", "True"], proc.stdout
+
+
 @pytest.mark.parametrize("attention", ["live", "masked", pytest.param("split", marks=needs_triton)])
 def test_engine_on_each_kernel_matches_transformers(hf_model, attention, request):
     kind, path, model = hf_model

@@ -103,7 +103,7 @@ def _bmm_live_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 # per head, strided, in per-block GEMM calls (the bmm kernel above, SDPA): in the tiny model's step at 3800 rows (K/V of 4 layers plus the
 # weights, about 29 MB, do not stay in this host's L3) they took 1.1-2.3 ms per layer against 0.36 ms for
 # this kernel (torch.profiler, docs/performance.md "CPU stack (session 3)"). The C source is compiled once per
-# machine by the host's C compiler (-O3 -march=native -ffast-math; the runtime image has g++) into a per-user
+# machine by the host's C compiler (-O3 -march=native, reassociating sums but not -ffast-math: _NATIVE_FLAGS; the runtime image has g++) into a per-user
 # cache and called through ctypes. It reads only rows < L (rows past the length may hold anything); the
 # causal limit of each verify row is applied in its softmax. Without a compiler the PyTorch kernels run and
 # one warning says so.
@@ -175,7 +175,11 @@ int el_live_attention_f32(const float *q, const float *kc, const float *vc, floa
 }
 #endif
 """
-_NATIVE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fPIC", "-shared"]
+# Not -ffast-math: linking with it adds crtfastmath.o, whose constructor sets flush-to-zero / denormals-are-zero in
+# the MXCSR of the whole process when the library loads (every later float op of torch, numpy and Python itself
+# then flushes subnormals; found by hypothesis in the CI run). The reassociation the sweeps' sums need, without it:
+_NATIVE_FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math",
+                 "-fno-signed-zeros", "-fPIC", "-shared"]
 # EXPRESSLANE_CPU_ATTENTION=torch keeps PyTorch's kernels (the bmm's eagerly, SDPA compiled): for A/B runs.
 _NATIVE_WANTED = os.environ.get("EXPRESSLANE_CPU_ATTENTION", "native") != "torch"
 _NATIVE_HEAD_DIMS = (16, 32, 64, 80, 96, 128, 256)  # the switch in el_live_attention_f32
