@@ -12,6 +12,7 @@ from ..models import ModelConfig, Transformer, load_model
 from ..models.attention import ATTENTION_ALIASES, AttentionKind, StepContext
 from ..models.rope import rope_tables
 from .cache import KVGeometry, StaticKVCache
+from .chain import GreedyChain
 from .runner import StepRunner
 from . import logprobs as lp
 from .grammar import BACKEND as GRAMMAR_BACKEND
@@ -104,7 +105,7 @@ class DecodeEngine:
     def __init__(self, model: Transformer, config: ModelConfig, *, dtype: torch.dtype, device: torch.device,
                  max_seq_len: int, attention: str | AttentionKind = "live", compile: bool = False,
                  cuda_graph: bool | None = None, speculation: SpeculationConfig | None = SpeculationConfig(),
-                 compile_mode: str | None = None, lean: bool | None = False) -> None:
+                 compile_mode: str | None = None, lean: bool | None = None) -> None:
         kind = parse_attention(attention)
         cuda_graph = resolve_cuda_graph(cuda_graph, device.type, kind)
         self.model = model
@@ -127,15 +128,19 @@ class DecodeEngine:
         self.runner = StepRunner(model, self.cache, self.cos, self.sin, attention=kind, compile=compile,
                                  cuda_graph=cuda_graph, max_rows=1 + (speculation.k if speculation else 0),
                                  compile_mode=compile_mode, lean=lean)
+        # Plain greedy requests run as a GreedyChain (decode/chain.py): the device one step ahead of the host.
+        # False runs them through the per-token loop (A/B and tests).
+        self.greedy_chain = True
+        self._chain = GreedyChain(self.runner)
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, *, dtype: str | torch.dtype = "float32",
                         device: str | torch.device = "cpu", max_seq_len: int = 4096, attention: str | None = None,
                         compile: bool = False, cuda_graph: bool | None = None,
                         speculation: SpeculationConfig | None = SpeculationConfig(),
-                        compile_mode: str | None = None, lean: bool | None = False) -> "DecodeEngine":
-        """lean: the fused T = 1 step on CUDA (decode/runner.py). False (the default until a GPU run has
-        checked its last kernel changes), None wherever it applies, True or ValueError."""
+                        compile_mode: str | None = None, lean: bool | None = None) -> "DecodeEngine":
+        """lean: the fused T = 1 step on CUDA (decode/runner.py). None (the default) wherever it applies,
+        True or ValueError, False the PyTorch step."""
         config = ModelConfig.from_model_dir(model_dir)
         if dtype == "auto":  # the checkpoint's own dtype, like vLLM's --dtype auto for these dtypes
             dtype = config.checkpoint_dtype or "float32"
@@ -286,6 +291,9 @@ class DecodeEngine:
         if self.speculation and self._drafter_factory and params.speculative and sampler.supports_speculation:
             drafter = self._drafter_factory()
             drafter.start([*params.prompt_token_ids, first_token_id])
+        if drafter is None and k_lp is None and sampler.plain_greedy and self.greedy_chain:
+            yield from self._run_chain(gen, first_token_id, limit, stop_ids)
+            return
         with torch.inference_mode():
             token = torch.tensor([first_token_id], dtype=torch.long, device=self.device)
             sampler.observe(token)
@@ -346,5 +354,38 @@ class DecodeEngine:
                 gen.spec.record(len(drafts), accepted)
                 if drafter:
                     drafter.extend(pending)
+        finally:
+            self.spec_stats.add(gen.spec)
+
+    def _run_chain(self, gen: Generation, first_token_id: int, limit: int, stop_ids: set[int]) -> Iterator[int]:
+        """The token loop for plain greedy requests (decode/chain.py): the same tokens, stop rules and cache
+        state as `_run`'s, with step n + 1 queued on the device before step n's token is read."""
+        params, out, chain = gen.params, gen.token_ids, self._chain
+        pos = gen.num_prompt_tokens  # where the last emitted token goes
+        cancelled = lambda: gen.cancel_event.is_set() or self._cancel.is_set()  # noqa: E731
+        chain.start(first_token_id, pos)
+        queued: list[int] = []  # submitted steps not yet read, oldest first
+        tok = first_token_id
+        try:
+            while True:
+                out.append(tok)
+                yield tok
+                if tok in stop_ids and len(out) >= params.min_tokens:
+                    gen.finish_reason = "stop"
+                    return
+                if len(out) >= limit:
+                    gen.finish_reason = "length"
+                    return
+                if cancelled():
+                    gen.finish_reason = "abort"
+                    return
+                # Step j (0-based) yields token len(out) + ... : submit while the limit still takes the tokens
+                # of every submitted step, keeping one step queued behind the one read next.
+                while len(queued) < 2 and len(out) + len(queued) < limit:
+                    queued.append(chain.submit())
+                tok = chain.result(queued.pop(0))
+                pos += 1
+                self.cached_tokens = pos
+                gen.spec.record(0, 0)
         finally:
             self.spec_stats.add(gen.spec)

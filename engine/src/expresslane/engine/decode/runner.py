@@ -18,6 +18,12 @@ buffers (token rows, the start position), picks the attention kernel, and runs t
   buckets (T > 1) stay the (compiled) graph. `lean=None` picks it wherever it applies, `lean=True` demands it
   (ValueError saying why it does not apply), `lean=False` keeps the PyTorch step; `set_lean` switches later.
 
+`greedy_step` is the T = 1 step of a greedy chain: the step reads its token and start position from the
+runner's device buffers and writes the argmax of its logits and the next position back into them, so the host
+can queue the next step before it has read this one's token (decode/chain.py). On the graph path that is one
+more graph per runner (the T = 1 step plus the argmax and the advance); elsewhere the same three operations run
+one after the other.
+
 The model owns the math, the engine owns the cache; the runner owns nothing else.
 """
 
@@ -30,6 +36,9 @@ import torch
 from ..models import Transformer
 from ..models.attention import AttentionKind, StepContext, causal_mask
 from .cache import StaticKVCache
+
+
+GREEDY = "greedy"  # the chained T = 1 step's graph key
 
 
 class StepMode(str, enum.Enum):
@@ -59,7 +68,8 @@ class StepRunner:
             self._arange = torch.arange(cache.geometry.max_seq_len, device=device)
             self._start = torch.zeros(1, dtype=torch.long, device=device)
             self._tokens = torch.zeros(max_rows, dtype=torch.long, device=device)
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # Keyed by T, and GREEDY for the chained T = 1 step.
+        self._graphs: dict[int | str, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._lean = None
         self._set_step()
         self.set_lean(lean)
@@ -85,6 +95,7 @@ class StepRunner:
         if on == (self._lean is not None):
             return
         self._graphs.pop(1, None)
+        self._graphs.pop(GREEDY, None)
         if on:
             from ..models.lean import LeanStep
 
@@ -105,7 +116,7 @@ class StepRunner:
         return StepMode.COMPILED if self.compile else StepMode.EAGER
 
     def _set_step(self) -> None:
-        self._graphs = {1: self._graphs[1]} if self._lean is not None and 1 in self._graphs else {}
+        self._graphs = {t: g for t, g in self._graphs.items() if self._lean is not None and t in (1, GREEDY)}
         self._step = (torch.compile(self._forward, dynamic=True, mode=self.compile_mode) if self.compile
                       else self._forward)
 
@@ -142,16 +153,47 @@ class StepRunner:
         graph.replay()
         return logits
 
+    @torch.inference_mode()
+    def start_greedy(self, token: int, start_pos: int) -> None:
+        """Set the device buffers a greedy chain starts from: `token` at position `start_pos`."""
+        self._tokens[:1].fill_(token)
+        self._start.fill_(start_pos)
+
+    @torch.inference_mode()
+    def greedy_step(self, start_pos: int) -> torch.Tensor:
+        """One T = 1 step on the runner's own token and start buffers (start_greedy, or the previous
+        greedy_step): writes the K/V of the token at the start position, then the argmax of the step's float32
+        logits (what Sampler.sample returns for greedy) into the token buffer and start + 1 into the start
+        buffer, all on the device. `start_pos` is the host's count of the same position (the live-length
+        attention of the eager CPU step needs it; graphs ignore it). Returns the token buffer [1], which the
+        next greedy_step overwrites: copy it out (decode/chain.py) before then, in stream order."""
+        tokens = self._tokens[:1]
+        if self.cuda_graph:
+            if GREEDY not in self._graphs:
+                self._capture(1, greedy=True)
+            self._graphs[GREEDY][0].replay()
+            return tokens
+        kv_len = start_pos + 1 if self.attention is AttentionKind.LIVE else None
+        self._advance(self._step(tokens, self._start, kv_len))
+        return tokens
+
+    def _advance(self, logits: torch.Tensor) -> None:
+        self._tokens[:1].copy_(logits[-1].argmax(dim=-1, keepdim=True))
+        self._start.add_(1)
+
     def capture(self, rows: range | None = None) -> None:
-        """Capture the CUDA graph of each T bucket now (no-op off the graph path). Writes cache rows at the
-        current start position, which the caller treats as scratch."""
+        """Capture the CUDA graph of each T bucket now (no-op off the graph path), and the greedy chain's when
+        `rows` is None. Writes cache rows at the current start position, which the caller treats as scratch."""
         if self.cuda_graph:
             for t in rows or range(1, self.max_rows + 1):
                 if t not in self._graphs:
                     with torch.inference_mode():
                         self._capture(t)
+            if rows is None and GREEDY not in self._graphs:
+                with torch.inference_mode():
+                    self._capture(1, greedy=True)
 
-    def _capture(self, t: int) -> None:
+    def _capture(self, t: int, greedy: bool = False) -> None:
         # Warm-up runs on a side stream first (cuBLAS workspaces, torch.compile, Triton autotune), as capture
         # requires. They compute the same step for the same tokens and start, so the cache rows they write are
         # the ones the step writes anyway.
@@ -168,4 +210,6 @@ class StepRunner:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, capture_error_mode="thread_local"):
             logits = step(tokens, self._start, None)
-        self._graphs[t] = (graph, logits)
+            if greedy:  # recorded, not run: the warm-ups above left the buffers as they were
+                self._advance(logits)
+        self._graphs[GREEDY if greedy else t] = (graph, logits)

@@ -164,6 +164,14 @@ class Sampler:
         self._top_p = params.top_p if params.top_p < 1.0 else 0.0
 
     @property
+    def plain_greedy(self) -> bool:
+        """The next token is the argmax of the step's logits alone: greedy with no grammar, allowed-token mask,
+        min_tokens mask, logit bias or penalty (decode/chain.py runs that argmax on the device)."""
+        return (self.params.greedy and self.grammar is None and self._disallowed is None
+                and self._min_tokens_ids is None and self._bias is None and not self._use_rep
+                and not self._use_counts)
+
+    @property
     def supports_speculation(self) -> bool:
         """Penalties see every earlier token, so per-row processing of a verify block would not be exact."""
         return not (self._use_counts or self._use_rep)

@@ -40,7 +40,7 @@ class ServerConfig:
     spec_k: int = 4  # most draft tokens per verify step
     compile: bool = False
     cuda_graph: bool | None = None  # None: on for cuda with masked attention (the engine's default)
-    lean: bool | None = False  # the fused T = 1 CUDA step: False off, None where it applies, True or fail
+    lean: bool | None = None  # the fused T = 1 CUDA step: False off, None where it applies, True or fail
     threads: int | None = None  # torch intra-op threads on CPU; None = one per bound CPU, else torch default
     cpu_bind: tuple[int, ...] | None = None  # pin the whole process to these CPUs; None = inherit
     warmup: bool = True
@@ -116,10 +116,10 @@ def parse_args(argv: list[str] | None = None, env: Mapping[str, str] | None = No
     ap.add_argument("--compile", action="store_true", help="torch.compile the decode step")
     ap.add_argument("--cuda-graph", choices=["auto", "on", "off"], default="auto",
                     help="replay the decode step as one CUDA graph (auto: on for cuda with masked attention)")
-    ap.add_argument("--lean", choices=["auto", "on", "off"], default="off",
+    ap.add_argument("--lean", choices=["auto", "on", "off"], default="auto",
                     help="the fused T = 1 decode step on CUDA (6 Triton kernels a layer; needs --cuda-graph and split "
-                         "attention): auto = wherever it applies, on = or fail at start (off by default: its last "
-                         "kernel changes have not run on a GPU yet, docs/performance.md)")
+                         "attention): auto = wherever it applies (the default), on = or fail at start, off = the "
+                         "PyTorch step")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch CPU threads (default: one per --cpu-bind CPU, else torch's default)")
     ap.add_argument("--cpu-bind", default=None, metavar="LIST",

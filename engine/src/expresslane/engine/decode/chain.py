@@ -1,0 +1,85 @@
+"""GreedyChain: greedy decode steps queued one ahead of the host.
+
+The plain token loop (engine.py) syncs once a token: it launches step n, waits for its argmax on the host
+(`.item()`), and only then launches step n + 1, so the GPU idles for the host's share of every token (the
+Python loop, the stop checks, handing the token to the server: 0.08-0.22 ms a token on the H200, measured as
+the gap between the graph replay's time and the loop's). For greedy sampling the next step's input is known on
+the device as soon as this step ends, so the chain keeps the device one step ahead:
+
+    start(token, pos)         the runner's device buffers hold `token` at `pos`
+    submit() -> step n        StepRunner.greedy_step: the step, then argmax -> token buffer, pos + 1
+                              (inside the step's CUDA graph), then a copy of the token into a pinned host slot
+                              and an event, all queued on the stream
+    result(step n) -> int     waits for step n's event only: step n + 1 is already queued behind it
+
+The engine submits step n + 1 before it reads step n's token. When the stream stops (a stop token, the length
+limit, a cancel), the one step already queued runs to the end and its token is dropped: it wrote the K/V of
+the last emitted token one row past the cache's live length, which attention never reads and the next request
+overwrites (the same rule as a rejected draft's rows). It never writes past the row the plain loop would reach
+for the same request's limit (the engine submits no step whose token the limit would not take).
+
+Exactness: the argmax is the same operation on the same float32 logits as Sampler.sample for greedy, so the
+chain's tokens are the plain loop's (tests/unit/engine/test_greedy_chain.py). It is used only where the plain
+loop's token is that argmax alone: greedy, no drafter, no grammar, no logprobs, no logits processing.
+
+Off a GPU (the eager or compiled CPU step) the same steps run synchronously: nothing overlaps, and the result
+is read from the token buffer directly.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .runner import StepRunner
+
+
+class GreedyChain:
+    #: Pinned host slots and events: at most two steps are outstanding (the one read, the one queued).
+    DEPTH = 4
+
+    def __init__(self, runner: StepRunner) -> None:
+        self.runner = runner
+        self._cuda = runner.device.type == "cuda"
+        self._pos = 0
+        self._submitted = 0
+        if self._cuda:
+            self._host = torch.empty(self.DEPTH, dtype=torch.long, pin_memory=True)
+            self._events = [torch.cuda.Event() for _ in range(self.DEPTH)]
+        self._cpu_results: dict[int, int] = {}
+
+    @property
+    def submitted(self) -> int:
+        """Steps submitted since `start`."""
+        return self._submitted
+
+    def start(self, token: int, pos: int) -> None:
+        """The next step takes `token` at position `pos`."""
+        self.runner.start_greedy(token, pos)
+        self._pos = pos
+        self._submitted = 0
+        self._cpu_results.clear()
+
+    def submit(self) -> int:
+        """Queue the next step; returns its number (0, 1, ...) for `result`."""
+        n = self._submitted
+        tok = self.runner.greedy_step(self._pos + n)
+        if self._cuda:
+            slot = n % self.DEPTH
+            with torch.inference_mode():
+                self._host[slot:slot + 1].copy_(tok, non_blocking=True)
+            self._events[slot].record()
+        else:
+            self._cpu_results[n] = int(tok.item())
+        self._submitted = n + 1
+        return n
+
+    def result(self, n: int) -> int:
+        """Step n's token (blocks until step n is done, not the steps queued after it). Read each step's
+        result before DEPTH - 1 more steps are submitted."""
+        if not self._cuda:
+            return self._cpu_results.pop(n)
+        if self._submitted - n >= self.DEPTH:
+            raise RuntimeError(f"step {n}'s host slot was reused: read results at most {self.DEPTH - 1} behind")
+        slot = n % self.DEPTH
+        self._events[slot].synchronize()
+        return int(self._host[slot])
