@@ -173,8 +173,11 @@ def step_logits(engine: DecodeEngine, lean: bool, pos: int) -> torch.Tensor:
         return engine.runner.forward(torch.tensor([424], device=DEV), pos).clone()
 
 
-def decode(engine: DecodeEngine, ctx: int, tokens: int, repeats: int = 2) -> tuple[float, list[int]]:
+def decode(engine: DecodeEngine, ctx: int, tokens: int, repeats: int = 2, chain: bool = True) -> tuple[float, list[int]]:
+    """tok/s of `tokens` greedy tokens after the first; chain: the greedy chain (decode/chain.py, the default
+    path) or the per-token loop (one host sync per token before the next step is launched)."""
     best, ids = 0.0, []
+    engine.greedy_chain = chain
     for _ in range(repeats):
         engine.cached_tokens = ctx  # the cache rows [0, ctx) hold random K/V: a context of ctx tokens
         gen = engine.generate(424, ctx, SamplingParams(max_tokens=tokens + 1, ignore_eos=True, speculative=False))
@@ -184,6 +187,7 @@ def decode(engine: DecodeEngine, ctx: int, tokens: int, repeats: int = 2) -> tup
         rate = len(out) / (time.perf_counter() - t0)
         if rate > best:
             best, ids = rate, gen.token_ids
+    engine.greedy_chain = True
     return best, ids
 
 
@@ -287,12 +291,14 @@ def run_shape(shape: str, contexts: list[int], bw: float) -> None:
             if late(f"{shape} {step} context {ctx}"):
                 break
             rate, ids = decode(engine, ctx, args.tokens)
+            loop_rate, loop_ids = decode(engine, ctx, args.tokens, chain=False)
             tokens[step, ctx] = ids
             ms = replay_ms(engine, ctx)
             bound = bw / (wbytes + kv_tok * (ctx + args.tokens / 2))
             emit("decode", shape=shape, step=step, mode=engine.runner.mode.value, context=ctx, tok_per_s=rate,
+                 loop_tok_per_s=loop_rate, chain_equals_loop=ids == loop_ids,
                  replay_ms=ms, replay_tok_per_s=1e3 / ms, bound_tok_per_s=bound, of_bound=rate / bound,
-                 replay_of_bound=1e3 / ms / bound)
+                 loop_of_bound=loop_rate / bound, replay_of_bound=1e3 / ms / bound)
     for ctx in contexts:
         a, b = tokens.get(("lean", ctx)), tokens.get(("graph", ctx))
         if a and b:
@@ -358,7 +364,8 @@ def main() -> None:
         # The GPU tests that run through the lean step (the server-flag test needs starlette, absent there).
         proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
                                "-k", "not server_flag", "tests/unit/engine/test_fused_kernels.py",
-                               "tests/unit/engine/test_cuda_graph.py", "tests/unit/engine/test_gpu_speculative.py"],
+                               "tests/unit/engine/test_cuda_graph.py", "tests/unit/engine/test_gpu_speculative.py",
+                               "tests/unit/engine/test_greedy_chain.py"],
                               capture_output=True, text=True,
                               timeout=max(10, args.deadline_s + 60 - (time.time() - T0)))
         emit("pytest", rc=proc.returncode, tail=proc.stdout[-1500:])

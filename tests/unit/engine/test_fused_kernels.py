@@ -81,8 +81,8 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 # Block shapes the tests run (rows or row pairs, K per iteration, prefetch): the measured loop and the prefetching
 # one, each at a shape whose K-block is larger and one smaller than the test's K (64).
 # On CPU (CI) three of each: the interpreter takes about a second per kernel call.
-SINGLE = [(4, 2048, 0), (8, 512, 1), (32, 16, 1)] + ([(16, 512, 0)] if DEVICE == "cuda" else [])
-PAIRS = [(2, 2048, 0), (4, 512, 1), (2, 16, 1)] + ([(8, 512, 0)] if DEVICE == "cuda" else [])
+SINGLE = [(4, 2048, 0), (8, 512, 1), (32, 16, 1)] + ([(16, 512, 0), (16, 512, 0, 8)] if DEVICE == "cuda" else [])
+PAIRS = [(2, 2048, 0), (4, 512, 1), (2, 16, 1)] + ([(8, 512, 0), (8, 256, 1, 8)] if DEVICE == "cuda" else [])
 
 
 def _pairs(cands, limit):

@@ -37,9 +37,14 @@ import triton.testing
 # are in flight, and the RMSNorm statistic is one load of the whole row issued after the first tile's load.
 # Prefetch 0 is the loop measured on the H200 in docs/bench/2026-12-01-gpu-speed-3; the prefetch candidates
 # were added after that run (not measured yet): the device's timing picks whichever is faster.
-GEMV_CONFIGS = ((4, 2048, 0), (8, 1024, 0), (16, 512, 0), (32, 256, 0), (8, 512, 1), (16, 256, 1), (32, 128, 1))
-# (row pairs per program, K per iteration, prefetch) for the kernels that own two row sets.
-PAIR_CONFIGS = ((2, 2048, 0), (4, 1024, 0), (8, 512, 0), (16, 256, 0), (4, 512, 1), (8, 256, 1), (16, 128, 1))
+# A fourth element is the program's warps (4 when absent): the 8-warp candidates keep twice the loads in
+# flight per program (added in session 4, after the session-3 profile found the 8B's QKV GEMV at 66 % and
+# its gate/up at 86 % of copy speed).
+GEMV_CONFIGS = ((4, 2048, 0), (8, 1024, 0), (16, 512, 0), (32, 256, 0), (8, 512, 1), (16, 256, 1), (32, 128, 1),
+                (16, 512, 0, 8), (32, 256, 0, 8), (16, 256, 1, 8))
+# (row pairs per program, K per iteration, prefetch[, warps]) for the kernels that own two row sets.
+PAIR_CONFIGS = ((2, 2048, 0), (4, 1024, 0), (8, 512, 0), (16, 256, 0), (4, 512, 1), (8, 256, 1), (16, 128, 1),
+                (8, 512, 0, 8), (16, 256, 0, 8), (8, 256, 1, 8))
 
 
 @triton.jit
@@ -243,18 +248,26 @@ def _norm_gemv_kernel(x_ptr, nw_ptr, w_ptr, out_ptr, N, K, eps, BLOCK_N: tl.cons
 
 # ---------------------------------------------------------------------------------------------- launchers
 
-_PICKED: dict[tuple, tuple[int, int, int]] = {}
+_PICKED: dict[tuple, tuple[int, ...]] = {}
 TUNING_LOG: list[dict] = []  # what pick_config measured (the GPU bench writes it out)
 
 
-def _fits(cfg: tuple[int, int, int], k: int, max_rows: int | None) -> bool:
-    rows, block_k, _ = cfg
+def _warps(cfg: tuple[int, ...]) -> int:
+    return cfg[3] if len(cfg) > 3 else 4
+
+
+def _label(cfg: tuple[int, ...]) -> str:
+    return f"{cfg[0]}x{cfg[1]}" + ("p" if cfg[2] else "") + (f"w{_warps(cfg)}" if _warps(cfg) != 4 else "")
+
+
+def _fits(cfg: tuple[int, ...], k: int, max_rows: int | None) -> bool:
+    rows, block_k = cfg[0], cfg[1]
     return (max_rows is None or rows <= max_rows) and block_k <= max(16, triton.next_power_of_2(k))
 
 
 def pick_config(name: str, n: int, k: int, candidates, launch, max_rows: int | None = None,
                 restore: torch.Tensor | None = None, device: torch.device | None = None,
-                config: tuple[int, int, int] | None = None) -> tuple[int, int, int]:
+                config: tuple[int, ...] | None = None) -> tuple[int, ...]:
     """The fastest candidate for (name, n, k) on this device, timed once (`launch(cfg)` runs the kernel);
     `restore`: a tensor the kernel updates in place, put back after the timing runs; `config`: use this one."""
     if config is not None:
@@ -274,7 +287,7 @@ def pick_config(name: str, n: int, k: int, candidates, launch, max_rows: int | N
         restore.copy_(saved)
     best = min(times, key=times.get)
     TUNING_LOG.append({"kernel": name, "n": n, "k": k, "best": list(best),
-                       "us": {f"{c[0]}x{c[1]}" + ("p" if c[2] else ""): round(1e3 * t, 2) for c, t in times.items()}})
+                       "us": {_label(c): round(1e3 * t, 2) for c, t in times.items()}})
     _PICKED[key] = best
     return best
 
@@ -288,12 +301,12 @@ def norm_qkv_rope(x, norm_w, eps, w, b, cos, sin, start, q_out, k_cache, v_cache
     heads = num_heads + 2 * num_kv_heads
 
     def launch(cfg):
-        bj, bk, pre = cfg
+        bj, bk, pre = cfg[:3]
         _norm_qkv_rope_kernel[(heads * (half // bj),)](
             x, norm_w, w, b if b is not None else w, cos, sin, start, q_out, k_cache, v_cache, k, eps,
             k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
             NH=num_heads, NKV=num_kv_heads, D=head_dim, HAS_BIAS=b is not None, BJ=bj, BLOCK_K=bk, PREFETCH=pre,
-            K_POW2=triton.next_power_of_2(k), num_warps=4)
+            K_POW2=triton.next_power_of_2(k), num_warps=_warps(cfg))
 
     cands = [c for c in PAIR_CONFIGS if half % c[0] == 0] or [(1, 2048, 0)]
     launch(pick_config("norm_qkv_rope", w.shape[0], k, cands, launch, max_rows=half, device=x.device, config=config))
@@ -304,10 +317,10 @@ def gemv_residual(a, w, b, residual, config=None):
     n, k = w.shape
 
     def launch(cfg):
-        bn, bk, pre = cfg
+        bn, bk, pre = cfg[:3]
         _gemv_residual_kernel[(triton.cdiv(n, bn),)](a, w, b if b is not None else w, residual, n, k,
                                                      HAS_BIAS=b is not None, BLOCK_N=bn, BLOCK_K=bk, PREFETCH=pre,
-                                                     num_warps=4)
+                                                     num_warps=_warps(cfg))
 
     launch(pick_config("gemv_residual", n, k, GEMV_CONFIGS, launch, restore=residual, device=a.device, config=config))
 
@@ -318,10 +331,10 @@ def norm_gate_up_silu(x, norm_w, eps, w, b, out, config=None):
     i = i2 // 2
 
     def launch(cfg):
-        bj, bk, pre = cfg
+        bj, bk, pre = cfg[:3]
         _norm_gate_up_silu_kernel[(triton.cdiv(i, bj),)](x, norm_w, w, b if b is not None else w, out, i, k, eps,
                                                          HAS_BIAS=b is not None, BJ=bj, BLOCK_K=bk, PREFETCH=pre,
-                                                         K_POW2=triton.next_power_of_2(k), num_warps=4)
+                                                         K_POW2=triton.next_power_of_2(k), num_warps=_warps(cfg))
 
     launch(pick_config("norm_gate_up_silu", i2, k, PAIR_CONFIGS, launch, device=x.device, config=config))
 
@@ -331,8 +344,8 @@ def norm_gemv(x, norm_w, eps, w, out, config=None):
     n, k = w.shape
 
     def launch(cfg):
-        bn, bk, pre = cfg
+        bn, bk, pre = cfg[:3]
         _norm_gemv_kernel[(triton.cdiv(n, bn),)](x, norm_w, w, out, n, k, eps, BLOCK_N=bn, BLOCK_K=bk, PREFETCH=pre,
-                                                 K_POW2=triton.next_power_of_2(k), num_warps=4)
+                                                 K_POW2=triton.next_power_of_2(k), num_warps=_warps(cfg))
 
     launch(pick_config("norm_gemv", n, k, GEMV_CONFIGS, launch, device=x.device, config=config))
