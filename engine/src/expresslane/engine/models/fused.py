@@ -39,12 +39,15 @@ import triton.testing
 # were added after that run (not measured yet): the device's timing picks whichever is faster.
 # A fourth element is the program's warps (4 when absent): the 8-warp candidates keep twice the loads in
 # flight per program (added in session 4, after the session-3 profile found the 8B's QKV GEMV at 66 % and
-# its gate/up at 86 % of copy speed).
+# its gate/up at 86 % of copy speed; the first session-4 run picked 8x256pw8 for the QKV of both shapes, 33 ->
+# 24 us for the 8B's; the last row of each list adds the neighbours of the picks of that run).
 GEMV_CONFIGS = ((4, 2048, 0), (8, 1024, 0), (16, 512, 0), (32, 256, 0), (8, 512, 1), (16, 256, 1), (32, 128, 1),
-                (16, 512, 0, 8), (32, 256, 0, 8), (16, 256, 1, 8))
+                (16, 512, 0, 8), (32, 256, 0, 8), (16, 256, 1, 8),
+                (4, 1024, 1), (8, 1024, 1), (4, 512, 1), (8, 512, 1, 8), (4, 1024, 1, 8))
 # (row pairs per program, K per iteration, prefetch[, warps]) for the kernels that own two row sets.
 PAIR_CONFIGS = ((2, 2048, 0), (4, 1024, 0), (8, 512, 0), (16, 256, 0), (4, 512, 1), (8, 256, 1), (16, 128, 1),
-                (8, 512, 0, 8), (16, 256, 0, 8), (8, 256, 1, 8))
+                (8, 512, 0, 8), (16, 256, 0, 8), (8, 256, 1, 8),
+                (16, 128, 1, 8), (4, 256, 1, 8), (8, 128, 1, 8), (4, 512, 1, 8), (4, 256, 1))
 
 
 @triton.jit
