@@ -27,9 +27,11 @@ def _rand(n: int, seed: int = 0) -> torch.Tensor:
 
 @pytest.fixture()
 def small_rows(monkeypatch):
-    """Rows of 8 words, batches of 3 rows: the multi-row / multi-batch / tail paths on a few hundred bytes."""
+    """Rows of 8 words, batches of 3 rows, groups of 4 rows: every path (rows, batches, groups, tail) on a few
+    hundred bytes."""
     monkeypatch.setattr(cs, "_ROW_WORDS", 8)
     monkeypatch.setattr(cs, "_BATCH_ROWS", 3)
+    monkeypatch.setattr(cs, "_GROUP_ROWS", 4)
     monkeypatch.setattr(cs, "_aranges", {})
 
 
@@ -46,7 +48,7 @@ def test_wsum16_matches_its_definition(small_rows, n: int) -> None:
 
 
 def test_wsum16_at_the_real_row_size_matches_its_definition() -> None:
-    data = _rand(2 * 2 * cs._ROW_WORDS + 7)  # two full 8 MiB rows and an odd tail
+    data = _rand(5 * 2 * cs._ROW_WORDS + 7)  # five full rows and an odd tail
     raw = data.numpy().tobytes()
     import numpy as np
 

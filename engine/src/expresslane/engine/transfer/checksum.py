@@ -32,10 +32,13 @@ ALGORITHMS = (CRC32, WSUM16)
 ALGORITHM = CRC32  # the default (and the only one a receiver that advertises nothing knows)
 
 _CHUNK = 64 * 1024 * 1024
-_ROW_WORDS = 1 << 22   # words per exact int64 row sum (see the module docstring for why this cannot overflow)
-_BATCH_ROWS = 8        # rows widened to int64 at once: 256 MiB of int64 per batch
+# wsum16 on the device: rows of _ROW_WORDS words; int16 word x int32 position fits int32 (|j * w| < 2**30), a row's
+# sums fit int64; groups of _GROUP_ROWS rows combine exactly in int64 (|r * s1_r| < 2**46, 2**16 of them < 2**62).
+_ROW_WORDS = 1 << 15
+_BATCH_ROWS = 1 << 11   # rows multiplied at once: 256 MiB of int32 products
+_GROUP_ROWS = 1 << 16
 _MASK64 = (1 << 64) - 1
-_aranges: dict[torch.device, torch.Tensor] = {}
+_aranges: dict[tuple, torch.Tensor] = {}
 
 
 def checksum(data: torch.Tensor, algorithm: str = CRC32) -> str:
@@ -79,16 +82,37 @@ def _crc32(data: torch.Tensor) -> int:
     return crc & 0xFFFFFFFF
 
 
-def _arange(device: torch.device) -> torch.Tensor:
-    ar = _aranges.get(device)
+def _arange(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    key = (n, dtype, device)
+    ar = _aranges.get(key)
     if ar is None:
-        ar = _aranges[device] = torch.arange(_ROW_WORDS, dtype=torch.int64, device=device)
+        ar = _aranges[key] = torch.arange(n, dtype=dtype, device=device)
     return ar
 
 
-@torch.inference_mode()
+_streams: dict[torch.device, torch.cuda.Stream] = {}
+
+
 def _wsum16(data: torch.Tensor) -> tuple[int, int]:
-    """(S1, S2) mod 2**64, computed on data's device; only the per-row sums (16 B per 8 MiB) leave it."""
+    """On CUDA on a side stream of its own (after the work already queued on the caller's stream), so a
+    receiver checking request N+1's KV does not queue behind or in front of request N's decode steps."""
+    if data.device.type != "cuda":
+        return _wsum16_here(data)
+    stream = _streams.get(data.device)
+    if stream is None:
+        stream = _streams[data.device] = torch.cuda.Stream(device=data.device)
+    stream.wait_stream(torch.cuda.current_stream(data.device))
+    with torch.cuda.stream(stream):
+        return _wsum16_here(data)
+
+
+@torch.inference_mode()
+def _wsum16_here(data: torch.Tensor) -> tuple[int, int]:
+    """(S1, S2) mod 2**64, computed on data's device; what leaves it is 3 int64 per 4 GiB of words.
+
+    Row r (words r*R .. r*R+R-1, the last row zero-padded: zeros add nothing) gives s1_r = sum(w) and
+    s2_r = sum(j * w_j) (j the position in the row); then S1 = sum(s1_r) and
+    S2 = sum((r*R + 1) * s1_r + s2_r) = R * sum(r * s1_r) + S1 + sum(s2_r), per group of rows on the device."""
     n = data.numel()
     even = n - (n & 1)
     body = data[:even]
@@ -96,28 +120,38 @@ def _wsum16(data: torch.Tensor) -> tuple[int, int]:
         body = body.clone()
     words = body.view(torch.int16)
     nw = words.numel()
-    ar = _arange(data.device)
-    full = nw // _ROW_WORDS
+    R, dev = _ROW_WORDS, data.device
+    full = nw // R
+    pos = _arange(R, torch.int32, dev)
     s1_parts: list[torch.Tensor] = []
     s2_parts: list[torch.Tensor] = []
+
+    def rows_sums(rows: torch.Tensor) -> None:  # rows: [b, R] int16
+        s1_parts.append(rows.sum(1, dtype=torch.int64))
+        s2_parts.append((rows * pos).sum(1, dtype=torch.int64))  # int16 * int32 -> int32 on the fly
+
     for r0 in range(0, full, _BATCH_ROWS):
         b = min(_BATCH_ROWS, full - r0)
-        rows = words[r0 * _ROW_WORDS:(r0 + b) * _ROW_WORDS].view(b, _ROW_WORDS).to(torch.int64)
-        s1_parts.append(rows.sum(1))
-        s2_parts.append((rows * ar).sum(1))
-    tail_words = nw - full * _ROW_WORDS
-    if tail_words:
-        tail = words[full * _ROW_WORDS:].to(torch.int64)
-        s1_parts.append(tail.sum().view(1))
-        s2_parts.append((tail * ar[:tail_words]).sum().view(1))
-    s1_rows = torch.cat(s1_parts).tolist() if s1_parts else []  # one sync, a few KiB
-    s2_rows = torch.cat(s2_parts).tolist() if s2_parts else []
+        rows_sums(words[r0 * R:(r0 + b) * R].view(b, R))
+    if nw > full * R:
+        last = torch.zeros(R, dtype=torch.int16, device=dev)
+        last[:nw - full * R] = words[full * R:]
+        rows_sums(last.view(1, R))
     s1 = s2 = 0
-    for r, (a, w) in enumerate(zip(s1_rows, s2_rows)):  # row r starts at word r * _ROW_WORDS
-        s1 += a
-        s2 += (r * _ROW_WORDS + 1) * a + w
+    if s1_parts:
+        s1_rows, s2_rows = torch.cat(s1_parts), torch.cat(s2_parts)
+        G = _GROUP_ROWS
+        sums = []
+        for g0 in range(0, s1_rows.numel(), G):
+            a = s1_rows[g0:g0 + G]
+            sums.append(torch.stack([a.sum(), s2_rows[g0:g0 + G].sum(),
+                                     (a * _arange(a.numel(), torch.int64, dev)).sum()]))
+        for g, (a, b, c) in enumerate(torch.stack(sums).tolist()):  # one sync, 24 B per group
+            r0 = g * G
+            s1 += a
+            s2 += R * (r0 * a + c) + a + b
     if n & 1:
-        last = int(data[n - 1].item())
-        s1 += last
-        s2 += (nw + 1) * last
+        last_byte = int(data[n - 1].item())
+        s1 += last_byte
+        s2 += (nw + 1) * last_byte
     return s1 & _MASK64, s2 & _MASK64
