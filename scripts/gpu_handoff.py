@@ -119,13 +119,16 @@ def _memcpy_summary(trace_path: str) -> dict:
             "host_bytes": sum(v["bytes"] for k, v in out.items() if "DtoH" in k or "HtoD" in k)}
 
 
-def _pinned_host_bytes() -> int | None:
+def _pinned_host_bytes() -> dict | None:
+    """The pinned host allocator's cumulative counters (equal before and after: no pinned block was handed out)."""
     import torch
 
     try:
-        return int(torch.cuda.memory.host_memory_stats().get("allocated_bytes.all.current", 0))
+        stats = torch.cuda.memory.host_memory_stats()
     except Exception:  # noqa: BLE001 - older torch
         return None
+    keys = ("active_bytes.allocated", "active_requests.allocated", "allocated_bytes.allocated", "num_host_alloc")
+    return {k: stats.get(k) for k in keys}
 
 
 # ============================================================================ child processes
@@ -176,7 +179,7 @@ class _Receiver:
         out = {}
         for name, (layers, heads, dim, dtype, max_tokens) in shapes.items():
             rx = KVReceiver(layers, heads, dim, dtype, self.device, max_tokens, "127.0.0.1", ctrl_port=_free_port(),
-                            num_slots=1, verify_checksum=True, notif_timeout_s=10.0, write_deadline_s=120.0)
+                            num_slots=1, verify_checksum=True, notif_timeout_s=10.0, write_deadline_s=60.0)
             rx.start()
             self.rx[name] = rx
             out[name] = {"port": rx.ctrl_port, "region": rx._region.to_wire(), "agent": rx._endpoint.name}
@@ -335,7 +338,8 @@ class _Sender:
                            pin_memory=(not on_device and self.device.type == "cuda"))
         ep = _TimedEndpoint(f"handoff-{mode.replace('->', '-')}")
         region = ep.register(pool.buffer)
-        sender = KVSender(ep, region, layout, config=SenderConfig(io_timeout_s=60, write_timeout_s=120,
+        # A WRITE of 4 GiB takes seconds even at 1 GB/s: 30 s means stuck (the run must not spend its budget)
+        sender = KVSender(ep, region, layout, config=SenderConfig(io_timeout_s=30, write_timeout_s=30,
                                                                   busy_retry_s=5))
         return {"layout": layout, "pool": pool, "ep": ep, "region": region, "sender": sender}
 
@@ -441,7 +445,7 @@ class _Sender:
             times = []
             for rep in range(reps + 1):
                 init.write(local=src_region, local_offset=0, nbytes=n, remote_agent=remote, remote=dst_region,
-                           remote_offset=0, notif=f"ref-{src_name}-{n}-{rep}".encode(), timeout_s=120)
+                           remote_offset=0, notif=f"ref-{src_name}-{n}-{rep}".encode(), timeout_s=30)
                 times.append(init.last_write_s)
             exact = bool(torch.equal(dst[:n], src[:n].to(dst.device)))
             out.append({"ref": f"nixl_1proc_{src_name}->{'vram' if cuda else 'dram'}", "nbytes": n,
@@ -607,7 +611,7 @@ def run_pairs(run: Run, rx: Worker, tx: Worker, modes: list, sizes: list, gen_de
     for mode in modes:
         for shape, tokens in sizes:
             nbytes = _nbytes(shape, tokens)
-            step = 60 + nbytes / 2e8
+            step = 30 + nbytes / 2e8
             trials = []
             for rep in range(a.reps + 1):
                 if run.left() < 5 + nbytes / 1e9:  # not even a slow (1 GB/s) transfer fits: stop here
@@ -659,7 +663,7 @@ def run_inject(run: Run, rx: Worker, tx: Worker, model_dir: Path) -> None:
     rx.call("inject_prepare", run.bound(120), prompt=prompt)
     rx.call("expect", run.bound(30), shape="inject", rid="inject-0", ttl_s=120)
     rx.call("inject_arm", run.bound(60))
-    rx.send("inject_wait", rid="inject-0", timeout_s=90)
+    rx.send("inject_wait", rid="inject-0", timeout_s=60)
     s = tx.call("inject_send", run.bound(120), rid="inject-0", port=rx_info["port"], prompt=prompt)
     r = rx.recv(run.bound(120))
     mc = r.get("memcpy") or {}
