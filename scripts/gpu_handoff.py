@@ -328,7 +328,6 @@ class _Sender:
 
     def _make(self, mode: str, layers, heads, dim, dtype, max_tokens) -> dict:
         from expresslane.engine.protocol.layout import KVLayoutSpec
-        from expresslane.engine.transfer.nixl_transport import NixlEndpoint
         from expresslane.engine.transfer.sender import KVSender, SenderConfig
         from expresslane.engine.transfer.staging import StagingPool
 

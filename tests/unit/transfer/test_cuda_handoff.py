@@ -90,7 +90,6 @@ def test_inject_from_the_vram_receive_slot_decodes_the_same_tokens_without_a_hos
     assert mc["gpu_events"] > 0, "the profiler recorded no GPU activity: cannot tell whether the host was used"
     # KV is 800 KiB here; what reaches the host is the checksum's row sums and a few flags (bytes, not KiB)
     assert mc["host_bytes"] < 4096, mc["copies"]
-    assert any("DtoD" in name for name in mc["copies"]), mc["copies"]  # the inject itself: device to device
     before, after = inj["pinned_host_bytes"]  # the pinned allocator's cumulative counters
     if before is not None:
         assert after == before, "pinned host memory was handed out during receive + inject"
