@@ -261,3 +261,67 @@ def test_health_names_what_is_down() -> None:
     finally:
         rx.stop()
     assert rx.health()["control_plane"] != "ok"
+
+
+# ---------------------------------------------------------------- done.checksum algorithms (crc32 | wsum16)
+
+def _record_algorithms(monkeypatch) -> list[str]:
+    """Wrap the sender's checksum so the test sees which algorithm the real path chose."""
+    from expresslane.engine.transfer import sender as send_mod
+
+    seen: list[str] = []
+    real = send_mod.checksum
+
+    def recording(data, algorithm="crc32"):
+        seen.append(algorithm)
+        return real(data, algorithm)
+
+    monkeypatch.setattr(send_mod, "checksum", recording)
+    return seen
+
+
+async def test_hello_advertises_the_checksums_the_node_verifies(receiver: KVReceiver) -> None:
+    assert receiver._hello().transport["checksums"] == ["crc32", "wsum16"]
+
+
+async def test_a_dram_pair_keeps_crc32(receiver: KVReceiver, monkeypatch) -> None:
+    seen = _record_algorithms(monkeypatch)
+    tx = _Prefill(LAYOUT)
+    receiver.expect("c1", 5)
+    job, k, v = tx.stage("c1", receiver.ctrl_port, 9)
+    await asyncio.to_thread(tx.sender.send, job)
+    got = await receiver.wait_for("c1", 5)
+    assert seen == ["crc32"] and torch.equal(got.k, k) and torch.equal(got.v, v)
+    got.release()
+
+
+async def test_wsum16_is_verified_by_the_receiver(receiver: KVReceiver, monkeypatch) -> None:
+    """The device-side algorithm (what a VRAM pair uses) over the real path on CPU: lands, checked, exact."""
+    seen = _record_algorithms(monkeypatch)
+    tx = _Prefill(LAYOUT)
+    tx.sender.config = SenderConfig(io_timeout_s=5, checksum_algorithm="wsum16")
+    receiver.expect("w1", 5)
+    job, k, v = tx.stage("w1", receiver.ctrl_port, 33)
+    await asyncio.to_thread(tx.sender.send, job)
+    got = await receiver.wait_for("w1", 5)
+    assert seen == ["wsum16"] and torch.equal(got.k, k) and torch.equal(got.v, v)
+    assert receiver.stats["checksum_failures"] == 0
+    got.release()
+
+
+@pytest.mark.parametrize("forged", ["wsum16:" + "0" * 32, "sha1:" + "0" * 40, "nonsense"])
+async def test_a_wrong_or_unknown_checksum_fails_the_transfer(receiver: KVReceiver, monkeypatch,
+                                                              forged: str) -> None:
+    """A wrong wsum16, or an algorithm this node does not know: nack + checksum_mismatch, never accepted."""
+    from expresslane.engine.transfer import sender as send_mod
+
+    monkeypatch.setattr(send_mod, "checksum", lambda data, algorithm="crc32": forged)
+    tx = _Prefill(LAYOUT)
+    receiver.expect("bad", 5)
+    job, _, _ = tx.stage("bad", receiver.ctrl_port, 7)
+    with pytest.raises(SendError) as e:
+        await asyncio.to_thread(tx.sender.send, job)
+    assert e.value.reason == "nack_checksum_mismatch"
+    with pytest.raises(KVTransferFailed) as f:
+        await receiver.wait_for("bad", 2)
+    assert f.value.reason == "checksum_mismatch" and receiver.stats["checksum_failures"] == 1

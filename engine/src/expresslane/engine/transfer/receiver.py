@@ -23,7 +23,7 @@ import torch
 from expresslane.engine.protocol import messages as m
 from expresslane.engine.protocol.errors import ProtocolMismatch
 from expresslane.engine.protocol.layout import KVLayoutSpec
-from expresslane.engine.transfer.checksum import checksum
+from expresslane.engine.transfer.checksum import ALGORITHMS, algorithm_of, checksum
 from expresslane.engine.transfer.control_server import ControlServer
 from expresslane.engine.transfer.errors import KVCancelled, KVRefused, KVTimeout, KVTransferFailed
 from expresslane.engine.transfer.nixl_transport import NixlEndpoint
@@ -114,6 +114,8 @@ class KVReceiver:
         self._transport = {
             "name": "nixl", "backends": list(nixl_backends), "agent_name": self._endpoint.name,
             "agent_metadata": self._endpoint.metadata_b64(), "region": self._region.to_wire(),
+            # done.checksum algorithms this node verifies (checksum.py); a sender that sees none uses crc32
+            "checksums": list(ALGORITHMS),
         }
         self._server = ControlServer(self, host=host, port=ctrl_port, peer_secret=peer_secret,
                                      max_connections=max_connections, io_timeout_s=io_timeout_s,
@@ -426,8 +428,13 @@ class KVReceiver:
         if not error and self.verify_checksum:
             if not msg.checksum:
                 error = "checksum_missing"
+            elif (algorithm := algorithm_of(msg.checksum)) is None:
+                error = "checksum_mismatch"
+                self._count("checksum_failures")
+                logger.error("expresslane: rid=%s rank %d: checksum %r names no algorithm this node knows (%s)",
+                             rid, rank, msg.checksum[:64], ", ".join(ALGORITHMS))
             else:
-                got = await asyncio.get_running_loop().run_in_executor(None, checksum, segment)
+                got = await asyncio.get_running_loop().run_in_executor(None, checksum, segment, algorithm)
                 if got != msg.checksum:
                     error = "checksum_mismatch"
                     self._count("checksum_failures")

@@ -25,7 +25,7 @@ from expresslane.engine.protocol import messages as m
 from expresslane.engine.protocol.errors import AuthError, ProtocolError, ProtocolMismatch
 from expresslane.engine.protocol.layout import KVLayoutSpec
 from expresslane.engine.transfer.channel import Channel, open_channel
-from expresslane.engine.transfer.checksum import checksum
+from expresslane.engine.transfer.checksum import checksum, choose_algorithm
 from expresslane.engine.transfer.errors import SendError
 from expresslane.engine.transfer.nixl_transport import NixlEndpoint, Region
 from expresslane.engine.transfer.staging import StagingSlot
@@ -47,7 +47,8 @@ class SenderConfig:
     backoff_max_s: float = 0.5
     queue_size: int = 64        # per destination
     max_destinations: int = 64  # worker threads (one per host:port); the allow-list bounds it in practice
-    checksum: bool = True       # put crc32 of the staged bytes in done
+    checksum: bool = True       # put a checksum of the staged bytes in done (crc32 | wsum16, checksum.py)
+    checksum_algorithm: str = "auto"  # "auto": choose_algorithm (wsum16 for VRAM -> VRAM); or crc32 | wsum16
 
 
 @dataclass
@@ -272,7 +273,13 @@ class KVSender:
                         num_heads=self.num_heads, num_tokens=job.num_tokens, nbytes=job.nbytes,
                         layout=self.layout, model_fingerprint=self.model_fingerprint)
         assert job.slot is not None
-        crc = checksum(job.slot.bytes(job.nbytes)) if cfg.checksum else ""
+        crc = ""
+        if cfg.checksum:  # wsum16 on the device for VRAM -> VRAM when the node knows it, else crc32
+            algorithm = cfg.checksum_algorithm
+            if algorithm == "auto":
+                algorithm = choose_algorithm(self.staging_region.mem_type == "VRAM", remote_region.mem_type,
+                                             transport.get("checksums"))
+            crc = checksum(job.slot.bytes(job.nbytes), algorithm)
         t_admit = time.monotonic()
         deadline = t_admit + cfg.busy_retry_s
         backoff = cfg.backoff_initial_s
