@@ -709,6 +709,7 @@ def run_inject(run: Run, rx: Worker, tx: Worker, model_dir: Path) -> None:
 
 
 _UCX_PREFIX = re.compile(r"^\[[0-9.]+\]\s+\[[^]]*\]\s*")
+_AGENT = re.compile(r"\S*(handoff|expresslane)-\S*")
 
 
 def ucx_choices(paths: list[Path]) -> list[str]:
@@ -724,16 +725,19 @@ def ucx_choices(paths: list[Path]) -> list[str]:
             if re.search(r"UCX\s+(ERROR|WARN)|ucx.*(error|fail)", line, re.I):
                 entry = f"{p.stem}: {line.strip()[:300]}"
             elif "ucp_put" in line:
-                title = re.sub(r"\S*(handoff|expresslane)\S*", "", lines[i - 1].strip("| ").strip()).strip()
-                rows, header = [], False
-                for nxt in lines[i + 1:i + 24]:
-                    if nxt.startswith("| Range"):
-                        header = True
-                    elif header and nxt.startswith("|"):
-                        rows.append(" ".join(nxt.strip("| ").split()))
-                    elif header and rows and nxt.startswith("+"):
+                # UCX prints the agent + config either on the line above or in a first column of this one
+                above = lines[i - 1] if i and lines[i - 1].startswith("|") else ""
+                title = _AGENT.sub("", above.strip("| ").strip()).strip()
+                rows: list[str] = []
+                for nxt in lines[i + 1:i + 24]:  # the size-range rows, with or without a "Range" header
+                    if nxt.startswith("|"):
+                        if not nxt.startswith("| Range"):
+                            rows.append(" ".join(nxt.strip("| ").split()))
+                    elif not nxt.startswith("+") or rows:
                         break
-                entry = f"{p.stem}: [{title}] {line.strip('| ').strip()}: {'; '.join(rows)}"
+                what = " ".join(_AGENT.sub("", line.strip("| ").strip()).split())
+                entry = f"{p.stem}: [{title}] {what}: {'; '.join(rows)}" if title else f"{p.stem}: {what}: " \
+                    f"{'; '.join(rows)}"
             else:
                 continue
             if entry not in out:
