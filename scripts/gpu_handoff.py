@@ -68,6 +68,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _device(name: str):
+    """A torch.device with an index ("cuda" -> cuda:<current>, what torch.cuda.set_device needs)."""
+    import torch
+
+    d = torch.device(name)
+    if d.type == "cuda" and d.index is None:
+        d = torch.device("cuda", torch.cuda.current_device())
+    return d
+
+
 def _sync(device) -> None:
     import torch
 
@@ -208,7 +218,7 @@ class _Receiver:
         from expresslane.engine.transfer import receiver as recv_mod
         from expresslane.engine.transfer.receiver import KVReceiver
 
-        self.device = torch.device(device)
+        self.device = _device(device)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.timed = _Timed(recv_mod.checksum)
@@ -351,7 +361,7 @@ class _Sender:
 
         from expresslane.engine.transfer import sender as send_mod
 
-        self.device = torch.device(device)
+        self.device = _device(device)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.timed = _Timed(send_mod.checksum)
@@ -819,7 +829,7 @@ def main(argv: list[str] | None = None) -> int:
         env["EXPRESSLANE_WSUM16_KERNEL"] = args.wsum16_kernel
     run.emit({"event": "start", "argv": list(sys.argv[1:] if argv is None else argv), "out": str(run.out),
               "child_env": env, **_env_info(device)})
-    gen_device = device
+    gen_device = "cuda:0" if device == "cuda" else "cpu"  # where both sides generate the transfer pattern
     model_dir = Path(args.model_dir) if args.model_dir else run.out / "tiny-model"
     maker = None
     if "inject" in args.phases and not args.model_dir:
