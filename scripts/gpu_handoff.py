@@ -68,6 +68,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _device(name: str):
+    """A torch.device with an index ("cuda" -> cuda:<current>, what torch.cuda.set_device needs)."""
+    import torch
+
+    d = torch.device(name)
+    if d.type == "cuda" and d.index is None:
+        d = torch.device("cuda", torch.cuda.current_device())
+    return d
+
+
 def _sync(device) -> None:
     import torch
 
@@ -157,6 +167,43 @@ def _child_main(role: str, conn, log_path: str, env: dict) -> None:
             conn.send(("error", {"type": type(e).__name__, "message": str(e)[:2000]}))
 
 
+def _time_wsum16(seg) -> dict:
+    """wsum16 of the slot with each row-sum kernel (the second call of each: triton compiles on its first),
+    and whether they agree. Restores EXPRESSLANE_WSUM16_KERNEL."""
+    from expresslane.engine.transfer.checksum import checksum
+
+    kernels = ["torch"]
+    if seg.device.type == "cuda":
+        try:
+            import triton  # noqa: F401
+
+            kernels.append("triton")
+        except ImportError:
+            pass
+    saved = os.environ.get("EXPRESSLANE_WSUM16_KERNEL")
+    out: dict = {}
+    values = {}
+    try:
+        for kernel in kernels:
+            os.environ["EXPRESSLANE_WSUM16_KERNEL"] = kernel
+            try:
+                checksum(seg, "wsum16")
+                t0 = time.perf_counter()
+                values[kernel] = checksum(seg, "wsum16")
+                out[f"wsum16_{kernel}_s"] = time.perf_counter() - t0
+            except Exception as e:  # noqa: BLE001 - a kernel that fails here is a result, not a crash
+                out[f"wsum16_{kernel}_error"] = f"{type(e).__name__}: {e}"[:500]
+    finally:
+        if saved is None:
+            os.environ.pop("EXPRESSLANE_WSUM16_KERNEL", None)
+        else:
+            os.environ["EXPRESSLANE_WSUM16_KERNEL"] = saved
+    out["wsum16_s"] = out.get("wsum16_torch_s")
+    if len(values) > 1:
+        out["wsum16_kernels_agree"] = len(set(values.values())) == 1
+    return out
+
+
 class _Receiver:
     """The decode node's side: one KVReceiver per shape (one slot each), and the inject engine."""
 
@@ -171,7 +218,7 @@ class _Receiver:
         from expresslane.engine.transfer import receiver as recv_mod
         from expresslane.engine.transfer.receiver import KVReceiver
 
-        self.device = torch.device(device)
+        self.device = _device(device)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.timed = _Timed(recv_mod.checksum)
@@ -216,9 +263,7 @@ class _Receiver:
                 t0 = time.perf_counter()
                 checksum(seg, "crc32")
                 out["crc32_s"] = time.perf_counter() - t0
-                t0 = time.perf_counter()
-                checksum(seg, "wsum16")
-                out["wsum16_s"] = time.perf_counter() - t0
+                out.update(_time_wsum16(seg))
             return out
         finally:
             got.release()
@@ -316,7 +361,7 @@ class _Sender:
 
         from expresslane.engine.transfer import sender as send_mod
 
-        self.device = torch.device(device)
+        self.device = _device(device)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.timed = _Timed(send_mod.checksum)
@@ -651,7 +696,9 @@ def _summary(run: Run, mode: str, shape: str, tokens: int, nbytes: int, trials: 
               "checksum_algorithm": (warm[0]["send_checksums"] or [{}])[0].get("algorithm"),
               "cold_write_s": trials[0]["write_s"], "all_bytes_exact": all(t["bytes_exact"] for t in trials),
               "crc32_host_bounce_s": bounce[0]["crc32_s"] if bounce else None,
-              "wsum16_s": bounce[0]["wsum16_s"] if bounce else None})
+              "wsum16_s": bounce[0]["wsum16_s"] if bounce else None,
+              "wsum16_triton_s": bounce[0].get("wsum16_triton_s") if bounce else None,
+              "wsum16_kernels_agree": bounce[0].get("wsum16_kernels_agree") if bounce else None})
 
 
 def run_inject(run: Run, rx: Worker, tx: Worker, model_dir: Path) -> None:
@@ -672,6 +719,7 @@ def run_inject(run: Run, rx: Worker, tx: Worker, model_dir: Path) -> None:
 
 
 _UCX_PREFIX = re.compile(r"^\[[0-9.]+\]\s+\[[^]]*\]\s*")
+_AGENT = re.compile(r"\S*(handoff|expresslane)-\S*")
 
 
 def ucx_choices(paths: list[Path]) -> list[str]:
@@ -687,16 +735,19 @@ def ucx_choices(paths: list[Path]) -> list[str]:
             if re.search(r"UCX\s+(ERROR|WARN)|ucx.*(error|fail)", line, re.I):
                 entry = f"{p.stem}: {line.strip()[:300]}"
             elif "ucp_put" in line:
-                title = re.sub(r"\S*(handoff|expresslane)\S*", "", lines[i - 1].strip("| ").strip()).strip()
-                rows, header = [], False
-                for nxt in lines[i + 1:i + 24]:
-                    if nxt.startswith("| Range"):
-                        header = True
-                    elif header and nxt.startswith("|"):
-                        rows.append(" ".join(nxt.strip("| ").split()))
-                    elif header and rows and nxt.startswith("+"):
+                # UCX prints the agent + config either on the line above or in a first column of this one
+                above = lines[i - 1] if i and lines[i - 1].startswith("|") else ""
+                title = _AGENT.sub("", above.strip("| ").strip()).strip()
+                rows: list[str] = []
+                for nxt in lines[i + 1:i + 24]:  # the size-range rows, with or without a "Range" header
+                    if nxt.startswith("|"):
+                        if not nxt.startswith("| Range"):
+                            rows.append(" ".join(nxt.strip("| ").split()))
+                    elif not nxt.startswith("+") or rows:
                         break
-                entry = f"{p.stem}: [{title}] {line.strip('| ').strip()}: {'; '.join(rows)}"
+                what = " ".join(_AGENT.sub("", line.strip("| ").strip()).split())
+                entry = f"{p.stem}: [{title}] {what}: {'; '.join(rows)}" if title else f"{p.stem}: {what}: " \
+                    f"{'; '.join(rows)}"
             else:
                 continue
             if entry not in out:
@@ -708,14 +759,16 @@ def print_table(run: Run) -> None:
     rows = [r for r in run.records if r.get("event") == "summary"]
     print("\n== two-process handoff (p50 over warm reps) ==")
     print(f"{'mode':12} {'shape':9} {'tokens':>6} {'MiB':>7} {'write ms':>9} {'GB/s':>7} {'acc->done ms':>12} "
-          f"{'send ms':>8} {'ck tx ms':>8} {'ck rx ms':>8} {'algo':7} {'crc32 bounce ms':>15} exact")
+          f"{'send ms':>8} {'ck tx ms':>8} {'ck rx ms':>8} {'algo':7} {'crc32 bounce ms':>15} "
+          f"{'wsum16 torch/triton ms':>22} exact")
     for r in rows:
         def ms(x):
             return f"{x * 1e3:.2f}" if x is not None else "-"
         print(f"{r['mode']:12} {r['shape']:9} {r['tokens']:>6} {r['nbytes'] / 2**20:>7.0f} {ms(r['write_s_p50']):>9} "
               f"{r['write_GBps_p50']:>7.1f} {ms(r['recv_accept_to_done_s_p50']):>12} {ms(r['send_total_s_p50']):>8} "
               f"{ms(r['send_checksum_s_p50']):>8} {ms(r['recv_checksum_s_p50']):>8} {str(r['checksum_algorithm']):7} "
-              f"{ms(r['crc32_host_bounce_s']):>15} {r['all_bytes_exact']}")
+              f"{ms(r['crc32_host_bounce_s']):>15} "
+              f"{ms(r['wsum16_s']) + '/' + ms(r.get('wsum16_triton_s')):>22} {r['all_bytes_exact']}")
     refs = [r for r in run.records if r.get("event") == "ref"]
     if refs:
         print("\n== one-process references (p50) ==")
@@ -755,6 +808,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model-dir", default=None, help="the inject model (default: make_tiny_model.py into OUT)")
     ap.add_argument("--ucx-tls", default=None, help="UCX_TLS for both children (default: UCX's own choice)")
     ap.add_argument("--no-proto-info", action="store_true", help="do not set UCX_PROTO_INFO=y")
+    ap.add_argument("--wsum16-kernel", choices=["torch", "triton"], default=None,
+                    help="EXPRESSLANE_WSUM16_KERNEL for both children (default: checksum.py's default, torch)")
     ap.add_argument("--no-bounce-ref", dest="bounce_ref", action="store_false",
                     help="skip timing crc32 of the VRAM slot through the host (once per size)")
     args = ap.parse_args(argv)
@@ -770,9 +825,11 @@ def main(argv: list[str] | None = None) -> int:
     env = {} if args.no_proto_info else {"UCX_PROTO_INFO": "y"}
     if args.ucx_tls:
         env["UCX_TLS"] = args.ucx_tls
+    if args.wsum16_kernel:
+        env["EXPRESSLANE_WSUM16_KERNEL"] = args.wsum16_kernel
     run.emit({"event": "start", "argv": list(sys.argv[1:] if argv is None else argv), "out": str(run.out),
               "child_env": env, **_env_info(device)})
-    gen_device = device
+    gen_device = "cuda:0" if device == "cuda" else "cpu"  # where both sides generate the transfer pattern
     model_dir = Path(args.model_dir) if args.model_dir else run.out / "tiny-model"
     maker = None
     if "inject" in args.phases and not args.model_dir:

@@ -120,3 +120,50 @@ def test_wsum16_on_cuda_equals_cpu_without_a_host_copy(n: int) -> None:
     cpu = _rand(n, seed=n)
     dev = cpu.cuda()
     assert cs.checksum(dev, "wsum16") == cs.checksum(cpu, "wsum16")
+
+
+_TRITON_CHECK = """
+import json, os, sys, torch
+from expresslane.engine.transfer import checksum as cs
+out = []
+for n in (1, 2, 4097, 65536, 3 * 65536 + 1001, 5 * 65536):
+    data = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(n))
+    os.environ["EXPRESSLANE_WSUM16_KERNEL"] = "triton"
+    tri = cs.checksum(data, "wsum16")
+    os.environ["EXPRESSLANE_WSUM16_KERNEL"] = "torch"
+    out.append([n, tri, cs.checksum(data, "wsum16")])
+assert "expresslane.engine.transfer.wsum16_kernel" in sys.modules
+print(json.dumps(out))
+"""
+
+
+def test_wsum16_triton_kernel_matches_the_torch_one_under_the_interpreter() -> None:
+    """The one-pass Triton row sums (wsum16_kernel.py) on CPU through Triton's interpreter, in a fresh
+    interpreter (TRITON_INTERPRET is read when the kernel is decorated; vLLM, once imported, refuses it)."""
+    pytest.importorskip("triton")
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, "-c", _TRITON_CHECK], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(rows) == 6
+    for n, tri, ref in rows:
+        assert tri == ref, n
+        data = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(n))
+        if n < 5000:
+            assert tri == _ref_wsum16(data.numpy().tobytes())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_wsum16_triton_kernel_on_cuda_equals_cpu(monkeypatch) -> None:
+    pytest.importorskip("triton")
+    cpu = _rand(7 * (1 << 20) + 3, seed=5)
+    monkeypatch.setenv("EXPRESSLANE_WSUM16_KERNEL", "triton")
+    got = cs.checksum(cpu.cuda(), "wsum16")
+    monkeypatch.setenv("EXPRESSLANE_WSUM16_KERNEL", "torch")
+    assert got == cs.checksum(cpu, "wsum16")

@@ -83,7 +83,8 @@ def test_dram_to_vram_between_two_processes_is_byte_exact(tmp_path: Path) -> Non
 @cuda
 def test_inject_from_the_vram_receive_slot_decodes_the_same_tokens_without_a_host_bounce(
         tmp_path: Path, tiny_model_dir: Path) -> None:
-    recs = _run(tmp_path, "--device", "cuda", "--phases", "inject", "--model-dir", str(tiny_model_dir))
+    recs = _run(tmp_path, "--device", "cuda", "--phases", "inject", "--model-dir", str(tiny_model_dir),
+                "--sizes", "llama-1b:16", "--modes", "vram->vram")  # small pair buffers: inject only
     inj = _check_inject(recs, "cuda")
     assert inj["recv_checksums"][0]["algorithm"] == "wsum16"
     mc = inj["memcpy"]

@@ -22,6 +22,7 @@ CRC-32 / the sums find corruption and torn writes; authenticity is the control p
 
 from __future__ import annotations
 
+import os
 import zlib
 
 import torch
@@ -110,7 +111,7 @@ def _wsum16(data: torch.Tensor) -> tuple[int, int]:
 def _wsum16_here(data: torch.Tensor) -> tuple[int, int]:
     """(S1, S2) mod 2**64, computed on data's device; what leaves it is 3 int64 per 4 GiB of words.
 
-    Row r (words r*R .. r*R+R-1, the last row zero-padded: zeros add nothing) gives s1_r = sum(w) and
+    Row r (words r*R .. r*R+R-1; the last row as if zero-padded: zeros add nothing) gives s1_r = sum(w) and
     s2_r = sum(j * w_j) (j the position in the row); then S1 = sum(s1_r) and
     S2 = sum((r*R + 1) * s1_r + s2_r) = R * sum(r * s1_r) + S1 + sum(s2_r), per group of rows on the device."""
     n = data.numel()
@@ -121,25 +122,9 @@ def _wsum16_here(data: torch.Tensor) -> tuple[int, int]:
     words = body.view(torch.int16)
     nw = words.numel()
     R, dev = _ROW_WORDS, data.device
-    full = nw // R
-    pos = _arange(R, torch.int32, dev)
-    s1_parts: list[torch.Tensor] = []
-    s2_parts: list[torch.Tensor] = []
-
-    def rows_sums(rows: torch.Tensor) -> None:  # rows: [b, R] int16
-        s1_parts.append(rows.sum(1, dtype=torch.int64))
-        s2_parts.append((rows * pos).sum(1, dtype=torch.int64))  # int16 * int32 -> int32 on the fly
-
-    for r0 in range(0, full, _BATCH_ROWS):
-        b = min(_BATCH_ROWS, full - r0)
-        rows_sums(words[r0 * R:(r0 + b) * R].view(b, R))
-    if nw > full * R:
-        last = torch.zeros(R, dtype=torch.int16, device=dev)
-        last[:nw - full * R] = words[full * R:]
-        rows_sums(last.view(1, R))
     s1 = s2 = 0
-    if s1_parts:
-        s1_rows, s2_rows = torch.cat(s1_parts), torch.cat(s2_parts)
+    if nw:
+        s1_rows, s2_rows = _row_sums(words, R, wsum16_kernel(dev))
         G = _GROUP_ROWS
         sums = []
         for g0 in range(0, s1_rows.numel(), G):
@@ -155,3 +140,37 @@ def _wsum16_here(data: torch.Tensor) -> tuple[int, int]:
         s1 += last_byte
         s2 += (nw + 1) * last_byte
     return s1 & _MASK64, s2 & _MASK64
+
+
+def wsum16_kernel(device: torch.device) -> str:
+    """Which row-sum kernel wsum16 uses on ``device``: ``EXPRESSLANE_WSUM16_KERNEL`` = torch (the default) |
+    triton (one pass, wsum16_kernel.py; CUDA only, or CPU under TRITON_INTERPRET=1)."""
+    name = os.environ.get("EXPRESSLANE_WSUM16_KERNEL", "torch")
+    if name not in ("torch", "triton"):
+        raise ValueError(f"EXPRESSLANE_WSUM16_KERNEL={name!r}: torch | triton")
+    return name
+
+
+def _row_sums(words: torch.Tensor, R: int, kernel: str) -> tuple[torch.Tensor, torch.Tensor]:
+    nw = words.numel()
+    if kernel == "triton":
+        from expresslane.engine.transfer import wsum16_kernel as k
+
+        return k.row_sums(words, R)
+    full = nw // R
+    pos = _arange(R, torch.int32, words.device)
+    s1_parts: list[torch.Tensor] = []
+    s2_parts: list[torch.Tensor] = []
+
+    def rows_sums(rows: torch.Tensor) -> None:  # rows: [b, R] int16
+        s1_parts.append(rows.sum(1, dtype=torch.int64))
+        s2_parts.append((rows * pos).sum(1, dtype=torch.int64))  # int16 * int32 -> int32 on the fly
+
+    for r0 in range(0, full, _BATCH_ROWS):
+        b = min(_BATCH_ROWS, full - r0)
+        rows_sums(words[r0 * R:(r0 + b) * R].view(b, R))
+    if nw > full * R:
+        last = torch.zeros(R, dtype=torch.int16, device=words.device)
+        last[:nw - full * R] = words[full * R:]
+        rows_sums(last.view(1, R))
+    return torch.cat(s1_parts), torch.cat(s2_parts)
