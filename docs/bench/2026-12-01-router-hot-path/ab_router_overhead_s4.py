@@ -74,6 +74,8 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=60)
     ap.add_argument("--idle-s", type=float, default=10.0)
     ap.add_argument("--profile", action="append", default=[])
+    ap.add_argument("--spy-bin", help="with --profile: sample the router with this py-spy (--nonblocking, raw "
+                    "stacks in --out/spy-NAME.txt) instead of running it under cProfile")
     ap.add_argument("--port-base", type=int, default=30000)
     ap.add_argument("--model-dir", type=Path, default=REPO / "var" / "models" / "tiny-llama")
     ap.add_argument("--out", type=Path, default=REPO / "var" / "router-ab-s4")
@@ -99,15 +101,25 @@ def main() -> int:
                 os.environ["PYTHONPATH"] = f"{tree}/engine/src:{tree}/router/src"
                 wd = out / f"router-{which}-{rnd}"
                 prof = out / f"profile-{which}.prof"
-                router = (ProfiledRouter(ep, wd, 4096, prof=prof) if rnd == "profile" else BenchRouter(ep, wd, 4096))
+                cprof = rnd == "profile" and not args.spy_bin
+                router = ProfiledRouter(ep, wd, 4096, prof=prof) if cprof else BenchRouter(ep, wd, 4096)
                 with router:
                     time.sleep(2.0)
                     load0 = os.getloadavg()
+                    spy = None
+                    if rnd == "profile" and args.spy_bin:
+                        spy = subprocess.Popen([args.spy_bin, "record", "-p", str(router.proc.pid), "-r", "200",
+                                                "-d", "600", "-f", "raw", "--nonblocking",
+                                                "-o", str(out / f"spy-{which}.txt")],
+                                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                     r = overheads.router_overhead(router.url, "bench-native", ep.prefill, ep.native, ep.served_model,
                                                   vocab, prompt_tokens=128, requests=args.requests,
                                                   nonce=f"{nonce}/{which}/{rnd}", router_pids=process_pids(router.port),
                                                   idle_s=args.idle_s)
-                    if rnd == "profile":
+                    if spy is not None:
+                        spy.send_signal(signal.SIGINT)
+                        spy.wait(30)
+                    if cprof:
                         router.dump()
                         buf = io.StringIO()
                         st = pstats.Stats(str(prof), stream=buf)

@@ -11,7 +11,8 @@ TMP = Path(tempfile.mkdtemp())
 import httpx, psutil
 IDLE_S = float(os.environ.get("IDLE_S", "2"))
 REPO = sys.argv[1]; N = int(sys.argv[2]); prof = sys.argv[3] if len(sys.argv) > 3 else None
-up_port, up2_port, rport = 41001, 41002, 41010
+_o = int(os.environ.get("PORT_OFFSET", "0"))  # s4: run two at once
+up_port, up2_port, rport = 41001 + _o, 41002 + _o, 41010 + _o
 cfg = f"""
 listen: {{host: 127.0.0.1, port: {rport}}}
 prefill: {{url: "http://127.0.0.1:{up_port}", model: "tiny-llama"}}
@@ -22,13 +23,14 @@ pools:
   native: {{kind: native, nodes: ["http://127.0.0.1:{up2_port}"]}}
   express:
     kind: expresslane
-    nodes: [{{url: "http://127.0.0.1:{up2_port}", ctrl_host: "127.0.0.1", ctrl_port: 41003}}]
+    nodes: [{{url: "http://127.0.0.1:{up2_port}", ctrl_host: "127.0.0.1", ctrl_port: {41003 + _o}}}]
     busy_retries: 10
     queue: {{max_waiting: 256, max_wait_s: 3600, when_full: reject, retry_after_s: 1}}
 aliases:
   bench-native: {{pool: native}}
   bench-express: {{pool: express}}
 lanes: {{native: native, express: express}}
+{"health: {enabled: false}" if os.environ.get("HEALTH_OFF") else ""}
 """
 (TMP / "router.yaml").write_text(cfg)
 env = dict(os.environ, PYTHONPATH=f"{REPO}/engine/src:{REPO}/router/src")
