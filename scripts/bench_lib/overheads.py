@@ -133,17 +133,28 @@ def connector_claimed(scenarios: list[dict]) -> list[dict]:
 
 def router_overhead(router_url: str, native_alias: str, prefill_url: str, native_url: str, model: str,
                     vocab: int, *, prompt_tokens: int, requests: int, nonce: str, warmup: int = 3,
-                    router_pids: list[int] | None = None) -> dict:
+                    router_pids: list[int] | None = None, idle_s: float = 10.0) -> dict:
     """Sequential non-streaming max_tokens=1 requests, three paths interleaved request by request:
       router  POST router /v1/completions (native lane: prefill leg + decode leg)
       direct  the same two legs sent by this client itself, with the router's own body builders
       single  one plain request to the prefill server (context only)
     overhead = p50(router) - p50(direct); also the median of the per-iteration differences (robust to drift).
     With `router_pids`, the router processes' CPU time over the run / the requests sent through it: the work
-    the router adds, which no wait for a shared core inflates."""
+    the router adds, which no wait for a shared core inflates. That gross number also holds the router's
+    background work (health probes, its server's housekeeping tick) over the whole run, which lasts the three
+    paths' time: so the router's CPU is also measured over `idle_s` seconds with no traffic first
+    (router_idle_cpu_ms_per_s, ~10 ms resolution of /proc's CPU times over the window), and
+    router_cpu_ms_per_request_net = (CPU over the run - idle rate x the run's wall time) / requests."""
     lat: dict[str, list[float]] = {"router": [], "direct": [], "single": []}
     errors: list[str] = []
-    cpu0 = _cpu_seconds(router_pids)
+    idle_rate = None
+    if router_pids and idle_s > 0:
+        i0, t_i0 = _cpu_seconds(router_pids), time.perf_counter()
+        time.sleep(idle_s)
+        i1, t_i1 = _cpu_seconds(router_pids), time.perf_counter()
+        if i0 is not None and i1 is not None:
+            idle_rate = (i1 - i0) / (t_i1 - t_i0)
+    cpu0, wall0 = _cpu_seconds(router_pids), time.perf_counter()
     with httpx.Client(timeout=httpx.Timeout(600, connect=10), trust_env=False) as client:
 
         def one(path: str, key: str) -> tuple[float, str | None]:
@@ -177,8 +188,11 @@ def router_overhead(router_url: str, native_alias: str, prefill_url: str, native
                     got[path] = dt
             if "router" in got and "direct" in got:
                 paired.append(got["router"] - got["direct"])
-    cpu1 = _cpu_seconds(router_pids)
-    router_cpu_ms = _r(1e3 * (cpu1 - cpu0) / (warmup + requests)) if cpu0 is not None and cpu1 is not None else None
+    cpu1, wall = _cpu_seconds(router_pids), time.perf_counter() - wall0
+    sent = warmup + requests
+    router_cpu_ms = _r(1e3 * (cpu1 - cpu0) / sent) if cpu0 is not None and cpu1 is not None else None
+    net_ms = (_r(1e3 * (cpu1 - cpu0 - idle_rate * wall) / sent)
+              if router_cpu_ms is not None and idle_rate is not None else None)
     p50 = {k: percentile(v, 50) for k, v in lat.items()}
     ms = {k: _r(None if v is None else 1e3 * v) for k, v in p50.items()}
     over = ms["router"] - ms["direct"] if ms["router"] is not None and ms["direct"] is not None else None
@@ -188,7 +202,9 @@ def router_overhead(router_url: str, native_alias: str, prefill_url: str, native
             "paired_median_ms": _r(1e3 * percentile(paired, 50)) if paired else None,
             "router_p90_ms": _r(1e3 * percentile(lat["router"], 90)) if lat["router"] else None,
             "direct_p90_ms": _r(1e3 * percentile(lat["direct"], 90)) if lat["direct"] else None,
-            "router_cpu_ms_per_request": router_cpu_ms}
+            "router_cpu_ms_per_request": router_cpu_ms,  # gross: background work over the run included
+            "router_idle_cpu_ms_per_s": _r(None if idle_rate is None else 1e3 * idle_rate), "idle_s": idle_s,
+            "run_wall_s": _r(wall), "router_cpu_ms_per_request_net": net_ms}
 
 
 def _cpu_seconds(pids: list[int] | None) -> float | None:

@@ -1,5 +1,6 @@
-"""serving.RouterServer: uvicorn's server with a slow housekeeping tick must still stop at once on an exit
-request (the signal wakes the loop; no tick stands in for it), and serve requests meanwhile."""
+"""serving.RouterServer: uvicorn's server without a housekeeping tick must still stop at once on an exit request
+(the signal wakes the loop; no tick stands in for it), serve requests meanwhile, and give every response the
+Date of its second (made by the request, not by a tick), while an idle server never wakes."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import signal
 import socket
 import threading
 import time
+from email.utils import parsedate_to_datetime
 
 import httpx
 import uvicorn
@@ -32,10 +34,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_an_exit_request_stops_the_server_without_waiting_for_its_tick():
+class _CountingServer(RouterServer):
+    ticks = 0
+
+    async def on_tick(self, counter: int) -> bool:
+        self.ticks += 1
+        return await super().on_tick(counter)
+
+
+def test_an_exit_request_stops_the_server_and_an_idle_server_never_wakes():
     port = _free_port()
-    server = RouterServer(uvicorn.Config(_app, host="127.0.0.1", port=port, log_level="warning", log_config=None),
-                          tick_s=3600.0)  # a tick would only come in an hour
+    server = _CountingServer(uvicorn.Config(_app, host="127.0.0.1", port=port, log_level="warning", log_config=None))
     thread = threading.Thread(target=lambda: asyncio.run(server.serve()), daemon=True)  # no signal handlers off main
     thread.start()
     deadline = time.monotonic() + 30
@@ -44,6 +53,31 @@ def test_an_exit_request_stops_the_server_without_waiting_for_its_tick():
     assert server.started
     r = httpx.get(f"http://127.0.0.1:{port}/", trust_env=False, timeout=10)
     assert r.status_code == 200 and r.text == "ok" and "date" in r.headers
+    time.sleep(1.5)  # uvicorn's own loop would tick 15 times here, session 3's once or twice
+    assert server.ticks == 1  # the start only
     server.handle_exit(signal.SIGTERM, None)  # what uvicorn's SIGTERM handler calls
     thread.join(timeout=30)  # generous (CI is slower); without the wake-up this waits for the hour-long tick
     assert not thread.is_alive()
+
+
+def test_every_response_has_the_date_of_its_second_after_any_idle_time():
+    port = _free_port()
+    server = RouterServer(uvicorn.Config(_app, host="127.0.0.1", port=port, log_level="warning", log_config=None))
+    thread = threading.Thread(target=lambda: asyncio.run(server.serve()), daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.05)
+    try:
+        with httpx.Client(trust_env=False, timeout=10) as c:  # one keep-alive connection, as a client would
+            for pause in (0.0, 1.3, 2.2):
+                time.sleep(pause)
+                before = int(time.time())
+                r = c.get(f"http://127.0.0.1:{port}/")
+                after = int(time.time())
+                got = int(parsedate_to_datetime(r.headers["date"]).timestamp())
+                assert before <= got <= after, (pause, r.headers["date"])
+                assert len(r.headers.get_list("date")) == 1
+    finally:
+        server.handle_exit(signal.SIGTERM, None)
+        thread.join(timeout=30)

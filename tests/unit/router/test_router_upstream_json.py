@@ -1,6 +1,6 @@
 """The one-shot JSON leg (prefill legs, the native non-streaming decode leg) on its three paths, against a real local
-aiohttp server: AiohttpTransport.post_json (the router's hot path, no httpx objects), and HttpxOneShot over an
-httpx client on AiohttpTransport or on httpx's own transport (the reference). Every reply and every failure must
+aiohttp server: H1Pool.post_json (the router's hot path: its own keep-alive HTTP/1.1 client, h1_pool.py), and
+HttpxOneShot over an httpx client on AiohttpTransport or on httpx's own transport (the reference). Every reply and every failure must
 come back the same: the same dict, the same typed error with the same kind, status and relayed bytes."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import httpx
 import pytest
 
 from expresslane.router.aiohttp_upstream import AiohttpTransport
+from expresslane.router.h1_pool import H1Pool
 from expresslane.router.errors import RouterError, UpstreamError, UpstreamRejected, UpstreamTimeout, UpstreamUnavailable
 from expresslane.router.requestlog import _request_id, upstream_request_id_hook
 from expresslane.router.upstream import HttpxOneShot
@@ -20,7 +21,7 @@ web = pytest.importorskip("aiohttp.web")
 from ._aiohttp_server import echo, free_port, gz, serving, slow  # noqa: E402
 
 T = httpx.Timeout(5, connect=2)
-PATHS = ("aiohttp-direct", "httpx-on-aiohttp", "httpx-reference")
+PATHS = ("h1-pool", "httpx-on-aiohttp", "httpx-reference")
 
 
 
@@ -70,15 +71,20 @@ class _Poster:
         self.path = path
 
     async def __aenter__(self):
-        transport = AiohttpTransport() if self.path != "httpx-reference" else None
-        kw = {"transport": transport} if transport is not None else {}
+        if self.path == "h1-pool":
+            self.pool = H1Pool()
+            return self.pool
+        kw = {"transport": AiohttpTransport()} if self.path == "httpx-on-aiohttp" else {}
         self.client = httpx.AsyncClient(trust_env=False, timeout=T, event_hooks={"request": [upstream_request_id_hook]},
                                         **kw)
         await self.client.__aenter__()
-        return transport if self.path == "aiohttp-direct" else HttpxOneShot(self.client)
+        return HttpxOneShot(self.client)
 
     async def __aexit__(self, *exc):
-        await self.client.__aexit__(*exc)
+        if self.path == "h1-pool":
+            await self.pool.aclose()
+        else:
+            await self.client.__aexit__(*exc)
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -130,9 +136,9 @@ async def test_every_failure_is_typed_the_same(server, path):
         assert (await p.post_json(url + "/echo", {"ok": 1}, stage="decode", timeout=T))["echo"] == {"ok": 1}
 
 
-async def test_the_router_sends_json_legs_straight_on_its_aiohttp_pool(model_text):
-    """create_app's lifespan gives the lanes the AiohttpTransport itself as their OneShotCalls (one pool with the
-    httpx client's), and HttpxOneShot over the client when a test passes its own transport."""
+async def test_the_router_sends_one_shot_calls_on_its_own_pool(model_text):
+    """create_app's lifespan gives the lanes (and the health probes) an H1Pool as their OneShotCalls, beside the
+    httpx client on AiohttpTransport, and HttpxOneShot over the client when a test passes its own transport."""
     from prometheus_client import CollectorRegistry
 
     from expresslane.router.app import create_app
@@ -142,7 +148,7 @@ async def test_the_router_sends_json_legs_straight_on_its_aiohttp_pool(model_tex
     app = create_app(make_config(), registry=CollectorRegistry(), model_text=model_text)
     async with app.router.lifespan_context(app):
         ctx = app.state.lanes.ctx
-        assert ctx.calls is ctx.client._transport and isinstance(ctx.calls, AiohttpTransport)
+        assert isinstance(ctx.calls, H1Pool) and isinstance(ctx.client._transport, AiohttpTransport)
     app = create_app(make_config(), registry=CollectorRegistry(), model_text=model_text,
                      transport=httpx.MockTransport(lambda r: httpx.Response(500)))
     async with app.router.lifespan_context(app):

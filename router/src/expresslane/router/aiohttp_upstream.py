@@ -1,32 +1,20 @@
-"""The router's upstream connection pool: one aiohttp ClientSession, used two ways.
+"""The router's streaming upstream pool: one aiohttp ClientSession as an httpx transport (`handle_async_request`)
+under the router's httpx.AsyncClient, for everything but the one-shot calls (streams, the express node's control
+calls, the endpoints beside completions). The one-shot calls (prefill legs, the native lane's non-streaming decode
+leg, health probes) have their own client, h1_pool.H1Pool (docs/performance.md, "Router hot path (session 4)").
 
-- `AiohttpTransport.post_json` / `get_status`: the hot path (prefill legs, the native lane's non-streaming decode
-  leg) and the health probes (every 2 s per upstream: their CPU counts too). The body
-  is encoded once, sent on aiohttp's pool, the reply read whole and parsed; no httpx Request/Response objects,
-  cookies or URL parsing on the way (those were about half the router's CPU per request: docs/performance.md,
-  "Router hot path (session 3)"). Failures are typed exactly as on the httpx path: aiohttp's errors become the
-  httpx exceptions `upstream.map_transport_error` maps, the reply goes through `upstream.status_error` and
-  `upstream.json_object`, and the call as a whole is bounded by the read timeout.
-- as an httpx transport (`handle_async_request`) under the router's httpx.AsyncClient for everything else
-  (streams, the express node's control calls, the endpoints beside completions).
-
-The request id (requestlog.current_request_id) goes on every call, as the httpx client's request hook does.
-Timeouts: httpx's connect (aiohttp's includes the wait for a pool slot) and read (per socket read); no
-redirects, no cookies, no proxies from the environment.
+aiohttp's errors become the httpx exceptions of the same meaning (`httpx_error`), which
+`upstream.map_transport_error` maps. Timeouts: httpx's connect (aiohttp's includes the wait for a pool slot) and
+read (per socket read); no redirects, no cookies, no proxies from the environment.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import AsyncIterator
-from typing import Any
 
 import aiohttp
 import httpx
-
-from .requestlog import current_request_id
-from .upstream import json_object, map_transport_error, status_error, total_timeout_error
 
 __all__ = ["AiohttpTransport"]
 
@@ -84,53 +72,6 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
                 cookie_jar=aiohttp.DummyCookieJar(), auto_decompress=False, trust_env=False,
                 skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding", "Content-Type"))
         return self._session
-
-    # ---- the hot path: one JSON POST, no httpx objects ----------------------------------------------
-    async def post_json(self, url: str, body: dict, *, stage: str, timeout: httpx.Timeout,
-                        headers: dict[str, str] | None = None) -> dict[str, Any]:
-        """upstream.OneShotCalls: POST `body`, the JSON-object reply; typed errors as upstream.post_json's."""
-        data = json.dumps(body, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
-        hdrs = {"Content-Type": "application/json", **headers} if headers else {"Content-Type": "application/json"}
-        rid = current_request_id()
-        if rid is not None:
-            hdrs["X-Request-Id"] = rid
-        total = timeout.read
-        reading = False
-        try:
-            async with asyncio.timeout(total) as scope:
-                async with self._get_session().post(url, data=data, headers=hdrs, allow_redirects=False,
-                                                    timeout=_client_timeout(timeout.connect, total, timeout.pool),
-                                                    compress=None, auto_decompress=True) as resp:
-                    reading = True
-                    content = await resp.read()
-                    status, ctype = resp.status, resp.headers.get("Content-Type")
-        except aiohttp.ClientError as e:
-            raise map_transport_error(httpx_error(e, reading=reading), stage=stage, url=url) from None
-        except TimeoutError as e:
-            if scope.expired():
-                raise total_timeout_error(url, total, stage=stage) from None
-            raise map_transport_error(httpx_error(e, reading=reading), stage=stage, url=url) from None
-        err = status_error(status, content, ctype, stage=stage)
-        if err is not None:
-            raise err
-        return json_object(content, stage=stage)
-
-    async def get_status(self, url: str, *, timeout: httpx.Timeout, headers: dict[str, str] | None = None) -> int:
-        """upstream.OneShotCalls: GET (a health probe), the status; aiohttp's failures as httpx's exceptions."""
-        hdrs = dict(headers) if headers else {}
-        rid = current_request_id()
-        if rid is not None:
-            hdrs["X-Request-Id"] = rid
-        reading = False
-        try:
-            async with self._get_session().get(url, headers=hdrs, allow_redirects=False, auto_decompress=True,
-                                               timeout=_client_timeout(timeout.connect, timeout.read, timeout.pool)
-                                               ) as resp:
-                reading = True
-                await resp.read()
-                return resp.status
-        except (asyncio.TimeoutError, aiohttp.ClientError) as e:
-            raise httpx_error(e, reading=reading) from None
 
     # ---- as an httpx transport ----------------------------------------------------------------------
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:

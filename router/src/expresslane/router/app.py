@@ -53,6 +53,7 @@ from .openai_shapes import ClientRequest, Kind, parse_request
 from .requestlog import RequestIdMiddleware, upstream_request_id_hook
 from .secrets import RouterSecrets
 from .aiohttp_upstream import AiohttpTransport
+from .h1_pool import H1Pool
 from .upstream import HttpxOneShot
 
 __all__ = ["create_app", "Lanes", "resolve_lane"]
@@ -152,16 +153,19 @@ def create_app(config: RouterConfig, *, secrets: RouterSecrets | None = None,
             assert config.tokenizer_dir is not None
             mt = await anyio.to_thread.run_sync(load_model_text, config.tokenizer_dir)
         t = config.timeouts
-        pool = transport or AiohttpTransport()
-        async with httpx.AsyncClient(
-                transport=pool, trust_env=False,  # aiohttp's pool (aiohttp_upstream.py)
+        oneshot = H1Pool() if transport is None else None
+        async with contextlib.AsyncExitStack() as stack, httpx.AsyncClient(
+                transport=transport or AiohttpTransport(), trust_env=False,  # aiohttp's pool (aiohttp_upstream.py)
                 timeout=httpx.Timeout(t.decode_s, connect=t.connect_s),
                 limits=httpx.Limits(max_connections=512, max_keepalive_connections=64),
                 event_hooks={"request": [upstream_request_id_hook]}) as client:  # X-Request-Id on both legs
-            # one-shot JSON legs straight on aiohttp's pool; a test's own transport gets them through httpx
+            # one-shot calls (JSON legs, probes) on their own keep-alive pool (h1_pool.py); a test's own
+            # transport gets them through httpx
+            if oneshot is not None:
+                stack.push_async_callback(oneshot.aclose)
             ctx = LaneContext(config=config, client=client, metrics=metrics, clock=clock, health=monitor,
                               headers=secrets.upstream_headers,
-                              calls=pool if isinstance(pool, AiohttpTransport) else HttpxOneShot(client))
+                              calls=oneshot if oneshot is not None else HttpxOneShot(client))
             native = NativeLane(ctx, {n: p for n, p in config.pools.items() if isinstance(p, NativePool)})
             express = ExpressLane(ctx, {n: p for n, p in config.pools.items() if isinstance(p, ExpressPool)},
                                   native, mt)

@@ -1,16 +1,24 @@
-"""The router's HTTP server: uvicorn's Server with a once-a-second housekeeping tick, woken at once by an exit.
+"""The router's HTTP server: uvicorn's Server without a housekeeping tick; the Date header is made by requests.
 
 uvicorn wakes its main loop ten times a second (to refresh the Date header once a second and to notice a
-shutdown request): about 2 ms of CPU a second on an idle router here, which the bench's router CPU per request
-counts (docs/performance.md, "Router hot path (session 3)"). `RouterServer` ticks every `tick_s` (1 s: the Date
-header still changes every second) and a shutdown (SIGINT/SIGTERM through uvicorn's handle_exit) wakes the loop
-through the event loop's self-pipe, so stopping never waits for a tick.
+shutdown request). On this project's small hosts a wake-up of an idle process costs far more than its few lines
+of Python (cold caches): session 3's once-a-second tick still cost about 0.34 ms of CPU a second on an idle
+router (perf stat, docs/performance.md "Router hot path (session 4)"), which the bench's router CPU per request
+counts. So `RouterServer` has no tick at all:
+- the Date header: each HTTP request, before the app runs, refreshes the server's default headers in place
+  when the second has changed (`refresh_date`); the request's response is built from that same list, so its
+  Date is the second the request started (uvicorn's tick could be up to a second late);
+- an exit request (SIGINT/SIGTERM through uvicorn's handle_exit) wakes the loop through the event loop's
+  self-pipe, so stopping is immediate.
+uvicorn's tick also drives `limit_max_requests` and `callback_notify`, which the router does not use
+(`serve` sets neither).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import time
+from email.utils import formatdate
 from types import FrameType
 
 import uvicorn
@@ -21,22 +29,41 @@ STARTUP_FAILURE = 3  # uvicorn.run's exit code when the app did not start
 
 
 class RouterServer(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, *, tick_s: float = 1.0) -> None:
+    def __init__(self, config: uvicorn.Config) -> None:
         super().__init__(config)
-        self.tick_s = tick_s
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake: asyncio.Event | None = None
+        self._date_second = -1
+
+    def refresh_date(self) -> None:
+        """Set the Date header of the default headers (the list every request's response is built from) to
+        now, in place, if the second changed since the last refresh."""
+        now = time.time()
+        second = int(now)
+        if second != self._date_second:
+            self._date_second = second
+            date = [(b"date", formatdate(now, usegmt=True).encode())] if self.config.date_header else []
+            self.server_state.default_headers[:] = date + self.config.encoded_headers
+
+    async def startup(self, sockets=None) -> None:
+        app, refresh = self.config.loaded_app, self.refresh_date
+
+        async def fresh_date(scope, receive, send) -> None:
+            if scope["type"] == "http":
+                refresh()
+            await app(scope, receive, send)
+
+        self.config.loaded_app = fresh_date  # the protocols made from here on call it
+        await super().startup(sockets)
 
     async def main_loop(self) -> None:
         self._loop, self._wake = asyncio.get_running_loop(), asyncio.Event()
-        counter = 0  # on_tick refreshes the Date header when counter % 10 == 0: every tick here
-        should_exit = await self.on_tick(counter)
+        should_exit = await self.on_tick(0)  # the default headers' list (counter 0: with the Date)
+        self._date_second = -1
         while not should_exit:
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(self.tick_s):
-                    await self._wake.wait()
+            await self._wake.wait()
             self._wake.clear()
-            should_exit = await self.on_tick(counter)
+            should_exit = await self.on_tick(1)  # counter 1: the exit check only, the list is kept
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         super().handle_exit(sig, frame)

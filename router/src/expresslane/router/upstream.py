@@ -7,9 +7,9 @@ read/write/connect timeout             -> UpstreamTimeout (504)
 other non-2xx, non-JSON 2xx, bad shape -> UpstreamError (502)
 
 One-shot calls (the prefill legs, the native lane's non-streaming decode leg, health probes) go through a `OneShotCalls`:
-the router's own aiohttp pool (`aiohttp_upstream.AiohttpTransport.post_json`, no httpx objects on that path) or,
-given another httpx transport (tests: httpx.MockTransport), `HttpxOneShot` over the router's httpx.AsyncClient. Both
-raise the same typed errors: `status_error` and `json_object` below are the one mapping of a reply.
+the router's own keep-alive HTTP/1.1 client (`h1_pool.H1Pool`, no httpx objects on that path) or, given another
+httpx transport (tests: httpx.MockTransport), `HttpxOneShot` over the router's httpx.AsyncClient. Both raise the
+same typed errors: `status_error` and `json_object` below are the one mapping of a reply.
 """
 
 from __future__ import annotations
