@@ -30,6 +30,7 @@ import subprocess
 import sys
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from pathlib import Path
 
@@ -149,6 +150,8 @@ class DevStack:
             for name in self.services:
                 self._launch(name, env, log_mode="wb")
             self.wait_healthy()
+            if "router" in self.services:
+                self.wait_router_ready()
         except BaseException:
             self.stop()
             raise
@@ -189,6 +192,34 @@ class DevStack:
             if pending:
                 time.sleep(0.25)
         return time.monotonic() - t0
+
+    def wait_router_ready(self, timeout_s: float = 120.0) -> float:
+        """Wait until the router's /ready says every upstream this stack started takes traffic; seconds waited.
+        A service's /health can answer before the router's first probe of it did: an upstream that refused that
+        probe stays ejected until a half-open probe re-admits it, and a request in between gets a 503. Upstreams
+        of services this stack did not start are not waited for. StackError with the last body after
+        timeout_s."""
+        t0 = time.monotonic()
+        port_vars = {name: SERVICES[name][2] for name in self.services if name != "router"}
+        want = {self.ports[v] for v in port_vars.values()}
+        body: object = None
+        while True:
+            try:
+                with urllib.request.urlopen(self.router_url + "/ready", timeout=2) as resp:
+                    body = json.loads(resp.read())
+            except urllib.error.HTTPError as e:  # 503 while not ready: the body still lists the upstreams
+                body = json.loads(e.read() or b"{}")
+            except (urllib.error.URLError, OSError, ValueError) as e:
+                body = repr(e)
+            if isinstance(body, dict):
+                healthy = {urllib.parse.urlsplit(url).port for url, up in body.get("upstreams", {}).items()
+                           if up.get("healthy")}
+                if want <= healthy:
+                    return time.monotonic() - t0
+            if time.monotonic() - t0 > timeout_s:
+                raise StackError(f"the router's /ready did not report {sorted(port_vars)} healthy within "
+                                 f"{timeout_s:.0f}s: {body}")
+            time.sleep(0.25)
 
     # ---- fault injection (one service's process group, real signals) --------------------------
     def pid(self, name: str) -> int | None:

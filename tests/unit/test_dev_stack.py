@@ -148,3 +148,80 @@ def test_cli_controls_a_service_through_its_pid_file(tmp_path):
     assert bad.returncode == 1 and "not running" in bad.stderr
     usage = subprocess.run(cli + ["kill"], capture_output=True, text=True)
     assert usage.returncode == 2 and "needs a SERVICE" in usage.stderr
+
+
+class _ReadyRouter:
+    """A real HTTP server on the stack's router port answering /ready the way the router does: 503 with the
+    upstreams while any is ejected, 200 once the prefill and a decode node take traffic."""
+
+    def __init__(self, port: int, upstream_ports: dict[int, list[bool]]) -> None:
+        import http.server
+        import json
+        import threading
+
+        answers = {p: list(seq) for p, seq in upstream_ports.items()}  # each GET pops one state per upstream
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802
+                ups = {f"http://127.0.0.1:{p}": {"healthy": seq.pop(0) if len(seq) > 1 else seq[0]}
+                       for p, seq in answers.items()}
+                ok = all(u["healthy"] for u in ups.values())
+                data = json.dumps({"status": "ready" if ok else "not_ready", "upstreams": ups}).encode()
+                self.send_response(200 if ok else 503)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *a):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", port), Handler)
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def _stack_ports(tmp_path, services):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        free = s.getsockname()[1]
+    stack = DevStack(state_dir=tmp_path, services=services, port_base=free - dev_stack.DEFAULT_PORTS["ROUTER_PORT"])
+    return stack, {n: stack.ports[dev_stack.SERVICES[n][2]] for n in services if n != "router"}
+
+
+def test_router_ready_waits_until_every_started_upstream_is_admitted(tmp_path):
+    stack, ports = _stack_ports(tmp_path, ("prefill", "decode-native", "decode-express", "router"))
+    # decode-express is ejected for the first 6 answers (it refused the router's first probe), then admitted.
+    router = _ReadyRouter(stack.ports["ROUTER_PORT"], {ports["prefill"]: [True], ports["decode-native"]: [True],
+                                                      ports["decode-express"]: [False] * 6 + [True]})
+    try:
+        waited = stack.wait_router_ready(timeout_s=30)
+        assert waited >= 1.0  # 6 not-ready answers at 0.25 s apart
+    finally:
+        router.close()
+
+
+def test_router_ready_ignores_upstreams_of_services_not_started(tmp_path):
+    stack, ports = _stack_ports(tmp_path, ("prefill", "decode-express", "router"))
+    native = stack.ports["DECODE_NATIVE_PORT"]  # configured in the router, never started: ejected forever
+    router = _ReadyRouter(stack.ports["ROUTER_PORT"], {ports["prefill"]: [True], ports["decode-express"]: [True],
+                                                      native: [False]})
+    try:
+        assert stack.wait_router_ready(timeout_s=30) < 5
+    finally:
+        router.close()
+
+
+def test_router_never_ready_is_a_stack_error_with_the_body(tmp_path):
+    stack, ports = _stack_ports(tmp_path, ("prefill", "decode-express", "router"))
+    router = _ReadyRouter(stack.ports["ROUTER_PORT"], {ports["prefill"]: [True], ports["decode-express"]: [False]})
+    try:
+        with pytest.raises(StackError, match="not_ready"):
+            stack.wait_router_ready(timeout_s=1.0)
+    finally:
+        router.close()
