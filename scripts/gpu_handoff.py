@@ -807,6 +807,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="pairs: the first mode (vram->vram on cuda); inject; refs; mixed: the other modes")
     ap.add_argument("--model-dir", default=None, help="the inject model (default: make_tiny_model.py into OUT)")
     ap.add_argument("--ucx-tls", default=None, help="UCX_TLS for both children (default: UCX's own choice)")
+    ap.add_argument("--child-env", nargs="*", default=[], metavar="KEY=VALUE",
+                    help="more environment for both children (e.g. UCX_RNDV_SCHEME=put_zcopy); recorded in start")
     ap.add_argument("--no-proto-info", action="store_true", help="do not set UCX_PROTO_INFO=y")
     ap.add_argument("--wsum16-kernel", choices=["torch", "triton"], default=None,
                     help="EXPRESSLANE_WSUM16_KERNEL for both children (default: checksum.py's default, torch)")
@@ -827,6 +829,11 @@ def main(argv: list[str] | None = None) -> int:
         env["UCX_TLS"] = args.ucx_tls
     if args.wsum16_kernel:
         env["EXPRESSLANE_WSUM16_KERNEL"] = args.wsum16_kernel
+    for item in args.child_env:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--child-env wants KEY=VALUE, got {item!r}")
+        env[key] = value
     run.emit({"event": "start", "argv": list(sys.argv[1:] if argv is None else argv), "out": str(run.out),
               "child_env": env, **_env_info(device)})
     gen_device = "cuda:0" if device == "cuda" else "cpu"  # where both sides generate the transfer pattern
