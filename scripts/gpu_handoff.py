@@ -337,13 +337,15 @@ class _Receiver:
             trace = os.path.join(tempfile.gettempdir(), f"handoff-inject-{os.getpid()}.json")
             self.prof.export_chrome_trace(trace)
         pinned1 = _pinned_host_bytes() if self.device.type == "cuda" else None
+        pinned_delta = ({k: (pinned1[k] or 0) - (self.pinned0[k] or 0) for k in pinned1}
+                        if pinned1 is not None and self.pinned0 is not None else None)
         tokens = list(eng.generate(self.first, len(prompt), self.params))
         return {"tokens_equal": tokens == self.expected, "expected": self.expected, "got": tokens,
                 "first_token": self.first, "inject_s": inject_s, "kv_device": kv_device, "zero_copy_view": view,
                 "kv_bitwise_equal_own_prefill": kv_equal, "recv_checksums": list(self.timed.calls),
                 "transfer_s": got.transfer_s, "nbytes": got.nbytes,
                 "memcpy": _memcpy_summary(trace) if trace else None,
-                "pinned_host_bytes": [self.pinned0, pinned1]}
+                "pinned_host_bytes": [self.pinned0, pinned1], "pinned_host_delta": pinned_delta}
 
     def stop(self) -> None:
         for rx in self.rx.values():
@@ -715,7 +717,9 @@ def run_inject(run: Run, rx: Worker, tx: Worker, model_dir: Path) -> None:
     mc = r.get("memcpy") or {}
     run.emit({"event": "inject", **rx_info, **r, "sender_first_token": s["first_token"],
               "send_checksums": s["send_checksums"],
-              "no_host_bounce": (mc.get("host_bytes", 0) < 4096 and mc.get("gpu_events", 0) > 0) if mc else None})
+              "no_host_bounce": (mc.get("host_bytes", 0) < 4096 and mc.get("gpu_events", 0) > 0
+                                 and ((r.get("pinned_host_delta") or {}).get("active_bytes.allocated") or 0) < 4096)
+              if mc else None})
 
 
 _UCX_PREFIX = re.compile(r"^\[[0-9.]+\]\s+\[[^]]*\]\s*")
@@ -741,7 +745,7 @@ def ucx_choices(paths: list[Path]) -> list[str]:
                 rows: list[str] = []
                 for nxt in lines[i + 1:i + 24]:  # the size-range rows, with or without a "Range" header
                     if nxt.startswith("|"):
-                        if not nxt.startswith("| Range"):
+                        if nxt.strip("| ").split()[:1] != ["Range"]:
                             rows.append(" ".join(nxt.strip("| ").split()))
                     elif not nxt.startswith("+") or rows:
                         break
@@ -784,7 +788,10 @@ def print_table(run: Run) -> None:
             mc = r.get("memcpy") or {}
             print(f"\n== inject == tokens_equal {r['tokens_equal']}  inject {r['inject_s'] * 1e3:.3f} ms  "
                   f"kv on {r['kv_device']} (zero-copy view {r['zero_copy_view']})  host bytes copied "
-                  f"{mc.get('host_bytes', '-')}  copies {mc.get('copies', '-')}  no_host_bounce {r['no_host_bounce']}")
+                  f"{mc.get('host_bytes', '-')}  copies {mc.get('copies', '-')}  gpu events {mc.get('gpu_events', '-')}  "
+                  f"pinned delta {r.get('pinned_host_delta')}  no_host_bounce {r['no_host_bounce']}  "
+                  f"first token {r['first_token']} / sender {r['sender_first_token']}  "
+                  f"checks {[c['algorithm'] for c in r['recv_checksums']]}")
     for r in run.records:
         if r.get("event") == "ucx":
             print("\n== what UCX chose for the WRITEs (UCX_PROTO_INFO), and its errors ==")
@@ -805,11 +812,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--modes", nargs="*", default=None, help="vram->vram dram->vram (cuda) | dram->dram (cpu)")
     ap.add_argument("--phases", nargs="*", default=["pairs", "inject", "refs", "mixed"],
                     help="pairs: the first mode (vram->vram on cuda); inject; refs; mixed: the other modes")
-    ap.add_argument("--model-dir", default=None, help="the inject model (default: make_tiny_model.py into OUT)")
+    ap.add_argument("--model-dir", default=None,
+                    help="the inject model (default OUT/tiny-model; made by make_tiny_model.py where missing)")
     ap.add_argument("--ucx-tls", default=None, help="UCX_TLS for both children (default: UCX's own choice)")
+    ap.add_argument("--child-env", nargs="*", default=[], metavar="KEY=VALUE",
+                    help="more environment for both children (e.g. UCX_RNDV_SCHEME=put_zcopy); recorded in start")
     ap.add_argument("--no-proto-info", action="store_true", help="do not set UCX_PROTO_INFO=y")
     ap.add_argument("--wsum16-kernel", choices=["torch", "triton"], default=None,
-                    help="EXPRESSLANE_WSUM16_KERNEL for both children (default: checksum.py's default, torch)")
+                    help="EXPRESSLANE_WSUM16_KERNEL for both children (default: checksum.py's auto)")
     ap.add_argument("--no-bounce-ref", dest="bounce_ref", action="store_false",
                     help="skip timing crc32 of the VRAM slot through the host (once per size)")
     args = ap.parse_args(argv)
@@ -827,12 +837,17 @@ def main(argv: list[str] | None = None) -> int:
         env["UCX_TLS"] = args.ucx_tls
     if args.wsum16_kernel:
         env["EXPRESSLANE_WSUM16_KERNEL"] = args.wsum16_kernel
+    for item in args.child_env:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--child-env wants KEY=VALUE, got {item!r}")
+        env[key] = value
     run.emit({"event": "start", "argv": list(sys.argv[1:] if argv is None else argv), "out": str(run.out),
               "child_env": env, **_env_info(device)})
     gen_device = "cuda:0" if device == "cuda" else "cpu"  # where both sides generate the transfer pattern
     model_dir = Path(args.model_dir) if args.model_dir else run.out / "tiny-model"
     maker = None
-    if "inject" in args.phases and not args.model_dir:
+    if "inject" in args.phases and not (model_dir / "config.json").exists():  # build it there
         maker = subprocess.Popen([sys.executable, str(REPO / "scripts" / "make_tiny_model.py"), str(model_dir),
                                   "--dtype", "float32"], stdout=run.log, stderr=subprocess.STDOUT)
     shapes = {}
