@@ -167,3 +167,4 @@ def test_wsum16_triton_kernel_on_cuda_equals_cpu(monkeypatch) -> None:
     got = cs.checksum(cpu.cuda(), "wsum16")
     monkeypatch.setenv("EXPRESSLANE_WSUM16_KERNEL", "torch")
     assert got == cs.checksum(cpu, "wsum16")
+

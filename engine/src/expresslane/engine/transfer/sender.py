@@ -25,7 +25,7 @@ from expresslane.engine.protocol import messages as m
 from expresslane.engine.protocol.errors import AuthError, ProtocolError, ProtocolMismatch
 from expresslane.engine.protocol.layout import KVLayoutSpec
 from expresslane.engine.transfer.channel import Channel, open_channel
-from expresslane.engine.transfer.checksum import checksum, choose_algorithm
+from expresslane.engine.transfer.checksum import checksum, choose_algorithm, warm_wsum16
 from expresslane.engine.transfer.errors import SendError
 from expresslane.engine.transfer.nixl_transport import NixlEndpoint, Region
 from expresslane.engine.transfer.staging import StagingSlot
@@ -134,6 +134,8 @@ class KVSender:
         self.peer_secret = peer_secret
         self.ssl_context = ssl_context
         self.model_fingerprint = model_fingerprint
+        if staging_region is not None and staging_region.mem_type == "VRAM" and self.config.checksum:
+            warm_wsum16(f"cuda:{staging_region.dev_id}")  # JIT now, not in the first request's send
         self._lock = threading.Lock()
         self._destinations: dict[tuple[str, int], _Destination] = {}
         self._stopped = False
