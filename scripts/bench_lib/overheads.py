@@ -4,6 +4,7 @@ traffic, and the router. Method and caveats: docs/performance.md."""
 from __future__ import annotations
 
 import asyncio
+import os
 import statistics
 import time
 
@@ -15,7 +16,7 @@ from expresslane.router.prefill import native_prefill_body
 from .client import completion_body, run_closed_loop, timed_post, token_prompt
 from .stats import percentile
 
-__all__ = ["connector_unclaimed", "connector_claimed", "router_overhead", "paired_overhead_pct"]
+__all__ = ["connector_unclaimed", "connector_claimed", "router_overhead", "paired_overhead_pct", "threads_cpu_ns"]
 
 
 def _r(x: float | None, nd: int = 3) -> float | None:
@@ -144,8 +145,14 @@ def router_overhead(router_url: str, native_alias: str, prefill_url: str, native
     background work (health probes, its server's housekeeping tick) over the whole run, which lasts the three
     paths' time: so the router's CPU is also measured over `idle_s` seconds with no traffic first
     (router_idle_cpu_ms_per_s, ~10 ms resolution of /proc's CPU times over the window), and
-    router_cpu_ms_per_request_net = (CPU over the run - idle rate x the run's wall time) / requests."""
+    router_cpu_ms_per_request_net = (CPU over the run - idle rate x the run's wall time) / requests.
+    Per request (requests go one at a time): the router processes' threads' CPU in ns (schedstat, not ticks)
+    read right before each router request is sent and right after its reply, so router_cpu_ms_p50 / _p90 /
+    _mean are that request's own CPU plus whatever background work fell inside it (measured requests only,
+    no warm-up); router_cpu_ms_per_request_in_window_idle adds up the idle rate over those windows."""
     lat: dict[str, list[float]] = {"router": [], "direct": [], "single": []}
+    per_req_cpu: list[float] = []  # ms of router CPU inside each measured router request (schedstat)
+    per_req_wall: list[float] = []  # s: that request's wall time
     errors: list[str] = []
     idle_rate = None
     if router_pids and idle_s > 0:
@@ -161,7 +168,11 @@ def router_overhead(router_url: str, native_alias: str, prefill_url: str, native
             body = {"model": model, "prompt": token_prompt(prompt_tokens, key, vocab), "max_tokens": 1,
                     "temperature": 0.0, "ignore_eos": True}
             if path == "router":
+                c0 = threads_cpu_ns(router_pids)
                 dt, _, err = timed_post(client, router_url + "/v1/completions", dict(body, model=native_alias))
+                c1 = threads_cpu_ns(router_pids)
+                if c0 is not None and c1 is not None and err is None:
+                    last_cpu[:] = [(c1 - c0) / 1e6, dt]
                 return dt, err
             if path == "single":
                 dt, _, err = timed_post(client, prefill_url + "/v1/completions", body)
@@ -176,6 +187,7 @@ def router_overhead(router_url: str, native_alias: str, prefill_url: str, native
 
         paths = list(lat)
         paired: list[float] = []
+        last_cpu: list[float] = []  # [router CPU ms, wall s] of the last router request
         for i in range(warmup + requests):
             rot = paths[i % 3:] + paths[:i % 3]  # rotate the order so no path always runs first
             got = {}
@@ -186,6 +198,10 @@ def router_overhead(router_url: str, native_alias: str, prefill_url: str, native
                 elif i >= warmup:
                     lat[path].append(dt)
                     got[path] = dt
+                    if path == "router" and last_cpu:
+                        per_req_cpu.append(last_cpu[0])
+                        per_req_wall.append(last_cpu[1])
+                last_cpu.clear()
             if "router" in got and "direct" in got:
                 paired.append(got["router"] - got["direct"])
     cpu1, wall = _cpu_seconds(router_pids), time.perf_counter() - wall0
@@ -204,7 +220,15 @@ def router_overhead(router_url: str, native_alias: str, prefill_url: str, native
             "direct_p90_ms": _r(1e3 * percentile(lat["direct"], 90)) if lat["direct"] else None,
             "router_cpu_ms_per_request": router_cpu_ms,  # gross: background work over the run included
             "router_idle_cpu_ms_per_s": _r(None if idle_rate is None else 1e3 * idle_rate), "idle_s": idle_s,
-            "run_wall_s": _r(wall), "router_cpu_ms_per_request_net": net_ms}
+            "run_wall_s": _r(wall), "router_cpu_ms_per_request_net": net_ms,
+            "router_cpu_ms_p50": _r(percentile(per_req_cpu, 50)) if per_req_cpu else None,
+            "router_cpu_ms_p90": _r(percentile(per_req_cpu, 90)) if per_req_cpu else None,
+            "router_cpu_ms_mean": _r(statistics.fmean(per_req_cpu)) if per_req_cpu else None,
+            "router_cpu_ms_per_request_in_window_idle": (
+                _r(idle_rate * 1e3 * statistics.fmean(per_req_wall)) if per_req_wall and idle_rate is not None
+                else None),
+            "router_cpu_samples": len(per_req_cpu),
+            "router_cpu_ms_per_request_list": [round(x, 3) for x in per_req_cpu]}
 
 
 def _cpu_seconds(pids: list[int] | None) -> float | None:
@@ -217,3 +241,25 @@ def _cpu_seconds(pids: list[int] | None) -> float | None:
         return sum(sum(psutil.Process(pid).cpu_times()[:2]) for pid in pids)
     except psutil.Error:
         return None
+
+
+def threads_cpu_ns(pids: list[int] | None) -> int | None:
+    """CPU time in ns of all threads of these processes so far: the first field of each
+    /proc/<pid>/task/<tid>/schedstat (the scheduler's exact runtime, not 10 ms ticks). A thread that exits
+    between two readings takes its time with it (the router keeps its threads). None without pids, where
+    schedstat is not there, or when a process is gone."""
+    if not pids:
+        return None
+    total = 0
+    for pid in pids:
+        try:
+            tids = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            return None
+        for tid in tids:
+            try:
+                with open(f"/proc/{pid}/task/{tid}/schedstat", "rb") as f:
+                    total += int(f.read().split()[0])
+            except (OSError, ValueError, IndexError):
+                continue  # the thread ended between the listing and the read
+    return total
