@@ -198,7 +198,8 @@ def markdown(report: dict) -> str:
                      f"through the router {_f(ro['router_p50_ms'], 2)} ms: overhead {_f(ro['overhead_p50_ms'], 2)} ms "
                      f"(median of paired differences {_f(ro['paired_median_ms'], 2)} ms) "
                      f"(single vLLM call p50 {_f(ro['single_p50_ms'], 2)} ms; errors {ro['errors']}); router CPU "
-                     f"{_f(ro.get('router_cpu_ms_per_request'), 2)} ms per request")
+                     f"{_f(ro.get('router_cpu_ms_per_request'), 2)} ms per request over the run (per request: p50 "
+                     f"{_f(ro.get('router_cpu_ms_p50'), 2)} ms, p90 {_f(ro.get('router_cpu_ms_p90'), 2)} ms)")
     lines += ["", "## Goals", "", "| goal | target | measured | met |", "|---|---|---:|---|"]
     for g in report["goals"]:
         met = {True: "yes", False: "**no**", None: "n/a" if g["measured"] is None else "inconclusive"}[g["met"]]
