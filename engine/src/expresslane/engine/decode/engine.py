@@ -65,6 +65,16 @@ def resolve_cuda_graph(cuda_graph: bool | None, device_type: str, attention: str
     return cuda_graph
 
 
+def _finish_reason(token: int, num_output: int, limit: int, min_tokens: int, stop_ids: set[int]) -> str | None:
+    """Why a stream ends after emitting `token` as its num_output-th token: "stop" (a stop id once min_tokens
+    are out), "length" (the limit: max_tokens or max_seq_len), or None (it goes on)."""
+    if token in stop_ids and num_output >= min_tokens:
+        return "stop"
+    if num_output >= limit:
+        return "length"
+    return None
+
+
 class Generation:
     """Iterator over token ids of one request. `finish_reason` is set when iteration ends:
     "stop" (eos / stop_token_ids, or a completed grammar), "length" (max_tokens or max_seq_len) or "abort"
@@ -309,11 +319,8 @@ class DecodeEngine:
                         gen.logprobs.append(None if tlp is None else tlp.logprob)
                         gen.top_logprobs.append(None if tlp is None else tlp.top)
                     yield tok
-                    if tok in stop_ids and len(out) >= params.min_tokens:
-                        gen.finish_reason = "stop"
-                        return
-                    if len(out) >= limit:
-                        gen.finish_reason = "length"
+                    gen.finish_reason = _finish_reason(tok, len(out), limit, params.min_tokens, stop_ids)
+                    if gen.finish_reason:
                         return
                 if cancelled():
                     gen.finish_reason = "abort"
@@ -370,11 +377,8 @@ class DecodeEngine:
             while True:
                 out.append(tok)
                 yield tok
-                if tok in stop_ids and len(out) >= params.min_tokens:
-                    gen.finish_reason = "stop"
-                    return
-                if len(out) >= limit:
-                    gen.finish_reason = "length"
+                gen.finish_reason = _finish_reason(tok, len(out), limit, params.min_tokens, stop_ids)
+                if gen.finish_reason:
                     return
                 if cancelled():
                     gen.finish_reason = "abort"
