@@ -36,6 +36,8 @@ ap.add_argument("--tokens", type=int, default=256)
 ap.add_argument("--deadline-s", type=float, default=240.0)
 ap.add_argument("--pytest", action="store_true")
 ap.add_argument("--compiled", action="store_true")
+ap.add_argument("--pdl-ab", action="store_true",
+                help="also measure the lean step with programmatic dependent launch off (models/pdl.py), same run")
 ap.add_argument("--smoke-cpu", action="store_true",
                 help="run the script's code paths on CPU with a tiny shape (Triton's interpreter; the lean step's "
                      "runner parts, which need CUDA graphs, are skipped): a check of this script, not a result")
@@ -65,7 +67,7 @@ import triton  # noqa: E402
 
 from expresslane.engine.decode import DecodeEngine, SamplingParams  # noqa: E402
 from expresslane.engine.decode.bench import copy_bandwidth  # noqa: E402
-from expresslane.engine.models import fused  # noqa: E402
+from expresslane.engine.models import fused, pdl  # noqa: E402
 from expresslane.engine.models.config import ModelConfig, RopeConfig  # noqa: E402
 from expresslane.engine.models.transformer import Transformer  # noqa: E402
 from expresslane.engine.models.triton_decode import split_kv_attention  # noqa: E402
@@ -313,8 +315,43 @@ def run_shape(shape: str, contexts: list[int], bw: float) -> None:
             profile_lean(shape, engine, contexts[0])
         except Exception as e:  # the profile is a diagnosis, not a result: say it failed and go on
             emit("profile_failed", shape=shape, error=repr(e)[:300])
+    if args.pdl_ab and "lean" in steps and not late(f"{shape} PDL off"):
+        pdl_off(shape, engine, contexts, bw, tokens)
     del engine, model
     torch.cuda.empty_cache()
+
+
+def recapture_lean(engine: DecodeEngine) -> None:
+    if args.smoke_cpu:  # no lean step on CPU (use_lean says why)
+        return
+    engine.runner.set_lean(False)  # drops the lean graphs
+    engine.runner.set_lean(True)
+    engine.runner.capture()  # the first warm-up run picks block shapes for the launch mode now in force
+
+
+def pdl_off(shape: str, engine: DecodeEngine, contexts: list[int], bw: float, tokens: dict) -> None:
+    """The lean step launched without PDL (its own block shapes, picked again), against the PDL run above."""
+    wbytes, kv_tok = engine.weight_bytes(), engine.geometry.token_bytes()
+    pdl.set_pdl(False)
+    try:
+        recapture_lean(engine)
+        for entry in fused.TUNING_LOG:
+            emit("tuning", shape=shape, pdl=False, **entry)
+        fused.TUNING_LOG.clear()
+        for ctx in contexts:
+            if late(f"{shape} PDL off context {ctx}"):
+                break
+            rate, ids = decode(engine, ctx, args.tokens)
+            ms = replay_ms(engine, ctx)
+            bound = bw / (wbytes + kv_tok * (ctx + args.tokens / 2))
+            ref = tokens.get(("lean", ctx)) or []
+            prefix = next((i for i, (x, y) in enumerate(zip(ids, ref)) if x != y), min(len(ids), len(ref)))
+            emit("decode", shape=shape, step="lean-no-pdl", mode=engine.runner.mode.value, context=ctx,
+                 tok_per_s=rate, replay_ms=ms, replay_tok_per_s=1e3 / ms, bound_tok_per_s=bound,
+                 of_bound=rate / bound, replay_of_bound=1e3 / ms / bound, common_prefix_with_pdl=prefix)
+    finally:
+        pdl.set_pdl(True)
+        recapture_lean(engine)
 
 
 def compiled_step(shape: str, contexts: list[int], bw: float) -> None:
@@ -349,6 +386,7 @@ def main() -> None:
          commit=open("GIT_HEAD").read().strip() if os.path.exists("GIT_HEAD") else None)
     bw = max(copy_bandwidth(DEV) for _ in range(1 if args.smoke_cpu else 3))
     emit("copy_bandwidth", gb_per_s=bw / 1e9)
+    emit("pdl", on=pdl.use_pdl(DEV), unsupported_reason=pdl.pdl_unsupported_reason(DEV))
     contexts = [int(c) for c in args.contexts.split(",")]
     for shape in args.shapes.split(","):
         if late(f"shape {shape}"):

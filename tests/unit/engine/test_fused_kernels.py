@@ -234,3 +234,59 @@ def test_bf16_rounding_on_the_bits_is_round_to_nearest_even():
     out = torch.empty_like(x)
     _round_kernel[(1,)](x, out, N=1024)
     assert torch.equal(out, x.to(torch.bfloat16).float())
+
+
+def test_pdl_is_off_where_it_cannot_run():
+    """Programmatic dependent launch (models/pdl.py) only on a CUDA device of capability 9+ with a Triton that
+    launches with it; off those (this CPU run, the interpreter) it says why and the kernels run without it."""
+    from expresslane.engine.models import pdl
+
+    cpu = torch.device("cpu")
+    assert "CUDA device" in pdl.pdl_unsupported_reason(cpu)
+    assert pdl.use_pdl(cpu) is False
+    if DEVICE == "cuda" and torch.cuda.get_device_capability()[0] >= 9:
+        assert pdl.pdl_unsupported_reason(torch.device("cuda")) is None, "PDL should run on this GPU"
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="PDL and the lean graph need a CUDA device")
+def test_pdl_changes_no_bit_of_the_lean_graphs_tokens_or_logits():
+    """The lean step's graph captured with PDL and without: the same kernels in the same summation order, only
+    launched to overlap, so every step's logits must be bit-identical (a kernel reading its input before the
+    kernel that writes it has finished shows up as a difference, or as two replays that differ). A bf16 model
+    wide enough that each GEMV runs several waves of programs."""
+    from expresslane.engine.decode import DecodeEngine, SamplingParams
+    from expresslane.engine.models import pdl
+
+    if pdl.pdl_unsupported_reason(torch.device("cuda")):
+        pytest.skip(pdl.pdl_unsupported_reason(torch.device("cuda")))
+    cfg = ModelConfig(model_type="llama", vocab_size=4096, hidden_size=1024, intermediate_size=2816, num_layers=4,
+                      num_heads=16, num_kv_heads=4, head_dim=64, rms_norm_eps=1e-6, max_position_embeddings=512,
+                      tie_word_embeddings=False, qkv_bias=False, o_bias=False, mlp_bias=False, qk_norm=False)
+    model = _model(cfg, torch.bfloat16, seed=8)
+    prompt = list(range(5, 5 + 37))
+    runs = {}
+    try:
+        for on in (True, False):
+            pdl.set_pdl(on)
+            engine = DecodeEngine(model, cfg, dtype=torch.bfloat16, device=torch.device("cuda"), max_seq_len=256,
+                                  attention="split", speculation=None)
+            assert engine.runner.lean
+            if not on:  # the block shapes PDL's run picked: the same summation order in both runs
+                for key, cfg_picked in list(fused._PICKED.items()):
+                    if key[-1]:
+                        fused._PICKED[key[:-1] + (False,)] = cfg_picked
+            engine.warmup()
+            first = int(engine.prefill(prompt).argmax())
+            tokens = [first, *engine.generate(first, len(prompt), SamplingParams(max_tokens=64, ignore_eos=True))]
+            steps = []
+            with torch.inference_mode():
+                for pos in (40, 41, 100):  # rows below pos were written by the generation
+                    for _ in range(3):  # replays of one step must agree with each other too
+                        steps.append(engine.runner.forward(torch.tensor([tokens[1]], device="cuda"), pos).clone())
+            runs[on] = (tokens, steps)
+            del engine
+    finally:
+        pdl.set_pdl(True)
+    assert runs[True][0] == runs[False][0]
+    for a, b in zip(runs[True][1], runs[False][1]):
+        assert torch.equal(a, b)

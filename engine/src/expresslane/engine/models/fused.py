@@ -32,6 +32,8 @@ import triton
 import triton.language as tl
 import triton.testing
 
+from .pdl import pdl_wait, use_pdl
+
 # (rows per program, K per iteration, prefetch): 8,192 weights (16 KB of bf16) a program and iteration; with
 # prefetch (1) the next iteration's tile is loaded before this one's products, so two tiles of half the size
 # are in flight, and the RMSNorm statistic is one load of the whole row issued after the first tile's load.
@@ -108,11 +110,13 @@ def _load_rows(w_ptr, rows, rmask, cols, K):
 
 @triton.jit
 def _gemv1(w_ptr, rows, rmask, x_ptr, nw_ptr, K, eps, HAS_NORM: tl.constexpr, BLOCK_N: tl.constexpr,
-           BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr, K_POW2: tl.constexpr):
-    """sum_k w[rows, k] * in[k] in float32, in = RMSNorm(x) (HAS_NORM) or x."""
+           BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr, K_POW2: tl.constexpr, PDL: tl.constexpr):
+    """sum_k w[rows, k] * in[k] in float32, in = RMSNorm(x) (HAS_NORM) or x. PDL: the first weight tile (the
+    weights are constant) is loaded before the wait for the kernel this one depends on (models/pdl.py)."""
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     if PREFETCH:
         w_cur = _load_rows(w_ptr, rows, rmask, tl.arange(0, BLOCK_K), K)
+        pdl_wait(PDL)
         rstd = 1.0
         if HAS_NORM:
             rstd = _rstd_once(x_ptr, K, eps, K_POW2)
@@ -123,6 +127,7 @@ def _gemv1(w_ptr, rows, rmask, x_ptr, nw_ptr, K, eps, HAS_NORM: tl.constexpr, BL
             acc += w_cur.to(tl.float32) * xv[None, :]
             w_cur = w_next
     else:
+        pdl_wait(PDL)
         rstd = 1.0
         if HAS_NORM:
             rstd = _rstd(x_ptr, K, eps, BLOCK_K)
@@ -135,7 +140,7 @@ def _gemv1(w_ptr, rows, rmask, x_ptr, nw_ptr, K, eps, HAS_NORM: tl.constexpr, BL
 
 @triton.jit
 def _gemv2(w_ptr, rows_a, rows_b, rmask, x_ptr, nw_ptr, K, eps, BJ: tl.constexpr, BLOCK_K: tl.constexpr,
-           PREFETCH: tl.constexpr, K_POW2: tl.constexpr):
+           PREFETCH: tl.constexpr, K_POW2: tl.constexpr, PDL: tl.constexpr):
     """_gemv1 over RMSNorm(x) for two row sets that share the input (RoPE pairs, gate and up rows)."""
     acc_a = tl.zeros([BJ, BLOCK_K], tl.float32)
     acc_b = tl.zeros([BJ, BLOCK_K], tl.float32)
@@ -143,6 +148,7 @@ def _gemv2(w_ptr, rows_a, rows_b, rmask, x_ptr, nw_ptr, K, eps, BJ: tl.constexpr
         first = tl.arange(0, BLOCK_K)
         wa = _load_rows(w_ptr, rows_a, rmask, first, K)
         wb = _load_rows(w_ptr, rows_b, rmask, first, K)
+        pdl_wait(PDL)
         rstd = _rstd_once(x_ptr, K, eps, K_POW2)
         for k0 in range(0, K, BLOCK_K):
             cols = k0 + tl.arange(0, BLOCK_K)
@@ -154,6 +160,7 @@ def _gemv2(w_ptr, rows_a, rows_b, rmask, x_ptr, nw_ptr, K, eps, BJ: tl.constexpr
             wa = wa_next
             wb = wb_next
     else:
+        pdl_wait(PDL)
         rstd = _rstd(x_ptr, K, eps, BLOCK_K)
         for k0 in range(0, K, BLOCK_K):
             cols = k0 + tl.arange(0, BLOCK_K)
@@ -168,7 +175,7 @@ def _norm_qkv_rope_kernel(x_ptr, nw_ptr, w_ptr, b_ptr, cos_ptr, sin_ptr, start_p
                           K, eps, stride_kc_s, stride_kc_h, stride_vc_s, stride_vc_h,
                           NH: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr, HAS_BIAS: tl.constexpr,
                           BJ: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr,
-                          K_POW2: tl.constexpr):
+                          K_POW2: tl.constexpr, PDL: tl.constexpr):
     HALF: tl.constexpr = D // 2
     NBLK: tl.constexpr = HALF // BJ
     pid = tl.program_id(0)
@@ -177,7 +184,7 @@ def _norm_qkv_rope_kernel(x_ptr, nw_ptr, w_ptr, b_ptr, cos_ptr, sin_ptr, start_p
     rows_a = head * D + j
     rows_b = rows_a + HALF
     ok = j < HALF
-    a, b = _gemv2(w_ptr, rows_a, rows_b, ok, x_ptr, nw_ptr, K, eps, BJ, BLOCK_K, PREFETCH, K_POW2)
+    a, b = _gemv2(w_ptr, rows_a, rows_b, ok, x_ptr, nw_ptr, K, eps, BJ, BLOCK_K, PREFETCH, K_POW2, PDL)
     if HAS_BIAS:
         a += tl.load(b_ptr + rows_a).to(tl.float32)
         b += tl.load(b_ptr + rows_b).to(tl.float32)
@@ -209,10 +216,11 @@ def _norm_qkv_rope_kernel(x_ptr, nw_ptr, w_ptr, b_ptr, cos_ptr, sin_ptr, start_p
 
 @triton.jit
 def _gemv_residual_kernel(a_ptr, w_ptr, b_ptr, res_ptr, N, K, HAS_BIAS: tl.constexpr,
-                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr):
+                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr,
+                          PDL: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < N
-    y = _gemv1(w_ptr, rows, rmask, a_ptr, a_ptr, K, 0.0, False, BLOCK_N, BLOCK_K, PREFETCH, 16)
+    y = _gemv1(w_ptr, rows, rmask, a_ptr, a_ptr, K, 0.0, False, BLOCK_N, BLOCK_K, PREFETCH, 16, PDL)
     if HAS_BIAS:
         y += tl.load(b_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
     res = tl.load(res_ptr + rows, mask=rmask, other=0.0)
@@ -224,11 +232,11 @@ def _gemv_residual_kernel(a_ptr, w_ptr, b_ptr, res_ptr, N, K, HAS_BIAS: tl.const
 @triton.jit
 def _norm_gate_up_silu_kernel(x_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, I, K, eps, HAS_BIAS: tl.constexpr,
                               BJ: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr,
-                              K_POW2: tl.constexpr):
+                              K_POW2: tl.constexpr, PDL: tl.constexpr):
     rows_g = tl.program_id(0) * BJ + tl.arange(0, BJ)
     rows_u = rows_g + I
     ok = rows_g < I
-    g, u = _gemv2(w_ptr, rows_g, rows_u, ok, x_ptr, nw_ptr, K, eps, BJ, BLOCK_K, PREFETCH, K_POW2)
+    g, u = _gemv2(w_ptr, rows_g, rows_u, ok, x_ptr, nw_ptr, K, eps, BJ, BLOCK_K, PREFETCH, K_POW2, PDL)
     if HAS_BIAS:
         g += tl.load(b_ptr + rows_g, mask=ok, other=0.0).to(tl.float32)
         u += tl.load(b_ptr + rows_u, mask=ok, other=0.0).to(tl.float32)
@@ -241,10 +249,10 @@ def _norm_gate_up_silu_kernel(x_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, I, K, eps, H
 
 @triton.jit
 def _norm_gemv_kernel(x_ptr, nw_ptr, w_ptr, out_ptr, N, K, eps, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      PREFETCH: tl.constexpr, K_POW2: tl.constexpr):
+                      PREFETCH: tl.constexpr, K_POW2: tl.constexpr, PDL: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < N
-    y = _gemv1(w_ptr, rows, rmask, x_ptr, nw_ptr, K, eps, True, BLOCK_N, BLOCK_K, PREFETCH, K_POW2)
+    y = _gemv1(w_ptr, rows, rmask, x_ptr, nw_ptr, K, eps, True, BLOCK_N, BLOCK_K, PREFETCH, K_POW2, PDL)
     dt = x_ptr.dtype.element_ty
     tl.store(out_ptr + rows, y.to(dt).to(tl.float32), mask=rmask)
 
@@ -275,7 +283,7 @@ def pick_config(name: str, n: int, k: int, candidates, launch, max_rows: int | N
     `restore`: a tensor the kernel updates in place, put back after the timing runs; `config`: use this one."""
     if config is not None:
         return config
-    key = (name, n, k, str(device))
+    key = (name, n, k, str(device), use_pdl(device))
     if key in _PICKED:
         return _PICKED[key]
     fitting = [c for c in candidates if _fits(c, k, max_rows)] or [min(candidates)]
@@ -303,13 +311,15 @@ def norm_qkv_rope(x, norm_w, eps, w, b, cos, sin, start, q_out, k_cache, v_cache
     half = head_dim // 2
     heads = num_heads + 2 * num_kv_heads
 
+    pdl = use_pdl(x.device)
+
     def launch(cfg):
         bj, bk, pre = cfg[:3]
         _norm_qkv_rope_kernel[(heads * (half // bj),)](
             x, norm_w, w, b if b is not None else w, cos, sin, start, q_out, k_cache, v_cache, k, eps,
             k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
             NH=num_heads, NKV=num_kv_heads, D=head_dim, HAS_BIAS=b is not None, BJ=bj, BLOCK_K=bk, PREFETCH=pre,
-            K_POW2=triton.next_power_of_2(k), num_warps=_warps(cfg))
+            K_POW2=triton.next_power_of_2(k), PDL=pdl, num_warps=_warps(cfg), launch_pdl=pdl)
 
     cands = [c for c in PAIR_CONFIGS if half % c[0] == 0] or [(1, 2048, 0)]
     launch(pick_config("norm_qkv_rope", w.shape[0], k, cands, launch, max_rows=half, device=x.device, config=config))
@@ -318,12 +328,13 @@ def norm_qkv_rope(x, norm_w, eps, w, b, cos, sin, start, q_out, k_cache, v_cache
 def gemv_residual(a, w, b, residual, config=None):
     """residual [N] += (w [N, K] @ a [K] + b), rounded as the PyTorch step rounds, in place."""
     n, k = w.shape
+    pdl = use_pdl(a.device)
 
     def launch(cfg):
         bn, bk, pre = cfg[:3]
         _gemv_residual_kernel[(triton.cdiv(n, bn),)](a, w, b if b is not None else w, residual, n, k,
                                                      HAS_BIAS=b is not None, BLOCK_N=bn, BLOCK_K=bk, PREFETCH=pre,
-                                                     num_warps=_warps(cfg))
+                                                     PDL=pdl, num_warps=_warps(cfg), launch_pdl=pdl)
 
     launch(pick_config("gemv_residual", n, k, GEMV_CONFIGS, launch, restore=residual, device=a.device, config=config))
 
@@ -332,12 +343,14 @@ def norm_gate_up_silu(x, norm_w, eps, w, b, out, config=None):
     """out [I] = silu(gate) * up of gate_up_proj (w [2I, K], gate rows first) over RMSNorm(x)."""
     i2, k = w.shape
     i = i2 // 2
+    pdl = use_pdl(x.device)
 
     def launch(cfg):
         bj, bk, pre = cfg[:3]
         _norm_gate_up_silu_kernel[(triton.cdiv(i, bj),)](x, norm_w, w, b if b is not None else w, out, i, k, eps,
                                                          HAS_BIAS=b is not None, BJ=bj, BLOCK_K=bk, PREFETCH=pre,
-                                                         K_POW2=triton.next_power_of_2(k), num_warps=_warps(cfg))
+                                                         K_POW2=triton.next_power_of_2(k), PDL=pdl,
+                                                         num_warps=_warps(cfg), launch_pdl=pdl)
 
     launch(pick_config("norm_gate_up_silu", i2, k, PAIR_CONFIGS, launch, device=x.device, config=config))
 
@@ -345,10 +358,12 @@ def norm_gate_up_silu(x, norm_w, eps, w, b, out, config=None):
 def norm_gemv(x, norm_w, eps, w, out, config=None):
     """out [N] float32 = (w [N, K] @ RMSNorm(x)) rounded to the model dtype (the lm_head)."""
     n, k = w.shape
+    pdl = use_pdl(x.device)
 
     def launch(cfg):
         bn, bk, pre = cfg[:3]
         _norm_gemv_kernel[(triton.cdiv(n, bn),)](x, norm_w, w, out, n, k, eps, BLOCK_N=bn, BLOCK_K=bk, PREFETCH=pre,
-                                                 K_POW2=triton.next_power_of_2(k), num_warps=_warps(cfg))
+                                                 K_POW2=triton.next_power_of_2(k), PDL=pdl, num_warps=_warps(cfg),
+                                                 launch_pdl=pdl)
 
     launch(pick_config("norm_gemv", n, k, GEMV_CONFIGS, launch, device=x.device, config=config))

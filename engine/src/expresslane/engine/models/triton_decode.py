@@ -16,12 +16,15 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import pdl_wait, use_pdl
+
 
 @triton.jit
 def _split_kv_partial(q_ptr, k_ptr, v_ptr, start_ptr, acc_ptr, ml_ptr, scale,
                       stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh,
                       T: tl.constexpr, G: tl.constexpr, D: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)  # q and the cache row at start come from the kernel before (models/pdl.py)
     hkv = tl.program_id(0)
     split = tl.program_id(1)
     start = tl.load(start_ptr)
@@ -75,7 +78,8 @@ def _split_kv_partial(q_ptr, k_ptr, v_ptr, start_ptr, acc_ptr, ml_ptr, scale,
 @triton.jit
 def _split_kv_merge(acc_ptr, ml_ptr, out_ptr, stride_ot, stride_oh,
                     T: tl.constexpr, G: tl.constexpr, D: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                    BLOCK_M: tl.constexpr):
+                    BLOCK_M: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)
     hkv = tl.program_id(0)
     r = tl.program_id(1)  # r = g * T + t
     splits = tl.arange(0, NUM_SPLITS)
@@ -113,13 +117,14 @@ def split_kv_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     ml = torch.empty(hkv * splits * block_m, 2, dtype=torch.float32, device=q.device)
     out = torch.empty_like(q)
     ieee = q.dtype == torch.float32
+    pdl = use_pdl(q.device)
     _split_kv_partial[(hkv, splits)](
         q, k_cache, v_cache, start_pos, acc, ml, scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        T=t, G=g, D=d, NUM_SPLITS=splits, BLOCK_M=block_m, BLOCK_N=32 if ieee else 64, IEEE=ieee,
-        num_warps=4)
+        T=t, G=g, D=d, NUM_SPLITS=splits, BLOCK_M=block_m, BLOCK_N=32 if ieee else 64, IEEE=ieee, PDL=pdl,
+        num_warps=4, launch_pdl=pdl)
     _split_kv_merge[(hkv, g * t)](acc, ml, out, out.stride(0), out.stride(1), T=t, G=g, D=d,
-                                  NUM_SPLITS=splits, BLOCK_M=block_m, num_warps=1)
+                                  NUM_SPLITS=splits, BLOCK_M=block_m, PDL=pdl, num_warps=1, launch_pdl=pdl)
     return out
 
 

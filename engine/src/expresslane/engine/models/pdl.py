@@ -1,0 +1,83 @@
+"""Programmatic dependent launch (PDL) for the decode step's Triton kernels (Hopper and later).
+
+A batch-1 decode step is a chain of ~100 short kernels, each of which depends on the one before it. Launched the
+ordinary way, kernel n + 1 starts only once kernel n has ended: every boundary costs the launch and the ramp of
+the next kernel's first memory loads (on the H200 the Llama-1B step spent 869 us in kernels for 593 us of
+bytes, docs/performance.md). With PDL (`launch_pdl=True`, Triton's `griddepcontrol` instructions) kernel
+n + 1 may start while kernel n's last programs still run: its programs load what does not depend on kernel n
+(their first tile of constant weights) and then wait (`gdc_wait`) until kernel n has finished and its writes
+are visible; only then do they read the activations. Each kernel lets the next one launch
+(`gdc_launch_dependents`) right after its own wait, so at most the next kernel is in flight early, and what it
+does before its wait touches only weights.
+
+The rule every kernel launched with PDL keeps: nothing before `pdl_wait` reads or writes memory another kernel
+of the step writes. Inside a CUDA graph the launches become programmatic edges (CUDA 12.3+); a kernel launched
+without PDL (PyTorch's) still waits for the whole previous kernel, so mixing is safe.
+
+`EXPRESSLANE_PDL=0` turns it off (A/B runs); `set_pdl` does the same in-process, before the graphs are
+captured. Off a CUDA device of compute capability 9+, under Triton's interpreter, or with a Triton that has
+no `launch_pdl`, the kernels run without it (the same code, the wait compiled out).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+try:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # an older Triton: PDL is never used (use_pdl says so)
+    gdc_launch_dependents = gdc_wait = None
+
+__all__ = ["pdl_wait", "use_pdl", "set_pdl", "pdl_unsupported_reason"]
+
+_enabled = os.environ.get("EXPRESSLANE_PDL", "1") != "0"
+_cache: dict[tuple[str, int | None, bool], bool] = {}
+
+
+@triton.jit
+def pdl_wait(PDL: tl.constexpr):
+    """With PDL: wait until the kernel this one depends on has finished (its writes visible), then let the
+    next kernel launch. Without: nothing (compiled out)."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+
+
+def _triton_has_launch_pdl() -> bool:
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except ImportError:
+        return False
+    return "launch_pdl" in getattr(CUDAOptions, "__dataclass_fields__", {})
+
+
+def pdl_unsupported_reason(device: torch.device) -> str | None:
+    """Why the kernels cannot use PDL on `device` (None: they can)."""
+    if device.type != "cuda":
+        return f"PDL needs a CUDA device, not {device.type}"
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return "Triton's interpreter has no grid dependency control"
+    if gdc_wait is None or not _triton_has_launch_pdl():
+        return f"Triton {triton.__version__} has no launch_pdl"
+    major, minor = torch.cuda.get_device_capability(device)
+    if major < 9:
+        return f"PDL needs compute capability 9.0+, the device has {major}.{minor}"
+    return None
+
+
+def use_pdl(device: torch.device) -> bool:
+    """Whether the kernels launched for `device` use PDL now (cached per device)."""
+    key = (device.type, device.index, _enabled)
+    if key not in _cache:
+        _cache[key] = _enabled and pdl_unsupported_reason(device) is None
+    return _cache[key]
+
+
+def set_pdl(on: bool) -> None:
+    """Turn PDL on or off for kernels launched from now on (capture the CUDA graphs again after it)."""
+    global _enabled
+    _enabled = bool(on)
