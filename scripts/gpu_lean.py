@@ -36,8 +36,10 @@ ap.add_argument("--tokens", type=int, default=256)
 ap.add_argument("--deadline-s", type=float, default=240.0)
 ap.add_argument("--pytest", action="store_true")
 ap.add_argument("--compiled", action="store_true")
-ap.add_argument("--pdl-ab", action="store_true",
-                help="also measure the lean step with programmatic dependent launch off (models/pdl.py), same run")
+ap.add_argument("--pdl-ab", default="",
+                help="also measure the lean step with other programmatic-dependent-launch kinds (models/pdl.py), "
+                     "same run: label=kinds pairs separated by '/', kinds as EXPRESSLANE_PDL takes them, "
+                     "e.g. 'no-partial=gemv,attn_merge/off=0'")
 ap.add_argument("--smoke-cpu", action="store_true",
                 help="run the script's code paths on CPU with a tiny shape (Triton's interpreter; the lean step's "
                      "runner parts, which need CUDA graphs, are skipped): a check of this script, not a result")
@@ -307,6 +309,11 @@ def run_shape(shape: str, contexts: list[int], bw: float) -> None:
             prefix = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
             emit("greedy_compare", shape=shape, context=ctx, tokens=len(a), identical=a == b, common_prefix=prefix,
                  equal_positions=sum(x == y for x, y in zip(a, b)))
+    if "lean" in steps:  # before the profile: CUPTI, once on, slows the kernels timed after it
+        for variant in filter(None, args.pdl_ab.split("/")):
+            label, kinds = variant.split("=", 1)
+            if not late(f"{shape} PDL {label}"):
+                pdl_variant(shape, engine, contexts, bw, tokens, label, kinds)
     if not late(f"{shape} attention alone"):
         for ctx in contexts:
             attention_alone(shape, engine, ctx)
@@ -315,8 +322,6 @@ def run_shape(shape: str, contexts: list[int], bw: float) -> None:
             profile_lean(shape, engine, contexts[0])
         except Exception as e:  # the profile is a diagnosis, not a result: say it failed and go on
             emit("profile_failed", shape=shape, error=repr(e)[:300])
-    if args.pdl_ab and "lean" in steps and not late(f"{shape} PDL off"):
-        pdl_off(shape, engine, contexts, bw, tokens)
     del engine, model
     torch.cuda.empty_cache()
 
@@ -329,14 +334,18 @@ def recapture_lean(engine: DecodeEngine) -> None:
     engine.runner.capture()  # the first warm-up run picks block shapes for the launch mode now in force
 
 
-def pdl_off(shape: str, engine: DecodeEngine, contexts: list[int], bw: float, tokens: dict) -> None:
-    """The lean step launched without PDL (its own block shapes, picked again), against the PDL run above."""
+def pdl_variant(shape: str, engine: DecodeEngine, contexts: list[int], bw: float, tokens: dict, label: str,
+                kinds: str) -> None:
+    """The lean step launched with other PDL kinds (block shapes picked again where the GEMVs' launch mode
+    changed), against the default run above."""
     wbytes, kv_tok = engine.weight_bytes(), engine.geometry.token_bytes()
-    pdl.set_pdl(False)
+    default = pdl.pdl_kinds()
+    pdl.set_pdl(kinds)
+    emit("pdl_variant", shape=shape, label=label, kinds=sorted(pdl.pdl_kinds()))
     try:
         recapture_lean(engine)
         for entry in fused.TUNING_LOG:
-            emit("tuning", shape=shape, pdl=False, **entry)
+            emit("tuning", shape=shape, pdl=label, **entry)
         fused.TUNING_LOG.clear()
         for ctx in contexts:
             if late(f"{shape} PDL off context {ctx}"):
@@ -346,11 +355,11 @@ def pdl_off(shape: str, engine: DecodeEngine, contexts: list[int], bw: float, to
             bound = bw / (wbytes + kv_tok * (ctx + args.tokens / 2))
             ref = tokens.get(("lean", ctx)) or []
             prefix = next((i for i, (x, y) in enumerate(zip(ids, ref)) if x != y), min(len(ids), len(ref)))
-            emit("decode", shape=shape, step="lean-no-pdl", mode=engine.runner.mode.value, context=ctx,
+            emit("decode", shape=shape, step=f"lean-pdl-{label}", mode=engine.runner.mode.value, context=ctx,
                  tok_per_s=rate, replay_ms=ms, replay_tok_per_s=1e3 / ms, bound_tok_per_s=bound,
                  of_bound=rate / bound, replay_of_bound=1e3 / ms / bound, common_prefix_with_pdl=prefix)
     finally:
-        pdl.set_pdl(True)
+        pdl.set_pdl(default)
         recapture_lean(engine)
 
 
@@ -386,7 +395,7 @@ def main() -> None:
          commit=open("GIT_HEAD").read().strip() if os.path.exists("GIT_HEAD") else None)
     bw = max(copy_bandwidth(DEV) for _ in range(1 if args.smoke_cpu else 3))
     emit("copy_bandwidth", gb_per_s=bw / 1e9)
-    emit("pdl", on=pdl.use_pdl(DEV), unsupported_reason=pdl.pdl_unsupported_reason(DEV))
+    emit("pdl", kinds=sorted(pdl.pdl_kinds()), on=pdl.use_pdl(DEV), unsupported_reason=pdl.pdl_unsupported_reason(DEV))
     contexts = [int(c) for c in args.contexts.split(",")]
     for shape in args.shapes.split(","):
         if late(f"shape {shape}"):

@@ -244,6 +244,10 @@ def test_pdl_is_off_where_it_cannot_run():
     cpu = torch.device("cpu")
     assert "CUDA device" in pdl.pdl_unsupported_reason(cpu)
     assert pdl.use_pdl(cpu) is False
+    assert pdl.parse_kinds("1") == frozenset(pdl.DEFAULT_KINDS) and pdl.parse_kinds("0") == frozenset()
+    assert pdl.parse_kinds(" gemv, attn_merge ") == {"gemv", "attn_merge"}
+    with pytest.raises(ValueError, match="unknown kernel kinds"):
+        pdl.parse_kinds("gemv,attention")
     if DEVICE == "cuda" and torch.cuda.get_device_capability()[0] >= 9:
         assert pdl.pdl_unsupported_reason(torch.device("cuda")) is None, "PDL should run on this GPU"
 
@@ -265,6 +269,7 @@ def test_pdl_changes_no_bit_of_the_lean_graphs_tokens_or_logits():
     model = _model(cfg, torch.bfloat16, seed=8)
     prompt = list(range(5, 5 + 37))
     runs = {}
+    default = pdl.pdl_kinds()
     try:
         for on in (True, False):
             pdl.set_pdl(on)
@@ -286,7 +291,7 @@ def test_pdl_changes_no_bit_of_the_lean_graphs_tokens_or_logits():
             runs[on] = (tokens, steps)
             del engine
     finally:
-        pdl.set_pdl(True)
+        pdl.set_pdl(default)
     assert runs[True][0] == runs[False][0]
     for a, b in zip(runs[True][1], runs[False][1]):
         assert torch.equal(a, b)

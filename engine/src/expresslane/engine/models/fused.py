@@ -283,7 +283,7 @@ def pick_config(name: str, n: int, k: int, candidates, launch, max_rows: int | N
     `restore`: a tensor the kernel updates in place, put back after the timing runs; `config`: use this one."""
     if config is not None:
         return config
-    key = (name, n, k, str(device), use_pdl(device))
+    key = (name, n, k, str(device), use_pdl(device) if device is not None else False)
     if key in _PICKED:
         return _PICKED[key]
     fitting = [c for c in candidates if _fits(c, k, max_rows)] or [min(candidates)]

@@ -14,8 +14,10 @@ The rule every kernel launched with PDL keeps: nothing before `pdl_wait` reads o
 of the step writes. Inside a CUDA graph the launches become programmatic edges (CUDA 12.3+); a kernel launched
 without PDL (PyTorch's) still waits for the whole previous kernel, so mixing is safe.
 
-`EXPRESSLANE_PDL=0` turns it off (A/B runs); `set_pdl` does the same in-process, before the graphs are
-captured. Off a CUDA device of compute capability 9+, under Triton's interpreter, or with a Triton that has
+Which kernels launch with PDL is chosen per kind (`KINDS`): the fused GEMVs (`gemv`), the split-KV
+attention's partial kernel (`attn_partial`) and its merge (`attn_merge`). `EXPRESSLANE_PDL` is `1` (the
+default kinds, `DEFAULT_KINDS`), `0` (none), or a comma-separated list of kinds; `set_pdl` sets the same
+in-process, before the graphs are captured (A/B runs). Off a CUDA device of compute capability 9+, under Triton's interpreter, or with a Triton that has
 no `launch_pdl`, the kernels run without it (the same code, the wait compiled out).
 """
 
@@ -32,10 +34,28 @@ try:
 except ImportError:  # an older Triton: PDL is never used (use_pdl says so)
     gdc_launch_dependents = gdc_wait = None
 
-__all__ = ["pdl_wait", "use_pdl", "set_pdl", "pdl_unsupported_reason"]
+__all__ = ["KINDS", "pdl_wait", "use_pdl", "set_pdl", "pdl_kinds", "parse_kinds", "pdl_unsupported_reason"]
 
-_enabled = os.environ.get("EXPRESSLANE_PDL", "1") != "0"
-_cache: dict[tuple[str, int | None, bool], bool] = {}
+KINDS = ("gemv", "attn_partial", "attn_merge")
+DEFAULT_KINDS = frozenset(KINDS)
+
+
+def parse_kinds(value: str) -> frozenset[str]:
+    """`EXPRESSLANE_PDL`'s value: "1" (the defaults), "0" / "" (none), or kinds separated by commas."""
+    value = value.strip()
+    if value == "1":
+        return DEFAULT_KINDS
+    if value in ("0", ""):
+        return frozenset()
+    kinds = frozenset(k.strip() for k in value.split(",") if k.strip())
+    unknown = kinds - set(KINDS)
+    if unknown:
+        raise ValueError(f"EXPRESSLANE_PDL: unknown kernel kinds {sorted(unknown)} (known: {', '.join(KINDS)})")
+    return kinds
+
+
+_kinds = parse_kinds(os.environ.get("EXPRESSLANE_PDL", "1"))
+_supported: dict[tuple[str, int | None], bool] = {}
 
 
 @triton.jit
@@ -69,15 +89,29 @@ def pdl_unsupported_reason(device: torch.device) -> str | None:
     return None
 
 
-def use_pdl(device: torch.device) -> bool:
-    """Whether the kernels launched for `device` use PDL now (cached per device)."""
-    key = (device.type, device.index, _enabled)
-    if key not in _cache:
-        _cache[key] = _enabled and pdl_unsupported_reason(device) is None
-    return _cache[key]
+def use_pdl(device: torch.device, kind: str = "gemv") -> bool:
+    """Whether kernels of `kind` launched for `device` use PDL now (the device check is cached)."""
+    if kind not in _kinds:
+        return False
+    key = (device.type, device.index)
+    if key not in _supported:
+        _supported[key] = pdl_unsupported_reason(device) is None
+    return _supported[key]
 
 
-def set_pdl(on: bool) -> None:
-    """Turn PDL on or off for kernels launched from now on (capture the CUDA graphs again after it)."""
-    global _enabled
-    _enabled = bool(on)
+def pdl_kinds() -> frozenset[str]:
+    return _kinds
+
+
+def set_pdl(kinds: bool | str | frozenset[str] | set[str]) -> None:
+    """The kernel kinds that launch with PDL from now on: True (the defaults), False (none), a set of kinds or
+    `EXPRESSLANE_PDL`'s syntax. Capture the CUDA graphs again after it."""
+    global _kinds
+    if kinds is True:
+        _kinds = DEFAULT_KINDS
+    elif kinds is False:
+        _kinds = frozenset()
+    elif isinstance(kinds, str):
+        _kinds = parse_kinds(kinds)
+    else:
+        _kinds = parse_kinds(",".join(kinds)) if kinds else frozenset()

@@ -117,14 +117,15 @@ def split_kv_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     ml = torch.empty(hkv * splits * block_m, 2, dtype=torch.float32, device=q.device)
     out = torch.empty_like(q)
     ieee = q.dtype == torch.float32
-    pdl = use_pdl(q.device)
+    pdl, pdl_merge = use_pdl(q.device, "attn_partial"), use_pdl(q.device, "attn_merge")
     _split_kv_partial[(hkv, splits)](
         q, k_cache, v_cache, start_pos, acc, ml, scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         T=t, G=g, D=d, NUM_SPLITS=splits, BLOCK_M=block_m, BLOCK_N=32 if ieee else 64, IEEE=ieee, PDL=pdl,
         num_warps=4, launch_pdl=pdl)
     _split_kv_merge[(hkv, g * t)](acc, ml, out, out.stride(0), out.stride(1), T=t, G=g, D=d,
-                                  NUM_SPLITS=splits, BLOCK_M=block_m, PDL=pdl, num_warps=1, launch_pdl=pdl)
+                                  NUM_SPLITS=splits, BLOCK_M=block_m, PDL=pdl_merge, num_warps=1,
+                                  launch_pdl=pdl_merge)
     return out
 
 
