@@ -37,7 +37,11 @@ except ImportError:  # an older Triton: PDL is never used (use_pdl says so)
 __all__ = ["KINDS", "pdl_wait", "use_pdl", "set_pdl", "pdl_kinds", "parse_kinds", "pdl_unsupported_reason"]
 
 KINDS = ("gemv", "attn_partial", "attn_merge")
-DEFAULT_KINDS = frozenset(KINDS)
+# Not the attention's partial kernel: launched early, its programs (one wave, two a multiprocessor) are placed
+# while the QKV kernel still holds the multiprocessors, unevenly, and the long-context step got slower with it
+# (H200, Llama-1B shape at 32k: 1.334 ms a step with it, 1.096 without, 1.173 with no PDL at all;
+# docs/bench/2026-12-02-gpu-speed-5/run2-pdl-variants.jsonl).
+DEFAULT_KINDS = frozenset({"gemv", "attn_merge"})
 
 
 def parse_kinds(value: str) -> frozenset[str]:
