@@ -295,3 +295,51 @@ def test_pdl_changes_no_bit_of_the_lean_graphs_tokens_or_logits():
     assert runs[True][0] == runs[False][0]
     for a, b in zip(runs[True][1], runs[False][1]):
         assert torch.equal(a, b)
+
+
+# CPU: one block shape (32 rows a program: the copies fall inside the winner's program and in others).
+@pytest.mark.parametrize("cfg_pick", [(32, 16, 1)] + ([(4, 2048, 0)] if DEVICE == "cuda" else []))
+def test_the_greedy_steps_argmax_is_torchs_first_maximum(cfg_pick):
+    """LeanStep.forward(greedy=True): the lm_head kernel folds each program's best (value, first row) into
+    one int64 key and greedy_advance writes the row as the next token and start + 1, then empties the key. It
+    must be torch.argmax of the same logits, ties included (bf16-rounded logits tie often over a large
+    vocabulary): copies of the winning lm_head row before and after it, inside one program's rows and in
+    other programs, must give the first copy."""
+    cfg = _config(bias=False, tied=False)
+    model = _model(cfg, torch.float32, seed=9)
+    s = 48
+    cos, sin = rope_tables(cfg.rope, cfg.head_dim, s, torch.float32, DEVICE)
+    shape = (cfg.num_layers, s, cfg.num_kv_heads, cfg.head_dim)
+    k = torch.randn(shape, device=DEVICE)
+    v = torch.randn(shape, device=DEVICE)
+    lean = LeanStep(model, cos, sin, list(k.unbind(0)), list(v.unbind(0)))
+    key = ("norm_gemv", cfg.vocab_size, cfg.hidden_size, str(torch.device(DEVICE)), fused.use_pdl(torch.device(DEVICE)))
+    saved = fused._PICKED.get(key)
+    fused._PICKED[key] = cfg_pick  # the block shape decides which rows share a program
+    try:
+        pos = 20
+        for copies in ((), (-7, 1, 2, 40)):
+            with torch.no_grad():
+                tokens, start = torch.tensor([11], device=DEVICE), torch.tensor([pos], device=DEVICE)
+                ref = lean.forward(tokens, start).clone()
+                best = int(ref.argmax())
+                for d in copies:
+                    j = best + d
+                    if 0 <= j < cfg.vocab_size:
+                        model.lm_head.weight[j] = model.lm_head.weight[best]
+                k[:, pos].zero_()  # the same cache row as the reference step saw
+                v[:, pos].zero_()
+                ref = lean.forward(tokens, start).clone()
+                out = lean.forward(tokens, start, greedy=True)
+            assert torch.equal(out, ref)
+            want = int(ref.argmax())
+            if copies:  # the copies tie with the winner exactly (the same row, the same summation order)
+                assert int((ref[0] == ref[0, want]).sum()) > 1 and want < best
+            assert int(tokens[0]) == want, (copies, int(tokens[0]), want)
+            assert int(start[0]) == pos + 1
+            assert int(lean.argmax_key[0]) == fused.ARGMAX_KEY_EMPTY
+    finally:
+        if saved is None:
+            fused._PICKED.pop(key, None)
+        else:
+            fused._PICKED[key] = saved

@@ -248,13 +248,41 @@ def _norm_gate_up_silu_kernel(x_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, I, K, eps, H
 
 
 @triton.jit
-def _norm_gemv_kernel(x_ptr, nw_ptr, w_ptr, out_ptr, N, K, eps, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      PREFETCH: tl.constexpr, K_POW2: tl.constexpr, PDL: tl.constexpr):
+def _norm_gemv_kernel(x_ptr, nw_ptr, w_ptr, out_ptr, key_ptr, N, K, eps, BLOCK_N: tl.constexpr,
+                      BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr, K_POW2: tl.constexpr, PDL: tl.constexpr,
+                      ARGMAX: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < N
     y = _gemv1(w_ptr, rows, rmask, x_ptr, nw_ptr, K, eps, True, BLOCK_N, BLOCK_K, PREFETCH, K_POW2, PDL)
     dt = x_ptr.dtype.element_ty
-    tl.store(out_ptr + rows, y.to(dt).to(tl.float32), mask=rmask)
+    logits = y.to(dt).to(tl.float32)
+    tl.store(out_ptr + rows, logits, mask=rmask)
+    if ARGMAX:  # this program's best (value, first row) folded into the step's key (greedy_advance)
+        v = tl.where(rmask, logits, float("-inf"))
+        best = tl.max(v, axis=0)
+        row = tl.min(tl.where(v == best, rows, N), axis=0)  # the first row holding the maximum
+        tl.atomic_max(key_ptr, _argmax_key(best, row))
+
+
+@triton.jit
+def _argmax_key(value, row):
+    """An int64 that orders (value, -row) as a signed integer: the float's bits made monotonic (negative floats
+    inverted, positive ones with the sign bit set) in the high 32 bits, 2^32 - 1 - row in the low ones. The
+    largest key is the largest value at its first row: torch.argmax's answer for finite values."""
+    bits = value.to(tl.uint32, bitcast=True)
+    ordered = tl.where((bits >> 31) == 1, ~bits, bits | 0x80000000)
+    high = ordered.to(tl.int64) - 2147483648
+    return high * 4294967296 + (4294967295 - row.to(tl.int64))
+
+
+@triton.jit
+def _greedy_advance_kernel(key_ptr, token_ptr, start_ptr, reset, PDL: tl.constexpr):
+    pdl_wait(PDL)
+    key = tl.load(key_ptr)
+    row = 4294967295 - (key & 4294967295)
+    tl.store(token_ptr, row.to(tl.int64))
+    tl.store(start_ptr, tl.load(start_ptr) + 1)
+    tl.store(key_ptr, reset)
 
 
 # ---------------------------------------------------------------------------------------------- launchers
@@ -355,15 +383,34 @@ def norm_gate_up_silu(x, norm_w, eps, w, b, out, config=None):
     launch(pick_config("norm_gate_up_silu", i2, k, PAIR_CONFIGS, launch, device=x.device, config=config))
 
 
-def norm_gemv(x, norm_w, eps, w, out, config=None):
-    """out [N] float32 = (w [N, K] @ RMSNorm(x)) rounded to the model dtype (the lm_head)."""
+#: The argmax key's empty value (below every key _argmax_key makes): greedy_advance puts it back.
+ARGMAX_KEY_EMPTY = -(2**63)
+
+
+def new_argmax_key(device) -> torch.Tensor:
+    """The int64 a greedy step's lm_head folds its argmax into (norm_gemv(argmax_key=...))."""
+    return torch.full((1,), ARGMAX_KEY_EMPTY, dtype=torch.int64, device=device)
+
+
+def norm_gemv(x, norm_w, eps, w, out, config=None, argmax_key=None):
+    """out [N] float32 = (w [N, K] @ RMSNorm(x)) rounded to the model dtype (the lm_head). argmax_key: also
+    fold the argmax of out into this key (new_argmax_key; greedy_advance reads it), one atomic per program."""
     n, k = w.shape
     pdl = use_pdl(x.device)
 
-    def launch(cfg):
+    def launch(cfg, key=None):
         bn, bk, pre = cfg[:3]
-        _norm_gemv_kernel[(triton.cdiv(n, bn),)](x, norm_w, w, out, n, k, eps, BLOCK_N=bn, BLOCK_K=bk, PREFETCH=pre,
-                                                 K_POW2=triton.next_power_of_2(k), PDL=pdl, num_warps=_warps(cfg),
-                                                 launch_pdl=pdl)
+        _norm_gemv_kernel[(triton.cdiv(n, bn),)](x, norm_w, w, out, key if key is not None else out, n, k, eps,
+                                                 BLOCK_N=bn, BLOCK_K=bk, PREFETCH=pre,
+                                                 K_POW2=triton.next_power_of_2(k), PDL=pdl, ARGMAX=key is not None,
+                                                 num_warps=_warps(cfg), launch_pdl=pdl)
 
-    launch(pick_config("norm_gemv", n, k, GEMV_CONFIGS, launch, device=x.device, config=config))
+    # The block shape is timed without the argmax (one pick for both: the epilogue is a few instructions).
+    launch(pick_config("norm_gemv", n, k, GEMV_CONFIGS, launch, device=x.device, config=config), argmax_key)
+
+
+def greedy_advance(argmax_key, token, start):
+    """token [1] long = the row norm_gemv folded into argmax_key (then emptied), start [1] += 1: the greedy
+    step's argmax and position advance as one kernel (decode/chain.py's greedy graph)."""
+    pdl = use_pdl(token.device)
+    _greedy_advance_kernel[(1,)](argmax_key, token, start, ARGMAX_KEY_EMPTY, PDL=pdl, num_warps=1, launch_pdl=pdl)

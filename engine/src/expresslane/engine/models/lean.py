@@ -3,7 +3,8 @@
 Per layer: `norm_qkv_rope` (RMSNorm + QKV GEMV + bias + RoPE + the K/V cache write), the split-KV attention
 (partial + merge, models/triton_decode.py), `gemv_residual` (o_proj into the residual), `norm_gate_up_silu`
 (RMSNorm + gate/up GEMV + SwiGLU), `gemv_residual` (down_proj into the residual). Around them one embedding
-gather and `norm_gemv` (final RMSNorm + lm_head, float32 logits). Every buffer is the step's own and the
+gather and `norm_gemv` (final RMSNorm + lm_head, float32 logits; in the greedy chain's step also the argmax,
+folded into the same kernel, and the position advance). Every buffer is the step's own and the
 position is read from the device, so the whole step is captured as one CUDA graph (decode/runner.py owns that).
 
 It computes what `Transformer.forward` computes for T = 1 with the same roundings (models/fused.py says
@@ -37,6 +38,7 @@ class LeanStep:
         self.q = torch.empty(cfg.q_size, dtype=dtype, device=device)
         self.h = torch.empty(cfg.intermediate_size, dtype=dtype, device=device)
         self.logits = torch.empty(1, cfg.vocab_size, dtype=torch.float32, device=device)
+        self.argmax_key = fused.new_argmax_key(device)
 
     @staticmethod
     def unsupported_reason(model: Transformer) -> str | None:
@@ -47,9 +49,11 @@ class LeanStep:
             return f"odd head_dim {cfg.head_dim}"
         return None
 
-    def forward(self, tokens: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, start: torch.Tensor, greedy: bool = False) -> torch.Tensor:
         """tokens [1] long, start [1] long (both on the device). Returns float32 logits [1, vocab] (the
-        step's own buffer)."""
+        step's own buffer). greedy: also the greedy chain's advance (decode/chain.py), on the device:
+        tokens[0] = the logits' argmax (torch.argmax's answer: the first row of the maximum), start += 1, the
+        argmax folded into the lm_head kernel and one one-program kernel after it."""
         m, cfg = self.model, self.cfg
         torch.index_select(m.embed_tokens.weight, 0, tokens, out=self.x.view(1, -1))
         q3 = self.q.view(1, cfg.num_heads, cfg.head_dim)
@@ -65,5 +69,16 @@ class LeanStep:
                                     layer.post_attention_layernorm.eps, mlp.gate_up_proj.weight,
                                     mlp.gate_up_proj.bias, self.h)
             fused.gemv_residual(self.h, mlp.down_proj.weight, mlp.down_proj.bias, self.x)
-        fused.norm_gemv(self.x, m.norm.weight, m.norm.eps, m.lm_head.weight, self.logits.view(-1))
+        fused.norm_gemv(self.x, m.norm.weight, m.norm.eps, m.lm_head.weight, self.logits.view(-1),
+                        argmax_key=self.argmax_key if greedy else None)
+        if greedy:
+            fused.greedy_advance(self.argmax_key, tokens, start)
         return self.logits
+
+    def warm_greedy(self, tokens: torch.Tensor, start: torch.Tensor) -> None:
+        """Run the greedy step once (compiles its kernels before a graph capture) and put tokens and start
+        back as they were."""
+        saved_tokens, saved_start = tokens.clone(), start.clone()
+        self.forward(tokens, start, greedy=True)
+        tokens.copy_(saved_tokens)
+        start.copy_(saved_start)
