@@ -21,8 +21,9 @@ buffers (token rows, the start position), picks the attention kernel, and runs t
 `greedy_step` is the T = 1 step of a greedy chain: the step reads its token and start position from the
 runner's device buffers and writes the argmax of its logits and the next position back into them, so the host
 can queue the next step before it has read this one's token (decode/chain.py). On the graph path that is one
-more graph per runner (the T = 1 step plus the argmax and the advance); elsewhere the same three operations run
-one after the other.
+more graph per runner (the T = 1 step plus the argmax and the advance; the lean step folds the argmax into its
+lm_head kernel and advances in one more kernel, models/lean.py); elsewhere the same three operations run one
+after the other.
 
 The model owns the math, the engine owns the cache; the runner owns nothing else.
 """
@@ -206,10 +207,16 @@ class StepRunner:
         with torch.cuda.stream(stream):
             for _ in range(3):
                 step(tokens, self._start, None)
+            if greedy and lean is not None:  # its argmax kernels, compiled before the capture
+                lean.warm_greedy(tokens, self._start)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-            logits = step(tokens, self._start, None)
-            if greedy:  # recorded, not run: the warm-ups above left the buffers as they were
-                self._advance(logits)
+            # Recorded, not run: the warm-ups above left the buffers as they were.
+            if greedy and lean is not None:  # the lean step folds the argmax into its lm_head kernel
+                logits = lean.forward(tokens, self._start, greedy=True)
+            else:
+                logits = step(tokens, self._start, None)
+                if greedy:
+                    self._advance(logits)
         self._graphs[GREEDY if greedy else t] = (graph, logits)
