@@ -208,6 +208,28 @@ def replay_ms(engine: DecodeEngine, ctx: int, reps: int = 50) -> float:
     return 1e3 * (time.perf_counter() - t0) / reps
 
 
+def greedy_replay_ms(engine: DecodeEngine, ctx: int, reps: int = 50, copy: bool = True) -> float:
+    """The greedy chain's device work alone: its graph replayed back to back (no host read), with or without
+    the token's copy to a pinned slot and an event after each (what GreedyChain.submit queues)."""
+    runner = engine.runner
+    host = torch.empty(1, dtype=torch.long, pin_memory=True)
+    ev = torch.cuda.Event()
+    with torch.inference_mode():
+        runner.start_greedy(424, ctx)
+        for i in range(3):
+            tok = runner.greedy_step(ctx + i)
+        sync()
+        runner.start_greedy(424, ctx)
+        t0 = time.perf_counter()
+        for i in range(reps):
+            tok = runner.greedy_step(ctx + i)
+            if copy:
+                host.copy_(tok, non_blocking=True)
+                ev.record()
+        sync()
+    return 1e3 * (time.perf_counter() - t0) / reps
+
+
 def profile_lean(shape: str, engine: DecodeEngine, ctx: int) -> None:
     from torch.profiler import ProfilerActivity, profile
 
@@ -298,8 +320,11 @@ def run_shape(shape: str, contexts: list[int], bw: float) -> None:
             loop_rate, loop_ids = decode(engine, ctx, args.tokens, chain=False)
             tokens[step, ctx] = ids
             ms = replay_ms(engine, ctx)
+            g_ms = greedy_replay_ms(engine, ctx, copy=False) if DEV.type == "cuda" else float("nan")
+            gc_ms = greedy_replay_ms(engine, ctx, copy=True) if DEV.type == "cuda" else float("nan")
             bound = bw / (wbytes + kv_tok * (ctx + args.tokens / 2))
             emit("decode", shape=shape, step=step, mode=engine.runner.mode.value, context=ctx, tok_per_s=rate,
+                 greedy_replay_ms=g_ms, greedy_replay_copy_ms=gc_ms,
                  loop_tok_per_s=loop_rate, chain_equals_loop=ids == loop_ids,
                  replay_ms=ms, replay_tok_per_s=1e3 / ms, bound_tok_per_s=bound, of_bound=rate / bound,
                  loop_of_bound=loop_rate / bound, replay_of_bound=1e3 / ms / bound)
