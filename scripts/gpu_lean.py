@@ -208,24 +208,39 @@ def replay_ms(engine: DecodeEngine, ctx: int, reps: int = 50) -> float:
     return 1e3 * (time.perf_counter() - t0) / reps
 
 
-def greedy_replay_ms(engine: DecodeEngine, ctx: int, reps: int = 50, copy: bool = True) -> float:
-    """The greedy chain's device work alone: its graph replayed back to back (no host read), with or without
-    the token's copy to a pinned slot and an event after each (what GreedyChain.submit queues)."""
+def greedy_replay_ms(engine: DecodeEngine, ctx: int, mode: str, reps: int = 50) -> float:
+    """The greedy chain's device work: its graph replayed `reps` times from `ctx`, one step queued ahead of the
+    host, with after each step: nothing (`none`), an event (`event`), the token's copy to a pinned slot and an
+    event (`copy`: what GreedyChain queues today), or nothing in the stream and the host reading each step's
+    token from the lean step's mapped ring (`ring`, models/lean.py) before it queues the next but one."""
     runner = engine.runner
+    lean = runner._lean
     host = torch.empty(1, dtype=torch.long, pin_memory=True)
     ev = torch.cuda.Event()
     with torch.inference_mode():
         runner.start_greedy(424, ctx)
         for i in range(3):
-            tok = runner.greedy_step(ctx + i)
+            runner.greedy_step(ctx + i)
         sync()
         runner.start_greedy(424, ctx)
+        seq0 = int(lean.greedy_seq[0]) if lean is not None else 0
         t0 = time.perf_counter()
-        for i in range(reps):
-            tok = runner.greedy_step(ctx + i)
-            if copy:
-                host.copy_(tok, non_blocking=True)
-                ev.record()
+        if mode == "ring":
+            runner.greedy_step(ctx)
+            for i in range(reps):
+                if i + 1 < reps:
+                    runner.greedy_step(ctx + i + 1)
+                want = (seq0 + i + 1) & 0x7FFFFFFF
+                slot = (seq0 + i + 1) % lean.RING
+                while fused.ring_entry(int(lean.token_ring[slot]))[0] != want:
+                    pass
+        else:
+            for i in range(reps):
+                tok = runner.greedy_step(ctx + i)
+                if mode == "copy":
+                    host.copy_(tok, non_blocking=True)
+                if mode in ("copy", "event"):
+                    ev.record()
         sync()
     return 1e3 * (time.perf_counter() - t0) / reps
 
@@ -320,11 +335,11 @@ def run_shape(shape: str, contexts: list[int], bw: float) -> None:
             loop_rate, loop_ids = decode(engine, ctx, args.tokens, chain=False)
             tokens[step, ctx] = ids
             ms = replay_ms(engine, ctx)
-            g_ms = greedy_replay_ms(engine, ctx, copy=False) if DEV.type == "cuda" else float("nan")
-            gc_ms = greedy_replay_ms(engine, ctx, copy=True) if DEV.type == "cuda" else float("nan")
+            greedy = ({m: greedy_replay_ms(engine, ctx, m) for m in ("none", "event", "copy", "ring")}
+                      if DEV.type == "cuda" and step == "lean" else {})
             bound = bw / (wbytes + kv_tok * (ctx + args.tokens / 2))
             emit("decode", shape=shape, step=step, mode=engine.runner.mode.value, context=ctx, tok_per_s=rate,
-                 greedy_replay_ms=g_ms, greedy_replay_copy_ms=gc_ms,
+                 greedy_replay_ms=greedy,
                  loop_tok_per_s=loop_rate, chain_equals_loop=ids == loop_ids,
                  replay_ms=ms, replay_tok_per_s=1e3 / ms, bound_tok_per_s=bound, of_bound=rate / bound,
                  loop_of_bound=loop_rate / bound, replay_of_bound=1e3 / ms / bound)

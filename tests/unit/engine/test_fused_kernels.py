@@ -338,6 +338,11 @@ def test_the_greedy_steps_argmax_is_torchs_first_maximum(cfg_pick):
             assert int(tokens[0]) == want, (copies, int(tokens[0]), want)
             assert int(start[0]) == pos + 1
             assert int(lean.argmax_key[0]) == fused.ARGMAX_KEY_EMPTY
+            # the step is counted, and the ring slot of its number holds (number, token): pinned memory on a GPU
+            seq = int(lean.greedy_seq[0])
+            assert seq == (1 if not copies else 2)
+            assert lean.token_ring.is_pinned() == (DEVICE == "cuda")
+            assert fused.ring_entry(int(lean.token_ring[seq % lean.RING])) == (seq, want)
     finally:
         if saved is None:
             fused._PICKED.pop(key, None)

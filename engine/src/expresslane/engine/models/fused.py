@@ -276,13 +276,18 @@ def _argmax_key(value, row):
 
 
 @triton.jit
-def _greedy_advance_kernel(key_ptr, token_ptr, start_ptr, reset, PDL: tl.constexpr):
+def _greedy_advance_kernel(key_ptr, token_ptr, start_ptr, seq_ptr, ring_ptr, reset, PDL: tl.constexpr,
+                           RING: tl.constexpr):
     pdl_wait(PDL)
     key = tl.load(key_ptr)
     row = 4294967295 - (key & 4294967295)
     tl.store(token_ptr, row.to(tl.int64))
     tl.store(start_ptr, tl.load(start_ptr) + 1)
     tl.store(key_ptr, reset)
+    if RING > 0:  # (step number mod 2^31, token) in one 8-byte store: a reader never sees half of it
+        seq = tl.load(seq_ptr) + 1
+        tl.store(seq_ptr, seq)
+        tl.store(ring_ptr + seq % RING, (seq & 2147483647) * 4294967296 + row, cache_modifier=".wt")
 
 
 # ---------------------------------------------------------------------------------------------- launchers
@@ -409,8 +414,20 @@ def norm_gemv(x, norm_w, eps, w, out, config=None, argmax_key=None):
     launch(pick_config("norm_gemv", n, k, GEMV_CONFIGS, launch, device=x.device, config=config), argmax_key)
 
 
-def greedy_advance(argmax_key, token, start):
+def greedy_advance(argmax_key, token, start, ring=None, seq=None):
     """token [1] long = the row norm_gemv folded into argmax_key (then emptied), start [1] += 1: the greedy
-    step's argmax and position advance as one kernel (decode/chain.py's greedy graph)."""
+    step's argmax and position advance as one kernel (decode/chain.py's greedy graph). ring, seq: also count the
+    step (seq [1] int64 on the device, += 1) and write `(seq mod 2^31) * 2^32 + token` into ring[seq % len(ring)]
+    (int64; pinned host memory on a GPU: the kernel's store crosses the bus, so the host reads the token with no
+    copy in the stream; the step number tells a fresh slot from a stale one)."""
     pdl = use_pdl(token.device)
-    _greedy_advance_kernel[(1,)](argmax_key, token, start, ARGMAX_KEY_EMPTY, PDL=pdl, num_warps=1, launch_pdl=pdl)
+    _greedy_advance_kernel[(1,)](argmax_key, token, start, seq if seq is not None else token,
+                                 ring if ring is not None else token, ARGMAX_KEY_EMPTY, PDL=pdl,
+                                 RING=ring.numel() if ring is not None else 0, num_warps=1, launch_pdl=pdl)
+
+
+def ring_entry(value: int) -> tuple[int, int]:
+    """A ring slot's (step number mod 2^31, token); (-1, -1) for a slot never written."""
+    if value < 0:
+        return -1, -1
+    return value >> 32, value & 0xFFFFFFFF

@@ -23,6 +23,9 @@ from .triton_decode import split_kv_attention
 
 
 class LeanStep:
+    #: Slots of the greedy step's token ring: the host reads each step's slot before RING more steps ran.
+    RING = 8
+
     def __init__(self, model: Transformer, cos: torch.Tensor, sin: torch.Tensor,
                  k_layers: list[torch.Tensor], v_layers: list[torch.Tensor]) -> None:
         why = self.unsupported_reason(model)
@@ -39,6 +42,13 @@ class LeanStep:
         self.h = torch.empty(cfg.intermediate_size, dtype=dtype, device=device)
         self.logits = torch.empty(1, cfg.vocab_size, dtype=torch.float32, device=device)
         self.argmax_key = fused.new_argmax_key(device)
+        # The greedy step's (step number, token) ring (fused.greedy_advance): pinned host memory on a GPU, which
+        # the kernel writes over the bus, so the host reads the token with no copy in the stream; greedy_seq
+        # counts the greedy steps run (mod 2^31 in the ring), warm-ups and timing runs included.
+        self.greedy_seq = torch.zeros(1, dtype=torch.int64, device=device)
+        self.token_ring = torch.full((self.RING,), -1, dtype=torch.int64, pin_memory=device.type == "cuda")
+        if device.type != "cuda":
+            self.token_ring = self.token_ring.to(device)
 
     @staticmethod
     def unsupported_reason(model: Transformer) -> str | None:
@@ -52,8 +62,9 @@ class LeanStep:
     def forward(self, tokens: torch.Tensor, start: torch.Tensor, greedy: bool = False) -> torch.Tensor:
         """tokens [1] long, start [1] long (both on the device). Returns float32 logits [1, vocab] (the
         step's own buffer). greedy: also the greedy chain's advance (decode/chain.py), on the device:
-        tokens[0] = the logits' argmax (torch.argmax's answer: the first row of the maximum), start += 1, the
-        argmax folded into the lm_head kernel and one one-program kernel after it."""
+        tokens[0] = the logits' argmax (torch.argmax's answer: the first row of the maximum), start += 1,
+        greedy_seq += 1 and token_ring[greedy_seq % RING] = (greedy_seq mod 2^31) * 2^32 + token; the argmax
+        folded into the lm_head kernel, the rest one one-program kernel after it."""
         m, cfg = self.model, self.cfg
         torch.index_select(m.embed_tokens.weight, 0, tokens, out=self.x.view(1, -1))
         q3 = self.q.view(1, cfg.num_heads, cfg.head_dim)
@@ -72,8 +83,9 @@ class LeanStep:
         fused.norm_gemv(self.x, m.norm.weight, m.norm.eps, m.lm_head.weight, self.logits.view(-1),
                         argmax_key=self.argmax_key if greedy else None)
         if greedy:
-            fused.greedy_advance(self.argmax_key, tokens, start)
+            fused.greedy_advance(self.argmax_key, tokens, start, self.token_ring, self.greedy_seq)
         return self.logits
+
 
     def warm_greedy(self, tokens: torch.Tensor, start: torch.Tensor) -> None:
         """Run the greedy step once (compiles its kernels before a graph capture) and put tokens and start
