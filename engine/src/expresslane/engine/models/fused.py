@@ -250,7 +250,7 @@ def _norm_gate_up_silu_kernel(x_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, I, K, eps, H
 @triton.jit
 def _norm_gemv_kernel(x_ptr, nw_ptr, w_ptr, out_ptr, key_ptr, N, K, eps, BLOCK_N: tl.constexpr,
                       BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr, K_POW2: tl.constexpr, PDL: tl.constexpr,
-                      ARGMAX: tl.constexpr):
+                      ARGMAX: tl.constexpr, ARGMAX_KEYS: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < N
     y = _gemv1(w_ptr, rows, rmask, x_ptr, nw_ptr, K, eps, True, BLOCK_N, BLOCK_K, PREFETCH, K_POW2, PDL)
@@ -261,7 +261,7 @@ def _norm_gemv_kernel(x_ptr, nw_ptr, w_ptr, out_ptr, key_ptr, N, K, eps, BLOCK_N
         v = tl.where(rmask, logits, float("-inf"))
         best = tl.max(v, axis=0)
         row = tl.min(tl.where(v == best, rows, N), axis=0)  # the first row holding the maximum
-        tl.atomic_max(key_ptr, _argmax_key(best, row))
+        tl.atomic_max(key_ptr + tl.program_id(0) % ARGMAX_KEYS, _argmax_key(best, row))
 
 
 @triton.jit
@@ -277,13 +277,14 @@ def _argmax_key(value, row):
 
 @triton.jit
 def _greedy_advance_kernel(key_ptr, token_ptr, start_ptr, seq_ptr, ring_ptr, reset, PDL: tl.constexpr,
-                           RING: tl.constexpr):
+                           RING: tl.constexpr, KEYS: tl.constexpr):
     pdl_wait(PDL)
-    key = tl.load(key_ptr)
+    slots = tl.arange(0, KEYS)
+    key = tl.max(tl.load(key_ptr + slots), axis=0)
     row = 4294967295 - (key & 4294967295)
     tl.store(token_ptr, row.to(tl.int64))
     tl.store(start_ptr, tl.load(start_ptr) + 1)
-    tl.store(key_ptr, reset)
+    tl.store(key_ptr + slots, tl.full([KEYS], reset, tl.int64))
     if RING > 0:  # (step number mod 2^31, token) in one 8-byte store: a reader never sees half of it
         seq = tl.load(seq_ptr) + 1
         tl.store(seq_ptr, seq)
@@ -390,16 +391,20 @@ def norm_gate_up_silu(x, norm_w, eps, w, b, out, config=None):
 
 #: The argmax key's empty value (below every key _argmax_key makes): greedy_advance puts it back.
 ARGMAX_KEY_EMPTY = -(2**63)
+#: Keys the lm_head's programs fold their argmax into (program p into key p % ARGMAX_KEYS): one key for all
+#: 16,032 programs of a 128k vocabulary made the greedy graph 30 us slower than the plain one on the H200 (the
+#: atomics on one address serialise; docs/bench/2026-12-02-gpu-speed-5/run4-greedy-graph.jsonl).
+ARGMAX_KEYS = 128
 
 
 def new_argmax_key(device) -> torch.Tensor:
-    """The int64 a greedy step's lm_head folds its argmax into (norm_gemv(argmax_key=...))."""
-    return torch.full((1,), ARGMAX_KEY_EMPTY, dtype=torch.int64, device=device)
+    """The int64 keys a greedy step's lm_head folds its argmax into (norm_gemv(argmax_key=...))."""
+    return torch.full((ARGMAX_KEYS,), ARGMAX_KEY_EMPTY, dtype=torch.int64, device=device)
 
 
 def norm_gemv(x, norm_w, eps, w, out, config=None, argmax_key=None):
     """out [N] float32 = (w [N, K] @ RMSNorm(x)) rounded to the model dtype (the lm_head). argmax_key: also
-    fold the argmax of out into this key (new_argmax_key; greedy_advance reads it), one atomic per program."""
+    fold the argmax of out into these keys (new_argmax_key; greedy_advance reads them), one atomic per program."""
     n, k = w.shape
     pdl = use_pdl(x.device)
 
@@ -408,14 +413,14 @@ def norm_gemv(x, norm_w, eps, w, out, config=None, argmax_key=None):
         _norm_gemv_kernel[(triton.cdiv(n, bn),)](x, norm_w, w, out, key if key is not None else out, n, k, eps,
                                                  BLOCK_N=bn, BLOCK_K=bk, PREFETCH=pre,
                                                  K_POW2=triton.next_power_of_2(k), PDL=pdl, ARGMAX=key is not None,
-                                                 num_warps=_warps(cfg), launch_pdl=pdl)
+                                                 ARGMAX_KEYS=ARGMAX_KEYS, num_warps=_warps(cfg), launch_pdl=pdl)
 
     # The block shape is timed without the argmax (one pick for both: the epilogue is a few instructions).
     launch(pick_config("norm_gemv", n, k, GEMV_CONFIGS, launch, device=x.device, config=config), argmax_key)
 
 
 def greedy_advance(argmax_key, token, start, ring=None, seq=None):
-    """token [1] long = the row norm_gemv folded into argmax_key (then emptied), start [1] += 1: the greedy
+    """token [1] long = the row norm_gemv folded into argmax_key's keys (then emptied), start [1] += 1: the greedy
     step's argmax and position advance as one kernel (decode/chain.py's greedy graph). ring, seq: also count the
     step (seq [1] int64 on the device, += 1) and write `(seq mod 2^31) * 2^32 + token` into ring[seq % len(ring)]
     (int64; pinned host memory on a GPU: the kernel's store crosses the bus, so the host reads the token with no
@@ -423,7 +428,8 @@ def greedy_advance(argmax_key, token, start, ring=None, seq=None):
     pdl = use_pdl(token.device)
     _greedy_advance_kernel[(1,)](argmax_key, token, start, seq if seq is not None else token,
                                  ring if ring is not None else token, ARGMAX_KEY_EMPTY, PDL=pdl,
-                                 RING=ring.numel() if ring is not None else 0, num_warps=1, launch_pdl=pdl)
+                                 RING=ring.numel() if ring is not None else 0, KEYS=argmax_key.numel(), num_warps=1,
+                                 launch_pdl=pdl)
 
 
 def ring_entry(value: int) -> tuple[int, int]:
