@@ -245,18 +245,26 @@ def greedy_replay_ms(engine: DecodeEngine, ctx: int, mode: str, reps: int = 50) 
     return 1e3 * (time.perf_counter() - t0) / reps
 
 
-def profile_lean(shape: str, engine: DecodeEngine, ctx: int) -> None:
+def profile_lean(shape: str, engine: DecodeEngine, ctx: int, greedy: bool = False) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     use_lean(engine, True)
     tok = torch.tensor([424], device=DEV)
     reps = 10
+
+    def step():
+        if greedy:  # the greedy chain's graph, from the same position each time
+            engine.runner.start_greedy(424, ctx)
+            engine.runner.greedy_step(ctx)
+        else:
+            engine.runner.forward(tok, ctx)
+
     with torch.inference_mode():
-        engine.runner.forward(tok, ctx)
+        step()
         sync()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(reps):
-                engine.runner.forward(tok, ctx)
+                step()
             sync()
     rows = []
     for e in prof.key_averages():
@@ -264,7 +272,7 @@ def profile_lean(shape: str, engine: DecodeEngine, ctx: int) -> None:
         if dev_us:
             rows.append((e.key[:60], e.count // reps, dev_us / reps))
     rows.sort(key=lambda r: -r[2])
-    emit("profile", shape=shape, context=ctx, step="lean", kernel_us_per_step=round(sum(r[2] for r in rows), 1),
+    emit("profile", shape=shape, context=ctx, step="lean-greedy" if greedy else "lean", kernel_us_per_step=round(sum(r[2] for r in rows), 1),
          kernels_per_step=sum(r[1] for r in rows),
          top=[{"kernel": k, "per_step": c, "us_per_step": round(us, 1)} for k, c, us in rows[:12]])
 
@@ -360,6 +368,7 @@ def run_shape(shape: str, contexts: list[int], bw: float) -> None:
     if not late(f"{shape} profile"):
         try:
             profile_lean(shape, engine, contexts[0])
+            profile_lean(shape, engine, contexts[0], greedy=True)
         except Exception as e:  # the profile is a diagnosis, not a result: say it failed and go on
             emit("profile_failed", shape=shape, error=repr(e)[:300])
     del engine, model
