@@ -250,18 +250,18 @@ def _norm_gate_up_silu_kernel(x_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, I, K, eps, H
 @triton.jit
 def _norm_gemv_kernel(x_ptr, nw_ptr, w_ptr, out_ptr, key_ptr, N, K, eps, BLOCK_N: tl.constexpr,
                       BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr, K_POW2: tl.constexpr, PDL: tl.constexpr,
-                      ARGMAX: tl.constexpr, ARGMAX_KEYS: tl.constexpr):
+                      ARGMAX: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < N
     y = _gemv1(w_ptr, rows, rmask, x_ptr, nw_ptr, K, eps, True, BLOCK_N, BLOCK_K, PREFETCH, K_POW2, PDL)
     dt = x_ptr.dtype.element_ty
     logits = y.to(dt).to(tl.float32)
     tl.store(out_ptr + rows, logits, mask=rmask)
-    if ARGMAX:  # this program's best (value, first row) folded into the step's key (greedy_advance)
+    if ARGMAX:  # this program's best (value, first row) as one key (greedy_advance takes the largest)
         v = tl.where(rmask, logits, float("-inf"))
         best = tl.max(v, axis=0)
         row = tl.min(tl.where(v == best, rows, N), axis=0)  # the first row holding the maximum
-        tl.atomic_max(key_ptr + tl.program_id(0) % ARGMAX_KEYS, _argmax_key(best, row))
+        tl.store(key_ptr + tl.program_id(0), _argmax_key(best, row))
 
 
 @triton.jit
@@ -276,15 +276,14 @@ def _argmax_key(value, row):
 
 
 @triton.jit
-def _greedy_advance_kernel(key_ptr, token_ptr, start_ptr, seq_ptr, ring_ptr, reset, PDL: tl.constexpr,
-                           RING: tl.constexpr, KEYS: tl.constexpr):
+def _greedy_advance_kernel(key_ptr, num_keys, token_ptr, start_ptr, seq_ptr, ring_ptr, empty,
+                           PDL: tl.constexpr, RING: tl.constexpr, KEYS_POW2: tl.constexpr):
     pdl_wait(PDL)
-    slots = tl.arange(0, KEYS)
-    key = tl.max(tl.load(key_ptr + slots), axis=0)
+    slots = tl.arange(0, KEYS_POW2)
+    key = tl.max(tl.load(key_ptr + slots, mask=slots < num_keys, other=empty), axis=0)
     row = 4294967295 - (key & 4294967295)
     tl.store(token_ptr, row.to(tl.int64))
     tl.store(start_ptr, tl.load(start_ptr) + 1)
-    tl.store(key_ptr + slots, tl.full([KEYS], reset, tl.int64))
     if RING > 0:  # (step number mod 2^31, token) in one 8-byte store: a reader never sees half of it
         seq = tl.load(seq_ptr) + 1
         tl.store(seq_ptr, seq)
@@ -389,47 +388,50 @@ def norm_gate_up_silu(x, norm_w, eps, w, b, out, config=None):
     launch(pick_config("norm_gate_up_silu", i2, k, PAIR_CONFIGS, launch, device=x.device, config=config))
 
 
-#: The argmax key's empty value (below every key _argmax_key makes): greedy_advance puts it back.
+#: Below every key _argmax_key makes (the masked lanes of greedy_advance's maximum).
 ARGMAX_KEY_EMPTY = -(2**63)
-#: Keys the lm_head's programs fold their argmax into (program p into key p % ARGMAX_KEYS): one key for all
-#: 16,032 programs of a 128k vocabulary made the greedy graph 30 us slower than the plain one on the H200 (the
-#: atomics on one address serialise; docs/bench/2026-12-02-gpu-speed-5/run4-greedy-graph.jsonl).
-ARGMAX_KEYS = 128
 
 
-def new_argmax_key(device) -> torch.Tensor:
-    """The int64 keys a greedy step's lm_head folds its argmax into (norm_gemv(argmax_key=...))."""
-    return torch.full((ARGMAX_KEYS,), ARGMAX_KEY_EMPTY, dtype=torch.int64, device=device)
+def new_argmax_keys(n: int, device) -> torch.Tensor:
+    """The int64 keys a greedy step's lm_head of n rows writes, one a program (norm_gemv(argmax_keys=...)):
+    room for the most programs any block shape launches. Atomics on one key instead made the H200's lm_head
+    43 us slower (16k programs; docs/bench/2026-12-02-gpu-speed-5/run6-greedy-profile.jsonl)."""
+    fewest_rows = min(c[0] for c in GEMV_CONFIGS)
+    return torch.full((triton.cdiv(n, fewest_rows),), ARGMAX_KEY_EMPTY, dtype=torch.int64, device=device)
 
 
-def norm_gemv(x, norm_w, eps, w, out, config=None, argmax_key=None):
-    """out [N] float32 = (w [N, K] @ RMSNorm(x)) rounded to the model dtype (the lm_head). argmax_key: also
-    fold the argmax of out into these keys (new_argmax_key; greedy_advance reads them), one atomic per program."""
+def norm_gemv(x, norm_w, eps, w, out, config=None, argmax_keys=None) -> int:
+    """out [N] float32 = (w [N, K] @ RMSNorm(x)) rounded to the model dtype (the lm_head). argmax_keys: each
+    program also writes its best (value, first row) as one key (new_argmax_keys; greedy_advance takes the
+    largest). Returns the number of programs launched (the keys written)."""
     n, k = w.shape
     pdl = use_pdl(x.device)
 
-    def launch(cfg, key=None):
+    def launch(cfg, keys=None):
         bn, bk, pre = cfg[:3]
-        _norm_gemv_kernel[(triton.cdiv(n, bn),)](x, norm_w, w, out, key if key is not None else out, n, k, eps,
+        _norm_gemv_kernel[(triton.cdiv(n, bn),)](x, norm_w, w, out, keys if keys is not None else out, n, k, eps,
                                                  BLOCK_N=bn, BLOCK_K=bk, PREFETCH=pre,
-                                                 K_POW2=triton.next_power_of_2(k), PDL=pdl, ARGMAX=key is not None,
-                                                 ARGMAX_KEYS=ARGMAX_KEYS, num_warps=_warps(cfg), launch_pdl=pdl)
+                                                 K_POW2=triton.next_power_of_2(k), PDL=pdl, ARGMAX=keys is not None,
+                                                 num_warps=_warps(cfg), launch_pdl=pdl)
 
     # The block shape is timed without the argmax (one pick for both: the epilogue is a few instructions).
-    launch(pick_config("norm_gemv", n, k, GEMV_CONFIGS, launch, device=x.device, config=config), argmax_key)
+    cfg = pick_config("norm_gemv", n, k, GEMV_CONFIGS, launch, device=x.device, config=config)
+    launch(cfg, argmax_keys)
+    return triton.cdiv(n, cfg[0])
 
 
-def greedy_advance(argmax_key, token, start, ring=None, seq=None):
-    """token [1] long = the row norm_gemv folded into argmax_key's keys (then emptied), start [1] += 1: the greedy
-    step's argmax and position advance as one kernel (decode/chain.py's greedy graph). ring, seq: also count the
-    step (seq [1] int64 on the device, += 1) and write `(seq mod 2^31) * 2^32 + token` into ring[seq % len(ring)]
-    (int64; pinned host memory on a GPU: the kernel's store crosses the bus, so the host reads the token with no
-    copy in the stream; the step number tells a fresh slot from a stale one)."""
+def greedy_advance(argmax_keys, num_keys, token, start, ring=None, seq=None):
+    """token [1] long = the row of the largest of the first num_keys keys norm_gemv wrote, start [1] += 1: the
+    greedy step's argmax and position advance as one kernel (decode/chain.py's greedy graph). ring, seq: also
+    count the step (seq [1] int64 on the device, += 1) and write `(seq mod 2^31) * 2^32 + token` into
+    ring[seq % len(ring)] (int64; pinned host memory on a GPU: the kernel's store crosses the bus, so the host
+    reads the token with no copy in the stream; the step number tells a fresh slot from a stale one)."""
     pdl = use_pdl(token.device)
-    _greedy_advance_kernel[(1,)](argmax_key, token, start, seq if seq is not None else token,
+    _greedy_advance_kernel[(1,)](argmax_keys, num_keys, token, start, seq if seq is not None else token,
                                  ring if ring is not None else token, ARGMAX_KEY_EMPTY, PDL=pdl,
-                                 RING=ring.numel() if ring is not None else 0, KEYS=argmax_key.numel(), num_warps=1,
-                                 launch_pdl=pdl)
+                                 RING=ring.numel() if ring is not None else 0,
+                                 KEYS_POW2=triton.next_power_of_2(num_keys),
+                                 num_warps=16 if num_keys > 4096 else 4, launch_pdl=pdl)
 
 
 def ring_entry(value: int) -> tuple[int, int]:

@@ -41,7 +41,7 @@ class LeanStep:
         self.q = torch.empty(cfg.q_size, dtype=dtype, device=device)
         self.h = torch.empty(cfg.intermediate_size, dtype=dtype, device=device)
         self.logits = torch.empty(1, cfg.vocab_size, dtype=torch.float32, device=device)
-        self.argmax_key = fused.new_argmax_key(device)
+        self.argmax_keys = fused.new_argmax_keys(cfg.vocab_size, device)
         # The greedy step's (step number, token) ring (fused.greedy_advance): pinned host memory on a GPU, which
         # the kernel writes over the bus, so the host reads the token with no copy in the stream; greedy_seq
         # counts the greedy steps run (mod 2^31 in the ring), warm-ups and timing runs included.
@@ -63,8 +63,9 @@ class LeanStep:
         """tokens [1] long, start [1] long (both on the device). Returns float32 logits [1, vocab] (the
         step's own buffer). greedy: also the greedy chain's advance (decode/chain.py), on the device:
         tokens[0] = the logits' argmax (torch.argmax's answer: the first row of the maximum), start += 1,
-        greedy_seq += 1 and token_ring[greedy_seq % RING] = (greedy_seq mod 2^31) * 2^32 + token; the argmax
-        folded into the lm_head kernel, the rest one one-program kernel after it."""
+        greedy_seq += 1 and token_ring[greedy_seq % RING] = (greedy_seq mod 2^31) * 2^32 + token; each lm_head
+        program writes its best (value, first row) as one int64 key, one one-program kernel after it takes the
+        largest and does the rest."""
         m, cfg = self.model, self.cfg
         torch.index_select(m.embed_tokens.weight, 0, tokens, out=self.x.view(1, -1))
         q3 = self.q.view(1, cfg.num_heads, cfg.head_dim)
@@ -80,10 +81,10 @@ class LeanStep:
                                     layer.post_attention_layernorm.eps, mlp.gate_up_proj.weight,
                                     mlp.gate_up_proj.bias, self.h)
             fused.gemv_residual(self.h, mlp.down_proj.weight, mlp.down_proj.bias, self.x)
-        fused.norm_gemv(self.x, m.norm.weight, m.norm.eps, m.lm_head.weight, self.logits.view(-1),
-                        argmax_key=self.argmax_key if greedy else None)
+        keys = fused.norm_gemv(self.x, m.norm.weight, m.norm.eps, m.lm_head.weight, self.logits.view(-1),
+                               argmax_keys=self.argmax_keys if greedy else None)
         if greedy:
-            fused.greedy_advance(self.argmax_key, tokens, start, self.token_ring, self.greedy_seq)
+            fused.greedy_advance(self.argmax_keys, keys, tokens, start, self.token_ring, self.greedy_seq)
         return self.logits
 
 
