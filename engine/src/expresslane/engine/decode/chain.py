@@ -9,8 +9,8 @@ the device as soon as this step ends, so the chain keeps the device one step ahe
     start(token, pos)         the runner's device buffers hold `token` at `pos`
     submit() -> step n        StepRunner.greedy_step: the step, then argmax -> token buffer, pos + 1
                               (inside the step's CUDA graph), then a copy of the token into a pinned host slot
-                              and an event, all queued on the stream
-    result(step n) -> int     waits for step n's event only: step n + 1 is already queued behind it
+                              and an event, all queued on the stream (the lean step: no copy, see below)
+    result(step n) -> int     waits for step n's token only: step n + 1 is already queued behind it
 
 The engine submits step n + 1 before it reads step n's token. When the stream stops (a stop token, the length
 limit, a cancel), the one step already queued runs to the end and its token is dropped: it wrote the K/V of
@@ -24,9 +24,16 @@ loop's token is that argmax alone: greedy, no drafter, no grammar, no logprobs, 
 
 Off a GPU (the eager or compiled CPU step) the same steps run synchronously: nothing overlaps, and the result
 is read from the token buffer directly.
+
+With the lean step on a GPU (models/lean.py) the greedy step writes its token itself, with the step's number,
+into a ring of pinned host memory (StepRunner.greedy_token_ring): nothing is queued between two steps' graphs,
+and result() polls the ring slot of step n's number (yielding the GIL each poll, READ_TIMEOUT_S at most). The
+copy and the event cost 10 us a step on the H200 (docs/performance.md, session 5).
 """
 
 from __future__ import annotations
+
+import time
 
 import torch
 
@@ -36,10 +43,15 @@ from .runner import StepRunner
 class GreedyChain:
     #: Pinned host slots and events: at most two steps are outstanding (the one read, the one queued).
     DEPTH = 4
+    #: How long result() waits for a step's token in the ring before it says the device did not finish it.
+    READ_TIMEOUT_S = 60.0
 
     def __init__(self, runner: StepRunner) -> None:
         self.runner = runner
         self._cuda = runner.device.type == "cuda"
+        self._ring: torch.Tensor | None = None  # the lean step's token ring (start() asks the runner)
+        self._ring_view = None
+        self._seq0 = 0
         self._pos = 0
         self._submitted = 0
         if self._cuda:
@@ -54,6 +66,11 @@ class GreedyChain:
 
     def start(self, token: int, pos: int) -> None:
         """The next step takes `token` at position `pos`."""
+        ring = self.runner.greedy_token_ring() if self._cuda else None
+        self._ring = ring[0] if ring is not None else None
+        if ring is not None:
+            self._ring_view = ring[0].numpy()  # pinned host memory the step writes: read it in place
+            self._seq0 = int(ring[1][0])  # steps counted so far (waits for any step still queued)
         self.runner.start_greedy(token, pos)
         self._pos = pos
         self._submitted = 0
@@ -63,7 +80,9 @@ class GreedyChain:
         """Queue the next step; returns its number (0, 1, ...) for `result`."""
         n = self._submitted
         tok = self.runner.greedy_step(self._pos + n)
-        if self._cuda:
+        if self._ring is not None:
+            pass  # the step writes its token into the ring itself
+        elif self._cuda:
             slot = n % self.DEPTH
             with torch.inference_mode():
                 self._host[slot:slot + 1].copy_(tok, non_blocking=True)
@@ -80,6 +99,24 @@ class GreedyChain:
             return self._cpu_results.pop(n)
         if self._submitted - n >= self.DEPTH:
             raise RuntimeError(f"step {n}'s host slot was reused: read results at most {self.DEPTH - 1} behind")
+        if self._ring is not None:
+            return self._read_ring(n)
         slot = n % self.DEPTH
         self._events[slot].synchronize()
         return int(self._host[slot])
+
+    def _read_ring(self, n: int) -> int:
+        """Step n's token from the lean step's ring: wait until its slot holds step n's number. The wait yields
+        the GIL every poll (the node's server threads keep running) and gives up after READ_TIMEOUT_S."""
+        seq = self._seq0 + n + 1
+        want, slot, ring = seq & 0x7FFFFFFF, seq % len(self._ring_view), self._ring_view
+        deadline = None
+        while True:
+            value = int(ring[slot])
+            if value >= 0 and value >> 32 == want:
+                return value & 0xFFFFFFFF
+            if deadline is None:
+                deadline = time.monotonic() + self.READ_TIMEOUT_S
+            elif time.monotonic() > deadline:
+                raise RuntimeError(f"greedy step {n} did not finish on the device in {self.READ_TIMEOUT_S:.0f} s")
+            time.sleep(0)

@@ -154,6 +154,13 @@ class StepRunner:
         graph.replay()
         return logits
 
+    def greedy_token_ring(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(ring, count) where the greedy step writes each token itself (the lean step on a GPU:
+        models/lean.py's token_ring and greedy_seq), or None (read the token buffer)."""
+        if self._lean is None or not self.cuda_graph or self.device.type != "cuda":
+            return None
+        return self._lean.token_ring, self._lean.greedy_seq
+
     @torch.inference_mode()
     def start_greedy(self, token: int, start_pos: int) -> None:
         """Set the device buffers a greedy chain starts from: `token` at position `start_pos`."""
