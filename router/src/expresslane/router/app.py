@@ -100,32 +100,40 @@ def error_response(err: RouterError) -> Response:
     return Response(content=content, status_code=status, headers=headers)
 
 
-async def _wait_disconnect(receive: Receive) -> None:
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
 async def run_until_disconnect(receive: Receive, work: Awaitable[Response]) -> Response:
-    """Run `work`; if the client disconnects first (an ASGI `http.disconnect` from `receive`, read after the
-    body), cancel it (its cleanup runs) and raise ClientGone."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_wait_disconnect(receive))
+    """Run `work` in this task; if the client disconnects first (an ASGI `http.disconnect` from `receive`, read
+    after the body), cancel it (its cleanup runs, here, before this returns) and raise ClientGone.
+
+    One watcher task reads `receive` and cancels this task on a disconnect; `work` itself runs inline (no task of
+    its own, no asyncio.wait: this is the hot path of every completion request)."""
+    me = asyncio.current_task()
+    assert me is not None
+    gone = False
+
+    async def watch() -> None:
+        nonlocal gone
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        gone = True
+        me.cancel()
+
+    watcher = asyncio.get_running_loop().create_task(watch())
     try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        if task.done():
-            return task.result()
-        task.cancel()
-        with anyio.CancelScope(shield=True), contextlib.suppress(BaseException):
-            resp = await task
-            if hasattr(resp, "_on_close"):  # a stream was built in the same instant: clean it up
-                await resp._on_close()
-        raise ClientGone("client disconnected")
+        resp = await work
+    except asyncio.CancelledError:
+        if gone:
+            me.uncancel()
+            raise ClientGone("client disconnected") from None
+        raise
     finally:
         watcher.cancel()
-        if not task.done():
-            task.cancel()
+    if gone:  # the disconnect came in the same instant the work ended: its cancel is pending on this task
+        me.uncancel()
+        with anyio.CancelScope(shield=True), contextlib.suppress(BaseException):
+            if hasattr(resp, "_on_close"):  # a stream was built: clean it up
+                await resp._on_close()
+        raise ClientGone("client disconnected")
+    return resp
 
 
 class _AsgiEndpoint:
