@@ -1,4 +1,6 @@
-"""Session 5 copy of s4_canned_drive.py, plus SPY=OUT.txt (env): py-spy (SPY_BIN, default /tmp/pyspy-venv/bin/py-spy)
+"""Session 5 copy of s4_canned_drive.py, plus BURN=N (env): N busy-looping processes beside it (the real stack's
+vLLM workers keep both cores busy), DELAY_S=seconds (env): each canned upstream reply waits that long (a model's
+time, so each of the router's wake-ups finds cold caches), and SPY=OUT.txt (env): py-spy (SPY_BIN, default /tmp/pyspy-venv/bin/py-spy)
 samples the router's threads over the N measured requests, raw collapsed stacks into OUT.txt.
 
 Profiling harness (not the bench): two canned vLLM-shaped upstreams (profile_fake_upstream.py) and the router from
@@ -38,6 +40,7 @@ lanes: {{native: native, express: express}}
 (TMP / "router.yaml").write_text(cfg)
 env = dict(os.environ, PYTHONPATH=f"{REPO}/engine/src:{REPO}/router/src")
 py = sys.executable
+burners = [subprocess.Popen([py, "-c", "while True: pass"]) for _ in range(int(os.environ.get("BURN", "0")))]
 ups = [subprocess.Popen([py, str(HERE / "profile_fake_upstream.py"), str(p)]) for p in (up_port, up2_port)]
 cmd = [py] + ([str(HERE / "profile_run.py"), prof] if prof else ["-m", "expresslane.router"]) + [ "--config", str(TMP / "router.yaml"), "--log-level", "warning"]
 r = subprocess.Popen(cmd, env=env, stdout=open(TMP / "router.log", "wb"), stderr=subprocess.STDOUT)
@@ -73,16 +76,20 @@ try:
             spy = subprocess.Popen(["strace", "-c", "-f", "-p", str(r.pid), "-o", os.environ["STRACE"]],
                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             time.sleep(1.0)
-        t0 = p.cpu_times(); w0 = time.perf_counter()
+        t0 = p.cpu_times(); w0 = time.perf_counter(); x0 = p.num_ctx_switches()
         for i in range(N): one(i)
-        t1 = p.cpu_times(); w1 = time.perf_counter()
+        t1 = p.cpu_times(); w1 = time.perf_counter(); x1 = p.num_ctx_switches()
         if spy is not None:
             import signal as _s2; spy.send_signal(_s2.SIGINT); spy.wait(30)
     if prof:
         import signal as _s; r.send_signal(_s.SIGUSR1); time.sleep(2)
     cpu = (t1.user + t1.system) - (t0.user + t0.system)
     print(json.dumps({"cpu_ms_per_req": round(1e3 * cpu / N, 3), "wall_ms_per_req": round(1e3 * (w1 - w0) / N, 3),
-                      "idle_cpu_ms_per_s": round(idle_ms_s, 3)}))
+                      "idle_cpu_ms_per_s": round(idle_ms_s, 3),
+                      "user_ms_per_req": round(1e3 * (t1.user - t0.user) / N, 3),
+                      "sys_ms_per_req": round(1e3 * (t1.system - t0.system) / N, 3),
+                      "voluntary_switches_per_req": round((x1.voluntary - x0.voluntary) / N, 2),
+                      "involuntary_switches_per_req": round((x1.involuntary - x0.involuntary) / N, 2)}))
 finally:
     r.terminate(); r.wait(20)
-    for u in ups: u.terminate(); u.wait()
+    for u in ups + burners: u.terminate(); u.wait()

@@ -1,9 +1,13 @@
-"""vLLM-shaped canned replies for profiling the router (prefill leg + native decode leg)."""
-import json, sys, uuid
+"""vLLM-shaped canned replies for profiling the router (prefill leg + native decode leg). Session 5: DELAY_S (env)
+seconds of sleep before each completion reply (a model's time)."""
+import asyncio, json, os, sys, uuid
+DELAY_S = float(os.environ.get("DELAY_S", "0"))
 from aiohttp import web
 
 async def completions(request):
     body = await request.json()
+    if DELAY_S:
+        await asyncio.sleep(DELAY_S)
     n = len(body.get("prompt") or [])
     if body.get("kv_transfer_params", {}).get("do_remote_decode"):
         kvp = {"do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [[1, 2]],
