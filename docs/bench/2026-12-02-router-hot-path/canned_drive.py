@@ -43,6 +43,8 @@ py = sys.executable
 burners = [subprocess.Popen([py, "-c", "while True: pass"]) for _ in range(int(os.environ.get("BURN", "0")))]
 ups = [subprocess.Popen([py, str(HERE / "profile_fake_upstream.py"), str(p)]) for p in (up_port, up2_port)]
 cmd = [py] + ([str(HERE / "profile_run.py"), prof] if prof else ["-m", "expresslane.router"]) + [ "--config", str(TMP / "router.yaml"), "--log-level", "warning"]
+if os.environ.get("ROUTER_NICE"):  # ROUTER_NICE=N (env): the router runs under `nice -n N`
+    cmd = ["nice", "-n", os.environ["ROUTER_NICE"]] + cmd
 r = subprocess.Popen(cmd, env=env, stdout=open(TMP / "router.log", "wb"), stderr=subprocess.STDOUT)
 try:
     for _ in range(200):
