@@ -167,3 +167,21 @@ async def test_sse_reader_joins_events_and_skips_comments():
 
     got = [d async for d in iter_sse_data(lines())]
     assert got == ['{"a": 1}', '{"b": 2}', "x\ny", "[DONE]"]
+
+
+@pytest.mark.parametrize("read_s", [0.25, 5.0, 600.0])
+def test_a_legs_timeout_equals_httpxs_own(read_s):
+    """LaneContext.timeout sets httpx.Timeout's fields itself (hot path): the result must be httpx's own."""
+    import httpx
+
+    from expresslane.router.lanes.base import LaneContext
+    from expresslane.router.metrics import RouterMetrics
+    from prometheus_client import CollectorRegistry
+
+    cfg = make_config()
+    ctx = LaneContext(config=cfg, client=None, metrics=RouterMetrics(cfg, CollectorRegistry()),  # type: ignore[arg-type]
+                      clock=lambda: 0.0, calls=object())  # type: ignore[arg-type]
+    got = ctx.timeout(read_s)
+    want = httpx.Timeout(read_s, connect=cfg.timeouts.connect_s)
+    assert isinstance(got, httpx.Timeout) and got == want and got.as_dict() == want.as_dict()
+    assert vars(got) == vars(want)

@@ -35,6 +35,7 @@ from prometheus_client import CollectorRegistry, make_asgi_app
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
+from starlette.types import Receive, Scope
 
 from .auth import ApiKey, ApiKeys
 from .capabilities import CapabilityRouter, reroute_counter
@@ -47,7 +48,8 @@ from .health import HealthMonitor
 from .lanes.base import LaneContext
 from .lanes.express import ExpressLane, check_express_supported
 from .lanes.native import NativeLane
-from .limits import loads_object, read_body
+from .fastpath import CompletionsFastPath, RouterApp
+from .limits import loads_object, read_asgi_body, read_body
 from .metrics import RequestRecord, RouterMetrics
 from .openai_shapes import ClientRequest, Kind, parse_request
 from .requestlog import RequestIdMiddleware, upstream_request_id_hook
@@ -98,31 +100,40 @@ def error_response(err: RouterError) -> Response:
     return Response(content=content, status_code=status, headers=headers)
 
 
-async def _wait_disconnect(request: Request) -> None:
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
+async def run_until_disconnect(receive: Receive, work: Awaitable[Response]) -> Response:
+    """Run `work` in this task; if the client disconnects first (an ASGI `http.disconnect` from `receive`, read
+    after the body), cancel it (its cleanup runs, here, before this returns) and raise ClientGone.
 
+    One watcher task reads `receive` and cancels this task on a disconnect; `work` itself runs inline (no task of
+    its own, no asyncio.wait: this is the hot path of every completion request)."""
+    me = asyncio.current_task()
+    assert me is not None
+    gone = False
 
-async def run_until_disconnect(request: Request, work: Awaitable[Response]) -> Response:
-    """Run `work`; if the client disconnects first, cancel it (its cleanup runs) and raise ClientGone."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_wait_disconnect(request))
+    async def watch() -> None:
+        nonlocal gone
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        gone = True
+        me.cancel()
+
+    watcher = asyncio.get_running_loop().create_task(watch())
     try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        if task.done():
-            return task.result()
-        task.cancel()
-        with anyio.CancelScope(shield=True), contextlib.suppress(BaseException):
-            resp = await task
-            if hasattr(resp, "_on_close"):  # a stream was built in the same instant: clean it up
-                await resp._on_close()
-        raise ClientGone("client disconnected")
+        resp = await work
+    except asyncio.CancelledError:
+        if gone:
+            me.uncancel()
+            raise ClientGone("client disconnected") from None
+        raise
     finally:
         watcher.cancel()
-        if not task.done():
-            task.cancel()
+    if gone:  # the disconnect came in the same instant the work ended: its cancel is pending on this task
+        me.uncancel()
+        with anyio.CancelScope(shield=True), contextlib.suppress(BaseException):
+            if hasattr(resp, "_on_close"):  # a stream was built: clean it up
+                await resp._on_close()
+        raise ClientGone("client disconnected")
+    return resp
 
 
 class _AsgiEndpoint:
@@ -138,7 +149,8 @@ class _AsgiEndpoint:
 def create_app(config: RouterConfig, *, secrets: RouterSecrets | None = None,
                transport: httpx.AsyncBaseTransport | None = None,
                registry: CollectorRegistry | None = None, model_text: ModelText | None = None,
-               clock: Callable[[], float] = time.monotonic, access_log: bool = False) -> FastAPI:
+               clock: Callable[[], float] = time.monotonic, access_log: bool = False,
+               fast_path: bool = True) -> FastAPI:
     secrets = secrets if secrets is not None else RouterSecrets()
     keys = ApiKeys.from_text(secrets.api_keys_text, clock)  # AuthConfigError names the bad line, never a key
     metrics = RouterMetrics(config, registry)
@@ -181,7 +193,7 @@ def create_app(config: RouterConfig, *, secrets: RouterSecrets | None = None,
             await ctx.drain(t.cancel_s + t.connect_s)  # cancels still in flight reach their nodes
             app.state.lanes = None
 
-    app = FastAPI(title="expresslane router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = RouterApp(title="expresslane router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.router.redirect_slashes = False  # "/v1/completions/" is an unknown path (404 JSON), not a 307
     app.add_middleware(RequestIdMiddleware, access_log=access_log)  # X-Request-Id in and out, access log
     app.state.config = config
@@ -224,13 +236,17 @@ def create_app(config: RouterConfig, *, secrets: RouterSecrets | None = None,
         log.warning("no client API keys configured (ROUTER_API_KEYS / ROUTER_API_KEY): the router is open to "
                     "anyone who can reach it")
 
-    def check_auth(request: Request) -> ApiKey | None:
+    def authenticate(scope: Scope, authorization: str | None) -> ApiKey | None:
         try:
-            return keys.authenticate(request.headers.get("authorization"))
+            return keys.authenticate(authorization)
         except RouterError as e:
-            client = request.client.host if request.client else "?"
-            log.info("%s %s from %s: %d %s", request.method, request.url.path, client, e.status, e.code)
+            client = scope.get("client")
+            log.info("%s %s from %s: %d %s", scope["method"], scope["path"], client[0] if client else "?",
+                     e.status, e.code)
             raise
+
+    def check_auth(request: Request) -> ApiKey | None:
+        return authenticate(request.scope, request.headers.get("authorization"))
 
     async def json_body(request: Request) -> dict:
         return loads_object(await read_body(request, config.limits.max_body_bytes), config.limits.max_json_depth)
@@ -283,22 +299,27 @@ def create_app(config: RouterConfig, *, secrets: RouterSecrets | None = None,
         check_auth(request)
         raise BadRequest(RESPONSES_API_ERROR, code="unsupported_endpoint")
 
-    async def serve(request: Request, kind: Kind) -> Response:
+    state = app.state
+
+    async def serve(scope: Scope, receive: Receive, kind: Kind) -> Response:
+        """One completion request, from its ASGI scope and receive (fastpath.py, or the Starlette routes below)."""
         started = clock()
         record: RequestRecord | None = None
         try:
-            key = check_auth(request)
-            req = parse_request(await read_body(request, config.limits.max_body_bytes), kind,
+            headers = _request_headers(scope)
+            key = authenticate(scope, headers.get(b"authorization"))
+            req = parse_request(await read_asgi_body(receive, headers.get(b"content-length"),
+                                                     config.limits.max_body_bytes), kind,
                                 max_depth=config.limits.max_json_depth)
-            x_lane = request.headers.get("x-lane")
+            x_lane = headers.get(b"x-lane")
             lane, pool = resolve_lane(config, req.alias, x_lane)
-            caps: CapabilityRouter = request.app.state.capabilities
+            caps: CapabilityRouter = state.capabilities
             route = await caps.route(req.body, kind == "chat", req.alias, lane, pool,
                                      forced=(x_lane or "").strip().lower() == "express")
             ApiKeys.check_lane(key, route.lane)
             record = RequestRecord(metrics, lane=route.lane, alias=req.alias, started=started, clock=clock)
-            lanes: Lanes = request.app.state.lanes
-            resp = await run_until_disconnect(request, lanes.dispatch(req, route.lane, route.pool, record))
+            lanes: Lanes = state.lanes
+            resp = await run_until_disconnect(receive, lanes.dispatch(req, route.lane, route.pool, record))
             resp.headers["x-expresslane-lane"] = record.lane
             if route.features:
                 resp.headers["x-expresslane-reroute"] = route.header
@@ -317,12 +338,27 @@ def create_app(config: RouterConfig, *, secrets: RouterSecrets | None = None,
             raise
 
     async def completions(request: Request) -> Response:
-        return await serve(request, "completion")
+        return await serve(request.scope, request.receive, "completion")
 
     async def chat_completions(request: Request) -> Response:
-        return await serve(request, "chat")
+        return await serve(request.scope, request.receive, "chat")
 
-    # The hot path: plain Starlette routes (no FastAPI dependency solving per request), matched first.
+    # The hot path: answered below Starlette (fastpath.py); these routes answer other methods on the two paths
+    # (405), and everything with fast_path=False (the old path, for the byte-identity tests).
     app.router.routes[0:0] = [Route("/v1/completions", completions, methods=["POST"]),
                               Route("/v1/chat/completions", chat_completions, methods=["POST"])]
+    if fast_path:
+        app.fast_path = CompletionsFastPath(serve, error_response, access_log=access_log)
     return app
+
+
+_SERVE_HEADERS = frozenset((b"authorization", b"content-length", b"x-lane"))
+
+
+def _request_headers(scope: Scope) -> dict[bytes, str]:
+    """The request headers `serve` reads, the first of each name, decoded as Starlette's Headers.get does."""
+    out: dict[bytes, str] = {}
+    for k, v in scope["headers"]:
+        if k in _SERVE_HEADERS and k not in out:
+            out[k] = v.decode("latin-1")
+    return out

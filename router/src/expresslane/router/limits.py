@@ -14,11 +14,12 @@ import json
 import re
 from typing import Any
 
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
+from starlette.types import Receive
 
 from .errors import BadRequest, ClientGone, PayloadTooLarge
 
-__all__ = ["json_depth_exceeds", "loads_object", "read_body"]
+__all__ = ["json_depth_exceeds", "loads_object", "read_asgi_body", "read_body"]
 
 _STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
 _NOT_BRACKET = bytes(b for b in range(256) if b not in b"[]{}")
@@ -28,7 +29,12 @@ _OPENERS = re.compile(rb"\[+")
 
 async def read_body(request: Request, max_bytes: int) -> bytes:
     """The request body, or PayloadTooLarge (413) as soon as it is known to exceed `max_bytes`."""
-    length = request.headers.get("content-length")
+    return await read_asgi_body(request.receive, request.headers.get("content-length"), max_bytes)
+
+
+async def read_asgi_body(receive: Receive, length: str | None, max_bytes: int) -> bytes:
+    """The body of an ASGI request read from `receive` (its `Content-Length` header value, or None), or
+    PayloadTooLarge (413) as soon as it is known to exceed `max_bytes`; ClientGone if the client leaves first."""
     if length is not None:
         if not length.strip().isdigit():
             raise BadRequest("Content-Length must be a non-negative integer", param="Content-Length")
@@ -37,15 +43,21 @@ async def read_body(request: Request, max_bytes: int) -> bytes:
                                   f"{max_bytes} bytes")
     chunks: list[bytes] = []
     size = 0
-    try:
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > max_bytes:
-                raise PayloadTooLarge(f"request body is larger than the limit of {max_bytes} bytes")
-            chunks.append(chunk)
-    except ClientDisconnect:
-        raise ClientGone("client disconnected while sending the body") from None
-    return b"".join(chunks)
+    while True:
+        message = await receive()
+        kind = message["type"]
+        if kind == "http.request":
+            chunk = message.get("body", b"")
+            if chunk:
+                size += len(chunk)
+                if size > max_bytes:
+                    raise PayloadTooLarge(f"request body is larger than the limit of {max_bytes} bytes")
+                chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        elif kind == "http.disconnect":
+            raise ClientGone("client disconnected while sending the body")
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
 def json_depth_exceeds(raw: bytes, max_depth: int) -> bool:

@@ -21,8 +21,8 @@ import uuid
 import httpx
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-__all__ = ["JsonFormatter", "RequestIdFilter", "RequestIdMiddleware", "current_request_id",
-           "upstream_request_id_hook"]
+__all__ = ["JsonFormatter", "RequestIdFilter", "RequestIdMiddleware", "bind_request_id", "current_request_id", "log_access",
+           "request_id_of", "reply_start", "unbind_request_id", "upstream_request_id_hook"]
 
 _request_id: contextvars.ContextVar[str | None] = contextvars.ContextVar("expresslane_request_id", default=None)
 _SANE = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
@@ -33,10 +33,52 @@ def current_request_id() -> str | None:
     return _request_id.get()
 
 
+def bind_request_id(rid: str) -> contextvars.Token:
+    """Make `rid` the current request's id (logs, upstream calls); `unbind_request_id(token)` when it ends."""
+    return _request_id.set(rid)
+
+
+def unbind_request_id(token: contextvars.Token) -> None:
+    _request_id.reset(token)
+
+
 async def upstream_request_id_hook(request: httpx.Request) -> None:
     rid = _request_id.get()
     if rid is not None:
         request.headers["X-Request-Id"] = rid
+
+
+def request_id_of(scope: Scope) -> str:
+    """The client's `X-Request-Id` (the first one) when it is a sane token, else a fresh uuid4 hex."""
+    for k, v in scope.get("headers") or ():
+        if k == b"x-request-id":
+            given = v.decode("latin-1")
+            return given if _SANE.fullmatch(given) else uuid.uuid4().hex
+    return uuid.uuid4().hex
+
+
+def reply_start(message: Message, rid: bytes) -> tuple[Message, str]:
+    """An `http.response.start` message with `X-Request-Id: rid` as its only request id (appended last), and the
+    lane its `X-Expresslane-Lane` names ("" when none)."""
+    lane = ""
+    headers = []
+    for k, v in message.get("headers", []):
+        lk = k.lower()
+        if lk == b"x-request-id":
+            continue
+        if lk == b"x-expresslane-lane":
+            lane = v.decode("latin-1")
+        headers.append((k, v))
+    headers.append((b"x-request-id", rid))
+    return {**message, "headers": headers}, lane
+
+
+def log_access(scope: Scope, status: int, lane: str, started: float) -> None:
+    """The access line of one request (never headers or bodies); status 0 (no reply sent) is logged as 499."""
+    client = scope.get("client")
+    access_log.info("%s %s %d lane=%s %.1fms client=%s", scope.get("method"), scope.get("path"),
+                    status or 499, lane or "-", (time.monotonic() - started) * 1000,
+                    client[0] if client else "-")
 
 
 class RequestIdMiddleware:
@@ -48,13 +90,9 @@ class RequestIdMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        given = None
-        for k, v in scope.get("headers") or ():
-            if k == b"x-request-id":
-                given = v.decode("latin-1")
-                break
-        rid = given if given is not None and _SANE.fullmatch(given) else uuid.uuid4().hex
-        token = _request_id.set(rid)
+        rid = request_id_of(scope)
+        rid_bytes = rid.encode()
+        token = bind_request_id(rid)
         started = time.monotonic()
         status, lane = 0, ""
 
@@ -62,22 +100,15 @@ class RequestIdMiddleware:
             nonlocal status, lane
             if message["type"] == "http.response.start":
                 status = message["status"]
-                headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != b"x-request-id"]
-                for k, v in headers:
-                    if k.lower() == b"x-expresslane-lane":
-                        lane = v.decode("latin-1")
-                message = {**message, "headers": headers + [(b"x-request-id", rid.encode())]}
+                message, lane = reply_start(message, rid_bytes)
             await send(message)
 
         try:
             await self.app(scope, receive, send_with_id)
         finally:
             if self.access_log:
-                client = scope.get("client")
-                access_log.info("%s %s %d lane=%s %.1fms client=%s", scope.get("method"), scope.get("path"),
-                                status or 499, lane or "-", (time.monotonic() - started) * 1000,
-                                client[0] if client else "-")
-            _request_id.reset(token)
+                log_access(scope, status, lane, started)
+            unbind_request_id(token)
 
 
 class RequestIdFilter(logging.Filter):
