@@ -140,8 +140,9 @@ class DecodeEngine:
         self.runner = StepRunner(model, self.cache, self.cos, self.sin, attention=kind, compile=compile,
                                  cuda_graph=cuda_graph, max_rows=1 + (speculation.k if speculation else 0),
                                  compile_mode=compile_mode, lean=lean)
-        # Plain greedy requests run as a GreedyChain (decode/chain.py): the device one step ahead of the host.
-        # False runs them through the per-token loop (A/B and tests).
+        # Plain greedy requests run as a GreedyChain (decode/chain.py): the device one step ahead of the host
+        # on every step without drafts, speculating or not. False runs them through the per-token loop (A/B
+        # and tests).
         self.greedy_chain = True
         self._chain = GreedyChain(self.runner)
 
