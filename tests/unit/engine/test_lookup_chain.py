@@ -89,8 +89,16 @@ def wrong_first_plan(c: int) -> tuple[int, int]:
     return (2, 0) if c % 3 == 2 else (0, 0)
 
 
+# One draft at a time, right and wrong, after a plain step: the verify's second row is the chain's next step.
+SINGLE = [(0, 0), (1, 1), (1, 0), (1, 1), (1, 1), (0, 0), (1, 0), (1, 0), (0, 0), (0, 0)]
+
+
+def single_plan(c: int) -> tuple[int, int]:
+    return SINGLE[c % len(SINGLE)]
+
+
 PLANS = {"none": lambda c: (0, 0), "always_right": lambda c: (4, 4), "mixed": mixed_plan,
-         "wrong_first": wrong_first_plan}
+         "wrong_first": wrong_first_plan, "single": single_plan}
 
 
 @pytest.fixture(scope="module")
@@ -250,6 +258,18 @@ def test_a_draft_wrong_at_row_0_costs_no_verify_forward(engines):
     assert got["forwards"] == [] and got["split"] == 0
 
 
+def test_single_drafts_keep_the_chain_going(engines):
+    """One draft at a time (the adaptive drafter's probes): right or wrong, no verify forward, no restart of the
+    chain (one chained step per token), the same tokens and counters as the unchained loop."""
+    spec, plain = engines
+    ref = reference(plain)
+    got = compare(spec, plain, lambda: OracleDrafter(len(PROMPT), ref, single_plan, spec.vocab_size),
+                  max_tokens=N_NEW)
+    s = got["spec"]
+    assert got["tokens"] == ref and got["forwards"] == [] and spec._chain.submitted == N_NEW - 1
+    assert s["verify_steps"] >= 8 and 0 < s["accepted_tokens"] < s["verify_steps"] and got["split"] > 0, s
+
+
 def test_a_kept_first_draft_verifies_the_rest_from_the_next_row(engines):
     """The verify after a queued step whose first draft is kept: one forward of the drafts at the next row."""
     spec, plain = engines
@@ -264,7 +284,7 @@ def test_a_kept_first_draft_verifies_the_rest_from_the_next_row(engines):
 
 
 # ------------------------------------------------------------------ every way a stream ends
-@pytest.mark.parametrize("plan", ["mixed", "always_right"])
+@pytest.mark.parametrize("plan", ["mixed", "always_right", "single"])
 def test_the_limit_at_every_point(engines, plan):
     """max_tokens = 1 .. N: the limit lands on plain steps, on the queued step, inside verifies."""
     spec, plain = engines
@@ -280,13 +300,13 @@ def test_max_seq_len_is_the_limit(engines):
     prompt = (PROMPT * 11)[:MAX_SEQ - 9]
     ref = run(plain, prompt, max_tokens=100)["tokens"]
     assert len(ref) == 9
-    for plan in ("mixed", "always_right", "none"):
+    for plan in ("mixed", "always_right", "none", "single"):
         got = compare(spec, plain, lambda: OracleDrafter(len(prompt), ref, PLANS[plan], spec.vocab_size), prompt,
                       max_tokens=100)
         assert got["tokens"] == ref and got["cached"] == MAX_SEQ - 1
 
 
-@pytest.mark.parametrize("plan", ["mixed", "always_right"])
+@pytest.mark.parametrize("plan", ["mixed", "always_right", "single"])
 def test_a_stop_token_at_every_point(engines, plan):
     """The stop id of each output position in turn: after a draft, inside kept drafts, on a plain step."""
     spec, plain = engines
@@ -353,7 +373,7 @@ def test_gpu_step_kinds(hf_model, attention, cuda_graph):
                                          cuda_graph=False, speculation=None)
     assert spec.cuda_graph == cuda_graph
     ref = reference(plain)
-    for plan in ("mixed", "none", "wrong_first"):
+    for plan in ("mixed", "none", "wrong_first", "single"):
         got = compare(spec, plain, lambda: OracleDrafter(len(PROMPT), ref, PLANS[plan], spec.vocab_size),
                       max_tokens=N_NEW)
         assert got["tokens"] == ref, plan

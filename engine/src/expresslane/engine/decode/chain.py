@@ -36,12 +36,17 @@ draft; the engine (DecodeEngine._run_chain) runs those on the chain too, in two 
                          one forward of rows d at the next position (row i's argmax is the target's token after
                          d[:i + 1]); either way the kept tokens are those of the one verify forward of the
                          per-token loop (`greedy_accept`) -> SYNCED.
+             one draft   the rest of that verify is one row, the draft at the next position: if the draft is
+                         right that is the chain's next step (its input, the queued step's token, is the draft),
+                         and if it is wrong the chain's next step is the next plain step. So it is queued before
+                         the read, as for a plain step, and the stream stays AHEAD either way.
 
 The drafter is asked at the same points with the same context and k, the counters (SpecStats) record the same
 steps, and every row written lies inside the rows the per-token loop writes for the request's limit. What it
 costs: a verify entered from AHEAD whose first draft is kept runs as two forwards (the queued step and the rest,
 counted on Generation.split_verifies) where the per-token loop runs one; where the first draft is wrong (the
-common case on text that does not repeat) it is one forward of one row instead of 1 + len(d) rows
+common case on text that does not repeat) it is one forward of one row instead of 1 + len(d) rows, and a
+verify right after another (drafts that keep matching) runs as in the per-token loop
 (tests/unit/engine/test_lookup_chain.py).
 
 Off a GPU (the eager or compiled CPU step) the same steps run synchronously: nothing overlaps, and the result

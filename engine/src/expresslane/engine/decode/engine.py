@@ -377,7 +377,8 @@ class DecodeEngine:
         `pos`: it is row 0 of the next forward whatever the drafter proposes. AHEAD and no drafts: queue the
         step after it, then read it (a plain step). AHEAD and drafts d: read it (the target's token after
         out[-1]); if it is d[0], verify d[1:] with one forward of rows d at pos + 1 (the rest of the verify
-        `_run` does in one forward of rows [out[-1], *d]); SYNCED after. SYNCED and drafts: `_run`'s verify."""
+        `_run` does in one forward of rows [out[-1], *d]); SYNCED after. One draft: the rest is the chain's next
+        step, queued before the read (still AHEAD). SYNCED and drafts: `_run`'s verify."""
         out, chain = gen.token_ids, self._chain
         min_tokens, k = gen.params.min_tokens, (self.speculation.k if drafter else 0)
         pos = gen.num_prompt_tokens  # where out[-1] goes (its K/V is not in the cache yet)
@@ -402,11 +403,19 @@ class DecodeEngine:
                     chain.start(out[-1], pos)
                     state, queued = ChainState.AHEAD, chain.submit()
                 if state is ChainState.AHEAD:
-                    nxt = chain.submit() if not drafts and room > 0 else -1  # the step after, queued first
+                    # The step after, queued before this one is read: for a plain step when the limit takes its
+                    # token; for one draft too (room >= 1), since that verify's second row, the draft at
+                    # pos + 1, is the chain's next step if the draft is right, and the next plain step if not.
+                    one = len(drafts) == 1
+                    nxt = chain.submit() if (not drafts and room > 0) or one else -1
                     tok = chain.result(queued)
                     if drafts and tok == drafts[0]:
-                        pending = greedy_accept(drafts, [tok, *self._greedy_rows(drafts, pos + 1)])
                         gen.split_verifies += 1
+                        if one:
+                            after = chain.submit() if room > 1 else -1
+                            pending, nxt = [tok, chain.result(nxt)], after
+                        else:
+                            pending = greedy_accept(drafts, [tok, *self._greedy_rows(drafts, pos + 1)])
                     else:
                         pending = [tok]
                     state, queued = (ChainState.AHEAD, nxt) if nxt >= 0 else (ChainState.SYNCED, -1)
