@@ -143,6 +143,23 @@ class NoDrafts:
         pass
 
 
+SUMMARY: list[dict] = []
+
+
+def print_summary() -> None:
+    """One table of the lookup_chain rows (what docs/performance.md records)."""
+    print("| shape | context | case | chain tok/s | loop tok/s | speedup | spec off tok/s | acceptance | "
+          "verify / plain steps | split | identical |")
+    print("|---|---:|---|---:|---:|---:|---:|---:|---|---:|---|")
+    for r in SUMMARY:
+        s = r["spec"]
+        off = r.get("speculation_off_tok_per_s")
+        print(f"| {r['shape']} | {r['context']} | {r['case']} | {r['chain_tok_per_s']:.1f} | "
+              f"{r['loop_tok_per_s']:.1f} | {r['speedup']:.3f}x | {'' if off is None else f'{off:.1f}'} | "
+              f"{s['mean_acceptance']:.2f} | {s['verify_steps']} / {s['plain_steps']} | {r['split_verifies']} | "
+              f"{r['identical']} ({r['common_prefix']}/{r['tokens']}) |", flush=True)
+
+
 def common_prefix(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
@@ -187,6 +204,7 @@ def run_shape(shape: str, contexts: list[int]) -> None:
             if case in ("plain", "no-drafts"):
                 row["speculation_off_tok_per_s"] = off["tok_per_s"]
             emit("lookup_chain", **row)
+            SUMMARY.append(row)
     del engine, model
     if DEV.type == "cuda":
         torch.cuda.empty_cache()
@@ -209,6 +227,7 @@ def main() -> None:
             emit("failed", shape=shape, error=repr(e)[:2000])
             import traceback
             traceback.print_exc()
+    print_summary()
     if args.pytest and not late("pytest"):
         proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
                                "tests/unit/engine/test_lookup_chain.py", "tests/unit/engine/test_greedy_chain.py"],
