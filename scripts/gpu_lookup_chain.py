@@ -142,6 +142,9 @@ class NoDrafts:
     def extend(self, tokens) -> None:
         pass
 
+    def may_draft_next(self) -> bool:
+        return False
+
 
 SUMMARY: list[dict] = []
 

@@ -33,7 +33,8 @@ SWEEP = range(0, N_NEW) if DEVICE == "cpu" else range(0, N_NEW, 3)
 
 
 class RecordingDrafter:
-    """Wraps a drafter and records every call with the context the drafter has seen so far."""
+    """Wraps a drafter and records every call with the context the drafter has seen so far (the hint
+    may_draft_next is passed through, not recorded)."""
 
     def __init__(self, inner, log: list) -> None:
         self.inner, self.log = inner, log
@@ -54,14 +55,23 @@ class RecordingDrafter:
         self.log.append(("extend", tuple(tokens)))
         self.inner.extend(tokens)
 
+    def may_draft_next(self):  # read-only, and only the chain asks: not recorded
+        may = getattr(self.inner, "may_draft_next", None)
+        return may is None or may()
+
 
 class OracleDrafter:
     """Knows the reference output (`reference[i]` is output token i) and proposes by plan(c) -> (m, right) at
-    its c-th proposal: m drafts, the first `right` of them the reference's, the rest wrong."""
+    its c-th proposal: m drafts, the first `right` of them the reference's, the rest wrong. Its hint
+    `may_draft_next` is honest (the plan's next entry) or, blind, always "no" (wrong wherever the plan drafts:
+    the engine's path for drafts proposed while a step is queued)."""
 
-    def __init__(self, num_prompt: int, reference: list[int], plan, vocab: int) -> None:
-        self.num_prompt, self.reference, self.plan, self.vocab = num_prompt, reference, plan, vocab
+    def __init__(self, num_prompt: int, reference: list[int], plan, vocab: int, blind: bool = True) -> None:
+        self.num_prompt, self.reference, self.plan, self.vocab, self.blind = num_prompt, reference, plan, vocab, blind
         self.n = self.calls = 0
+
+    def may_draft_next(self) -> bool:
+        return not self.blind and self.plan(self.calls)[0] > 0
 
     def start(self, context):
         self.n, self.calls = len(context), 0
@@ -93,7 +103,7 @@ def wrong_first_plan(c: int) -> tuple[int, int]:
 
 
 # One draft at a time, right and wrong, after a plain step: the verify's second row is the chain's next step.
-SINGLE = [(0, 0), (1, 1), (1, 0), (1, 1), (1, 1), (0, 0), (1, 0), (1, 0), (0, 0), (0, 0)]
+SINGLE = [(0, 0), (1, 1), (0, 0), (1, 0), (1, 0), (0, 0), (1, 1), (0, 0), (1, 0), (0, 0), (0, 0)]
 
 
 def single_plan(c: int) -> tuple[int, int]:
@@ -233,19 +243,78 @@ def test_prompt_lookup_mixed(engines):
     assert s["accepted_tokens"] > 0 and s["drafted_tokens"] > s["accepted_tokens"] and s["plain_steps"] > 0, s
 
 
+@pytest.mark.parametrize("ngram", [(1, 1), (2, 4), (3, 3), (1, 3)])
+def test_lookup_hint_is_never_wrong_when_it_says_no(ngram):
+    """PromptLookupDrafter.may_draft_next() False: for every next token, the proposal after it is empty
+    (checked exhaustively over a 5-token vocabulary, where repeats and self-overlaps like "a a a" are common);
+    and it does say no (else the chain would never run ahead under prompt lookup)."""
+    import copy
+    import random
+
+    from expresslane.engine.decode import PromptLookupDrafter
+
+    rng = random.Random(0)
+    said_no = 0
+    for _ in range(300):
+        d = PromptLookupDrafter(*ngram)
+        d.start([rng.randrange(5) for _ in range(rng.randrange(1, 9))])
+        for _ in range(rng.randrange(0, 6)):
+            d.extend([rng.randrange(5)])
+        if d.may_draft_next():
+            continue
+        said_no += 1
+        for t in range(5):
+            e = copy.deepcopy(d)
+            e.extend([t])
+            assert e.propose(4) == [], (d.tokens, t)
+    if ngram[0] > 1:  # with 1-grams any token seen before matches: then it rightly never says no
+        assert said_no >= 20
+
+
+def test_adaptive_hint_says_no_while_pausing():
+    from expresslane.engine.decode import AdaptiveDrafter, PromptLookupDrafter
+
+    d = AdaptiveDrafter(PromptLookupDrafter(2, 2), pause=2)
+    d.start([1, 2, 3, 1, 2])
+    assert d.may_draft_next()  # "2 3" is a key: after a 3, a draft
+    d.k = 1
+    assert d.propose(4) == [3]  # "1 2" was followed by 3
+    d.extend([5])  # a miss at k = 1: a pause of 2 steps
+    for tok in (1, 2):
+        assert not d.may_draft_next() and d.propose(4) == []
+        d.extend([tok])
+    assert d.may_draft_next()  # the pause is over; "2 x" heads keys again
+
+
 # ------------------------------------------------------------------ every transition, an oracle drafter
+@pytest.mark.parametrize("blind", [True, False], ids=["blind-hint", "honest-hint"])
 @pytest.mark.parametrize("plan", sorted(PLANS))
-def test_oracle_plans_are_exact(engines, plan):
+def test_oracle_plans_are_exact(engines, plan, blind):
     spec, plain = engines
     ref = reference(plain)
-    got = compare(spec, plain, lambda: OracleDrafter(len(PROMPT), ref, PLANS[plan], spec.vocab_size),
+    got = compare(spec, plain, lambda: OracleDrafter(len(PROMPT), ref, PLANS[plan], spec.vocab_size, blind),
                   max_tokens=N_NEW)
     assert got["tokens"] == ref
     s = got["spec"]
     if plan == "none":  # one chain, started once
         assert s["verify_steps"] == 0 and got["forwards"] == [] and spec._chain.submitted == N_NEW - 1
-    if plan == "mixed":  # verifies entered from a queued step: kept (split into two forwards) and rejected
+    if plan == "mixed" and blind:  # verifies entered with a step queued: kept (two forwards) and rejected
         assert got["split"] >= 3 and s["accepted_histogram"][0] >= 2, (got["split"], s)
+    if not blind:  # an honest hint: no step is queued where drafts come, every verify is one forward
+        assert got["split"] == 0 and len(got["forwards"]) == s["verify_steps"], (got["forwards"], s)
+
+
+def test_an_honest_hint_keeps_plain_steps_ahead(engines):
+    """Between the drafts of the mixed plan, every plain step whose successor is plain was queued ahead: the
+    chain's steps are the plain steps (one each), and no verify is split."""
+    spec, plain = engines
+    ref = reference(plain)
+    with drafter(spec, lambda: OracleDrafter(len(PROMPT), ref, lambda c: (0, 0) if c % 6 else (2, 2),
+                                             spec.vocab_size, blind=False), []):
+        got = run(spec, PROMPT, max_tokens=N_NEW)
+    s = got["spec"]
+    assert got["tokens"] == ref and got["split"] == 0 and len(got["forwards"]) == s["verify_steps"] > 0
+    assert s["plain_steps"] >= N_NEW // 2, s
 
 
 def test_a_draft_wrong_at_row_0_costs_no_verify_forward(engines):
@@ -261,16 +330,18 @@ def test_a_draft_wrong_at_row_0_costs_no_verify_forward(engines):
     assert got["forwards"] == [] and got["split"] == 0
 
 
-def test_single_drafts_keep_the_chain_going(engines):
-    """One draft at a time (the adaptive drafter's probes): right or wrong, no verify forward, no restart of the
-    chain (one chained step per token), the same tokens and counters as the unchained loop."""
+def test_single_drafts_with_a_step_queued_cost_no_verify_forward(engines):
+    """One draft at a time (the adaptive drafter's probes) proposed with a step queued (a blind hint): right or
+    wrong, no verify forward (the verify's second row is the chain's next step; after a wrong draft, in a row,
+    the stream stays ahead), the same tokens and counters as the unchained loop."""
     spec, plain = engines
     ref = reference(plain)
     got = compare(spec, plain, lambda: OracleDrafter(len(PROMPT), ref, single_plan, spec.vocab_size),
                   max_tokens=N_NEW)
     s = got["spec"]
-    assert got["tokens"] == ref and got["forwards"] == [] and spec._chain.submitted == N_NEW - 1
-    assert s["verify_steps"] >= 8 and 0 < s["accepted_tokens"] < s["verify_steps"] and got["split"] > 0, s
+    assert got["tokens"] == ref and got["forwards"] == []
+    assert s["verify_steps"] >= 8 and 0 < s["accepted_tokens"] < s["verify_steps"], s
+    assert got["split"] == s["accepted_tokens"]  # each kept draft: two 1-row steps
 
 
 def test_a_kept_first_draft_verifies_the_rest_from_the_next_row(engines):

@@ -384,6 +384,8 @@ class DecodeEngine:
         pos = gen.num_prompt_tokens  # where out[-1] goes (its K/V is not in the cache yet)
         cancelled = lambda: gen.cancel_event.is_set() or self._cancel.is_set()  # noqa: E731
         state, queued = ChainState.SYNCED, -1  # AHEAD: `queued` is the queued step's number
+        # Whether the drafter can propose after one more token (drafters without the hint: always).
+        may_draft = (lambda: False) if drafter is None else getattr(drafter, "may_draft_next", lambda: True)
         pending = [first_token_id]  # tokens to emit
         try:
             while True:
@@ -403,17 +405,17 @@ class DecodeEngine:
                     chain.start(out[-1], pos)
                     state, queued = ChainState.AHEAD, chain.submit()
                 if state is ChainState.AHEAD:
-                    # The step after, queued before this one is read: for a plain step when the limit takes its
-                    # token; for one draft too (room >= 1), since that verify's second row, the draft at
-                    # pos + 1, is the chain's next step if the draft is right, and the next plain step if not.
+                    # The step after, queued before this one is read: after a plain step when the limit takes
+                    # its token and the drafter cannot draft there (so it is the next forward, whole); for one
+                    # draft too (room >= 1), since that verify's second row, the draft at pos + 1, is the
+                    # chain's next step if the draft is right, and the next plain step if not.
                     one = len(drafts) == 1
-                    nxt = chain.submit() if (not drafts and room > 0) or one else -1
+                    nxt = chain.submit() if (not drafts and room > 0 and not may_draft()) or one else -1
                     tok = chain.result(queued)
                     if drafts and tok == drafts[0]:
                         gen.split_verifies += 1
-                        if one:
-                            after = chain.submit() if room > 1 else -1
-                            pending, nxt = [tok, chain.result(nxt)], after
+                        if one:  # a kept draft: the next step likely drafts too, so nothing queued after
+                            pending, nxt = [tok, chain.result(nxt)], -1
                         else:
                             pending = greedy_accept(drafts, [tok, *self._greedy_rows(drafts, pos + 1)])
                     else:
