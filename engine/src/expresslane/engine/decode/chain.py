@@ -30,23 +30,28 @@ draft; the engine (DecodeEngine._run_chain) runs those on the chain too, in two 
              verify of rows [token, *drafts]; none, start the chain and queue a step -> AHEAD.
     AHEAD    one step queued whose input is the last emitted token: it is row 0 of the next forward, whatever
              the drafter proposes once that token is known.
-             no drafts   queue the step after it (when the limit takes its token), read it: a plain step, and
-                         still AHEAD (SYNCED when the limit stopped the queueing);
-             drafts d    read it: the target's token after the context. If it is d[0], verify the rest with
-                         one forward of rows d at the next position (row i's argmax is the target's token after
-                         d[:i + 1]); either way the kept tokens are those of the one verify forward of the
-                         per-token loop (`greedy_accept`) -> SYNCED.
-             one draft   the rest of that verify is one row, the draft at the next position: if the draft is
-                         right that is the chain's next step (its input, the queued step's token, is the draft),
-                         and if it is wrong the chain's next step is the next plain step. So it is queued before
-                         the read, as for a plain step, and the stream stays AHEAD either way.
+             no drafts   a plain step. Queue the step after it when the limit takes its token and the drafter
+                         says it cannot draft there (`may_draft_next`, below), then read it: still AHEAD;
+                         otherwise read it -> SYNCED.
+             drafts d    (the hint was wrong) read it: the target's token after the context. If it is d[0],
+                         verify the rest with one forward of rows d at the next position (row i's argmax is the
+                         target's token after d[:i + 1]); either way the kept tokens are those of the one verify
+                         forward of the per-token loop (`greedy_accept`) -> SYNCED.
+             one draft   the rest of that verify is one row, the draft at the next position: the chain's next
+                         step if the draft is right, the next plain step if it is wrong. So it is queued before
+                         the read; a wrong draft stays AHEAD, a right one -> SYNCED.
 
-The drafter is asked at the same points with the same context and k, the counters (SpecStats) record the same
-steps, and every row written lies inside the rows the per-token loop writes for the request's limit. What it
-costs: a verify entered from AHEAD whose first draft is kept runs as two forwards (the queued step and the rest,
-counted on Generation.split_verifies) where the per-token loop runs one; where the first draft is wrong (the
-common case on text that does not repeat) it is one forward of one row instead of 1 + len(d) rows, and a
-verify right after another (drafts that keep matching) runs as in the per-token loop
+The hint: `Drafter.may_draft_next()` is False where the next proposal is empty whatever token comes next
+(prompt lookup: no n-gram of the context's last n - 1 tokens heads a key of its index; the adaptive drafter:
+pausing). Only there is a plain step's successor queued ahead, so with a right hint no queued step is ever
+row 0 of a verify, and every verify is the per-token loop's one forward. A drafter without the hint is taken
+to draft anywhere, so its plain steps do not run ahead (DraftModelDrafter says as much: it drafts every step).
+
+The drafter is asked at the same points with the same context and k (the hint is read-only), the counters
+(SpecStats) record the same steps, and every row written lies inside the rows the per-token loop writes for
+the request's limit. Where a hint is wrong, a verify entered from AHEAD whose first draft is kept runs as two
+forwards (the queued step and the rest, counted on Generation.split_verifies) where the per-token loop runs
+one; where its first draft is wrong it is one forward of one row instead of 1 + len(d) rows
 (tests/unit/engine/test_lookup_chain.py).
 
 Off a GPU (the eager or compiled CPU step) the same steps run synchronously: nothing overlaps, and the result

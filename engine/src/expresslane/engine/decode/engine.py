@@ -375,10 +375,11 @@ class DecodeEngine:
 
         States (ChainState): SYNCED, nothing queued; AHEAD, one chain step queued whose input is out[-1] at
         `pos`: it is row 0 of the next forward whatever the drafter proposes. AHEAD and no drafts: queue the
-        step after it, then read it (a plain step). AHEAD and drafts d: read it (the target's token after
-        out[-1]); if it is d[0], verify d[1:] with one forward of rows d at pos + 1 (the rest of the verify
-        `_run` does in one forward of rows [out[-1], *d]); SYNCED after. One draft: the rest is the chain's next
-        step, queued before the read (still AHEAD). SYNCED and drafts: `_run`'s verify."""
+        step after it where the drafter cannot draft there (its hint), then read it (a plain step). AHEAD and
+        drafts d (a wrong hint): read it (the target's token after out[-1]); if it is d[0], verify d[1:] with
+        one forward of rows d at pos + 1 (the rest of the verify `_run` does in one forward of rows
+        [out[-1], *d]); SYNCED after. One draft: the rest is the chain's next step, queued before the read.
+        SYNCED and drafts: `_run`'s verify."""
         out, chain = gen.token_ids, self._chain
         min_tokens, k = gen.params.min_tokens, (self.speculation.k if drafter else 0)
         pos = gen.num_prompt_tokens  # where out[-1] goes (its K/V is not in the cache yet)
