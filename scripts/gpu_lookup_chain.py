@@ -170,9 +170,10 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 def run_shape(shape: str, contexts: list[int]) -> None:
     t0 = time.time()
     model = make_model(shape)
+    cuda = DEV.type == "cuda"
     engine = DecodeEngine(model, model.config, dtype=torch.bfloat16, device=DEV,
-                          max_seq_len=max(contexts) + args.tokens + 64, attention="split" if DEV.type == "cuda" else "live",
-                          cuda_graph=DEV.type == "cuda", speculation=SpeculationConfig())
+                          max_seq_len=max(contexts) + args.tokens + 64, attention="split" if cuda else "live",
+                          cuda_graph=cuda, speculation=SpeculationConfig())
     engine.warmup()  # the lean T = 1 graph, the greedy chain's graph, every verify bucket's graph
     with torch.no_grad():
         engine.cache.k.normal_()

@@ -15,6 +15,9 @@ Drafters:
   code-edit traffic repeats its context, so the continuation of the latest earlier occurrence of the last n
   tokens is a good guess, at no model cost.
 * `DraftModelDrafter`: a smaller model of the same vocabulary, run greedily by its own DecodeEngine.
+* A drafter may also say where it cannot draft at the next step (`may_draft_next`, optional): there the engine's
+  greedy chain queues the plain step ahead of the host (decode/chain.py). Prompt lookup answers it from its
+  index, the adaptive wrapper from its pauses.
 * An MTP / EAGLE head implements the same protocol (it would take the target's hidden states through
   `observe_hidden`, which the engine does not produce yet: no supported checkpoint ships such a head).
 """
@@ -45,7 +48,7 @@ class Drafter(Protocol):
     #   may_draft_next() -> bool: False where the next `propose` returns no drafts whatever one token the target
     #   emits next. Read-only. The engine then queues that plain step on the device before it reads the
     #   current one's token (decode/chain.py); a hint, not a promise: where it is wrong the output stays the
-    #   same and the verify costs one more forward.
+    #   same and a verify whose first draft is kept costs one more forward.
 
 
 @dataclass(frozen=True)
