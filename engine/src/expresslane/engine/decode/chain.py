@@ -20,7 +20,39 @@ for the same request's limit (the engine submits no step whose token the limit w
 
 Exactness: the argmax is the same operation on the same float32 logits as Sampler.sample for greedy, so the
 chain's tokens are the plain loop's (tests/unit/engine/test_greedy_chain.py). It is used only where the plain
-loop's token is that argmax alone: greedy, no drafter, no grammar, no logprobs, no logits processing.
+loop's token is that argmax alone: greedy, no grammar, no logprobs, no logits processing; with or without a
+drafter.
+
+Under speculation (prompt lookup, the express node's default) most steps on text that does not repeat have no
+draft; the engine (DecodeEngine._run_chain) runs those on the chain too, in two states (ChainState):
+
+    SYNCED   nothing queued. The drafter's proposal picks the forward, as in the per-token loop: drafts, one
+             verify of rows [token, *drafts]; none, start the chain and queue a step -> AHEAD.
+    AHEAD    one step queued whose input is the last emitted token: it is row 0 of the next forward, whatever
+             the drafter proposes once that token is known.
+             no drafts   a plain step. Queue the step after it when the limit takes its token and the drafter
+                         says it cannot draft there (`may_draft_next`, below), then read it: still AHEAD;
+                         otherwise read it -> SYNCED.
+             drafts d    (the hint was wrong) read it: the target's token after the context. If it is d[0],
+                         verify the rest with one forward of rows d at the next position (row i's argmax is the
+                         target's token after d[:i + 1]); either way the kept tokens are those of the one verify
+                         forward of the per-token loop (`greedy_accept`) -> SYNCED.
+             one draft   the rest of that verify is one row, the draft at the next position: the chain's next
+                         step if the draft is right, the next plain step if it is wrong. So it is queued before
+                         the read; a wrong draft stays AHEAD, a right one -> SYNCED.
+
+The hint: `Drafter.may_draft_next()` is False where the next proposal is empty whatever token comes next
+(prompt lookup: no n-gram of the context's last n - 1 tokens heads a key of its index; the adaptive drafter:
+pausing). Only there is a plain step's successor queued ahead, so with a right hint no queued step is ever
+row 0 of a verify, and every verify is the per-token loop's one forward. A drafter without the hint is taken
+to draft anywhere, so its plain steps do not run ahead (DraftModelDrafter says as much: it drafts every step).
+
+The drafter is asked at the same points with the same context and k (the hint is read-only), the counters
+(SpecStats) record the same steps, and every row written lies inside the rows the per-token loop writes for
+the request's limit. Where a hint is wrong, a verify entered from AHEAD whose first draft is kept runs as two
+forwards (the queued step and the rest, counted on Generation.split_verifies) where the per-token loop runs
+one; where its first draft is wrong it is one forward of one row instead of 1 + len(d) rows
+(tests/unit/engine/test_lookup_chain.py).
 
 Off a GPU (the eager or compiled CPU step) the same steps run synchronously: nothing overlaps, and the result
 is read from the token buffer directly.
@@ -33,11 +65,28 @@ copy and the event cost 10 us a step on the H200 (docs/performance.md, session 5
 
 from __future__ import annotations
 
+import enum
 import time
+from collections.abc import Sequence
 
 import torch
 
 from .runner import StepRunner
+
+
+class ChainState(str, enum.Enum):
+    SYNCED = "synced"  # nothing queued on the device
+    AHEAD = "ahead"  # one step queued: its input is the last emitted token
+
+
+def greedy_accept(drafts: Sequence[int], targets: Sequence[int]) -> list[int]:
+    """Greedy verification: targets[i] is the target's argmax after the context and drafts[:i] (len(drafts)
+    + 1 of them). Returns the tokens to emit: the longest prefix of drafts that matches, then the target's own
+    token (Sampler.verify's greedy rule)."""
+    n = 0
+    while n < len(drafts) and drafts[n] == targets[n]:
+        n += 1
+    return [*drafts[:n], targets[n]]
 
 
 class GreedyChain:

@@ -12,7 +12,7 @@ from ..models import ModelConfig, Transformer, load_model
 from ..models.attention import ATTENTION_ALIASES, AttentionKind, StepContext
 from ..models.rope import rope_tables
 from .cache import KVGeometry, StaticKVCache
-from .chain import GreedyChain
+from .chain import ChainState, GreedyChain, greedy_accept
 from .runner import StepRunner
 from . import logprobs as lp
 from .grammar import BACKEND as GRAMMAR_BACKEND
@@ -94,6 +94,8 @@ class Generation:
         self.logprobs: list[float | None] | None = [] if want else None
         self.top_logprobs: list[list[tuple[int, float]] | None] | None = [] if want else None
         self.spec = SpecStats()  # this request's speculation counters
+        # Verify steps whose row 0 ran as the greedy chain's queued step: two forwards (decode/chain.py).
+        self.split_verifies = 0
         self._it = engine._run(self, first_token_id)
 
     def cancel(self) -> None:
@@ -138,8 +140,9 @@ class DecodeEngine:
         self.runner = StepRunner(model, self.cache, self.cos, self.sin, attention=kind, compile=compile,
                                  cuda_graph=cuda_graph, max_rows=1 + (speculation.k if speculation else 0),
                                  compile_mode=compile_mode, lean=lean)
-        # Plain greedy requests run as a GreedyChain (decode/chain.py): the device one step ahead of the host.
-        # False runs them through the per-token loop (A/B and tests).
+        # Plain greedy requests run as a GreedyChain (decode/chain.py): the device one step ahead of the host
+        # on every step without drafts, speculating or not. False runs them through the per-token loop (A/B
+        # and tests).
         self.greedy_chain = True
         self._chain = GreedyChain(self.runner)
 
@@ -301,8 +304,8 @@ class DecodeEngine:
         if self.speculation and self._drafter_factory and params.speculative and sampler.supports_speculation:
             drafter = self._drafter_factory()
             drafter.start([*params.prompt_token_ids, first_token_id])
-        if drafter is None and k_lp is None and sampler.plain_greedy and self.greedy_chain:
-            yield from self._run_chain(gen, first_token_id, limit, stop_ids)
+        if k_lp is None and sampler.plain_greedy and self.greedy_chain:
+            yield from self._run_chain(gen, first_token_id, limit, stop_ids, drafter)
             return
         with torch.inference_mode():
             token = torch.tensor([first_token_id], dtype=torch.long, device=self.device)
@@ -364,32 +367,74 @@ class DecodeEngine:
         finally:
             self.spec_stats.add(gen.spec)
 
-    def _run_chain(self, gen: Generation, first_token_id: int, limit: int, stop_ids: set[int]) -> Iterator[int]:
-        """The token loop for plain greedy requests (decode/chain.py): the same tokens, stop rules and cache
-        state as `_run`'s, with step n + 1 queued on the device before step n's token is read."""
-        params, out, chain = gen.params, gen.token_ids, self._chain
-        pos = gen.num_prompt_tokens  # where the last emitted token goes
+    def _run_chain(self, gen: Generation, first_token_id: int, limit: int, stop_ids: set[int],
+                   drafter: Drafter | None) -> Iterator[int]:
+        """The token loop for plain greedy requests (decode/chain.py), with or without a drafter: the same
+        tokens, stop rules, cache state, drafter calls and speculation counters as `_run`'s, with each plain
+        step's successor queued on the device before the plain step's token is read.
+
+        States (ChainState): SYNCED, nothing queued; AHEAD, one chain step queued whose input is out[-1] at
+        `pos`: it is row 0 of the next forward whatever the drafter proposes. AHEAD and no drafts: queue the
+        step after it where the drafter cannot draft there (its hint), then read it (a plain step). AHEAD and
+        drafts d (a wrong hint): read it (the target's token after out[-1]); if it is d[0], verify d[1:] with
+        one forward of rows d at pos + 1 (the rest of the verify `_run` does in one forward of rows
+        [out[-1], *d]); SYNCED after. One draft: the rest is the chain's next step, queued before the read.
+        SYNCED and drafts: `_run`'s verify."""
+        out, chain = gen.token_ids, self._chain
+        min_tokens, k = gen.params.min_tokens, (self.speculation.k if drafter else 0)
+        pos = gen.num_prompt_tokens  # where out[-1] goes (its K/V is not in the cache yet)
         cancelled = lambda: gen.cancel_event.is_set() or self._cancel.is_set()  # noqa: E731
-        chain.start(first_token_id, pos)
-        queued: list[int] = []  # submitted steps not yet read, oldest first
-        tok = first_token_id
+        state, queued = ChainState.SYNCED, -1  # AHEAD: `queued` is the queued step's number
+        # Whether the drafter can propose after one more token (drafters without the hint: always).
+        may_draft = (lambda: False) if drafter is None else getattr(drafter, "may_draft_next", lambda: True)
+        pending = [first_token_id]  # tokens to emit
         try:
             while True:
-                out.append(tok)
-                yield tok
-                gen.finish_reason = _finish_reason(tok, len(out), limit, params.min_tokens, stop_ids)
-                if gen.finish_reason:
-                    return
+                for tok in pending:
+                    out.append(tok)
+                    yield tok
+                    gen.finish_reason = _finish_reason(tok, len(out), limit, min_tokens, stop_ids)
+                    if gen.finish_reason:
+                        return  # a queued step runs out; its row lies past the live length
                 if cancelled():
                     gen.finish_reason = "abort"
                     return
-                # Step j (0-based) yields token len(out) + ... : submit while the limit still takes the tokens
-                # of every submitted step, keeping one step queued behind the one read next.
-                while len(queued) < 2 and len(out) + len(queued) < limit:
-                    queued.append(chain.submit())
-                tok = chain.result(queued.pop(0))
-                pos += 1
+                # room: tokens the limit takes after the next one (drafts and queued steps stay inside it).
+                room = limit - len(out) - 1
+                drafts = drafter.propose(min(k, room)) if drafter and room > 0 else []
+                if state is ChainState.SYNCED and not drafts:
+                    chain.start(out[-1], pos)
+                    state, queued = ChainState.AHEAD, chain.submit()
+                if state is ChainState.AHEAD:
+                    # The step after, queued before this one is read: after a plain step when the limit takes
+                    # its token and the drafter cannot draft there (so it is the next forward, whole); for one
+                    # draft too (room >= 1), since that verify's second row, the draft at pos + 1, is the
+                    # chain's next step if the draft is right, and the next plain step if not.
+                    one = len(drafts) == 1
+                    nxt = chain.submit() if (not drafts and room > 0 and not may_draft()) or one else -1
+                    tok = chain.result(queued)
+                    if drafts and tok == drafts[0]:
+                        gen.split_verifies += 1
+                        if one:  # a kept draft: the next step likely drafts too, so nothing queued after
+                            pending, nxt = [tok, chain.result(nxt)], -1
+                        else:
+                            pending = greedy_accept(drafts, [tok, *self._greedy_rows(drafts, pos + 1)])
+                    else:
+                        pending = [tok]
+                    state, queued = (ChainState.AHEAD, nxt) if nxt >= 0 else (ChainState.SYNCED, -1)
+                else:
+                    pending = greedy_accept(drafts, self._greedy_rows([out[-1], *drafts], pos))
+                accepted = len(pending) - 1
+                pos += 1 + accepted
                 self.cached_tokens = pos
-                gen.spec.record(0, 0)
+                gen.spec.record(len(drafts), accepted)
+                if drafter:
+                    drafter.extend(pending)
         finally:
             self.spec_stats.add(gen.spec)
+
+    @torch.inference_mode()
+    def _greedy_rows(self, rows: list[int], pos: int) -> list[int]:
+        """One forward of `rows` at positions pos ..: each row's argmax (one host sync)."""
+        tokens = torch.tensor(rows, dtype=torch.long, device=self.device)
+        return self.runner.forward(tokens, pos).argmax(dim=-1).tolist()

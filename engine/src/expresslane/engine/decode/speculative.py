@@ -15,6 +15,9 @@ Drafters:
   code-edit traffic repeats its context, so the continuation of the latest earlier occurrence of the last n
   tokens is a good guess, at no model cost.
 * `DraftModelDrafter`: a smaller model of the same vocabulary, run greedily by its own DecodeEngine.
+* A drafter may also say where it cannot draft at the next step (`may_draft_next`, optional): there the engine's
+  greedy chain queues the plain step ahead of the host (decode/chain.py). Prompt lookup answers it from its
+  index, the adaptive wrapper from its pauses.
 * An MTP / EAGLE head implements the same protocol (it would take the target's hidden states through
   `observe_hidden`, which the engine does not produce yet: no supported checkpoint ships such a head).
 """
@@ -40,6 +43,12 @@ class Drafter(Protocol):
 
     def extend(self, tokens: Sequence[int]) -> None:
         """Tokens the target emitted (accepted drafts and its own token), appended to the context."""
+
+    # Optional (a drafter without it is taken to draft at any step):
+    #   may_draft_next() -> bool: False where the next `propose` returns no drafts whatever one token the target
+    #   emits next. Read-only. The engine then queues that plain step on the device before it reads the
+    #   current one's token (decode/chain.py); a hint, not a promise: where it is wrong the output stays the
+    #   same and a verify whose first draft is kept costs one more forward.
 
 
 @dataclass(frozen=True)
@@ -124,20 +133,35 @@ class PromptLookupDrafter:
         self.ngram_min, self.ngram_max = ngram_min, ngram_max
         self.tokens: list[int] = []
         self._index: dict[tuple[int, ...], int] = {}
+        self._heads: set[tuple[int, ...]] = set()  # every key of _index but its last token
 
     def start(self, context: Sequence[int]) -> None:
         self.tokens = []
         self._index = {}
+        self._heads = set()
         self.extend(context)
 
     def extend(self, tokens: Sequence[int]) -> None:
-        toks, index = self.tokens, self._index
+        toks, index, heads = self.tokens, self._index, self._heads
         for tok in tokens:
             j = len(toks)  # the new token's index: it follows the n-grams ending at j - 1
             for n in range(self.ngram_min, self.ngram_max + 1):
                 if j >= n:
                     index[tuple(toks[j - n:j])] = j
+                    heads.add(tuple(toks[j - n:j - 1]))
             toks.append(int(tok))
+
+    def may_draft_next(self) -> bool:
+        """After one more token t, `propose` looks up (the last n - 1 tokens, t) for each n: a key only if the
+        last n - 1 tokens head a key already, or head the key extend([t]) adds (the last n tokens)."""
+        toks = self.tokens
+        for n in range(self.ngram_min, self.ngram_max + 1):
+            if len(toks) < n - 1:
+                continue
+            head = tuple(toks[len(toks) - n + 1:])
+            if head in self._heads or (len(toks) >= n and tuple(toks[-n:-1]) == head):
+                return True
+        return False
 
     def propose(self, k: int) -> list[int]:
         toks = self.tokens
@@ -177,6 +201,9 @@ class DraftModelDrafter:
             self.cached = len(self.tokens) + matched
         self.tokens += [int(t) for t in tokens]
         self._drafts = []
+
+    def may_draft_next(self) -> bool:
+        return True  # it drafts at every step
 
     @torch.inference_mode()
     def propose(self, k: int) -> list[int]:
@@ -232,6 +259,13 @@ class AdaptiveDrafter:
     def start(self, context: Sequence[int]) -> None:
         self.k, self.pause, self.skip, self._drafted = None, self.base_pause, 0, 0
         self.inner.start(context)
+
+    def may_draft_next(self) -> bool:
+        """Not while pausing (the next proposal only counts the pause down); else as the inner drafter says."""
+        if self.skip > 0:
+            return False
+        may = getattr(self.inner, "may_draft_next", None)
+        return may is None or may()
 
     def propose(self, k: int) -> list[int]:
         self._drafted = 0
