@@ -49,6 +49,13 @@ def test_no_compile_after_warmup(hf_model):
             return forward(tokens, start_pos)
 
         engine.runner.forward = counting_forward
+        greedy_step = engine.runner.greedy_step  # plain steps run on the greedy chain (decode/chain.py)
+
+        def counting_greedy_step(start_pos):
+            rows_seen.add(1)
+            return greedy_step(start_pos)
+
+        engine.runner.greedy_step = counting_greedy_step
         first = int(engine.prefill(prompt).argmax())
         gen = engine.generate(first, len(prompt), SamplingParams(max_tokens=120, ignore_eos=True,
                                                                  prompt_token_ids=lookup))

@@ -225,15 +225,19 @@ def test_stuck_engine_thread_makes_the_node_unhealthy(model_dir):
 # ---------------------------------------------------------------- watchdog + deadline
 def _stall_after(engine: DecodeEngine, n_steps: int) -> threading.Event:
     """Fault injection into the real engine: its decode step blocks after n_steps (a hung device)."""
-    gate, step, calls = threading.Event(), engine.runner.forward, [0]
+    gate, calls = threading.Event(), [0]
 
-    def stalling_step(*args):
-        calls[0] += 1
-        if calls[0] > n_steps:
-            gate.wait(30)
-        return step(*args)
+    def stalling(step):
+        def stalled(*args):
+            calls[0] += 1
+            if calls[0] > n_steps:
+                gate.wait(30)
+            return step(*args)
+        return stalled
 
-    engine.runner.forward = stalling_step
+    # plain steps of speculating requests run on the greedy chain (decode/chain.py), verifies on forward
+    engine.runner.forward = stalling(engine.runner.forward)
+    engine._chain.result = stalling(engine._chain.result)
     return gate
 
 
