@@ -347,3 +347,25 @@ def test_the_greedy_steps_argmax_is_torchs_first_maximum(cfg_pick):
             fused._PICKED.pop(key, None)
         else:
             fused._PICKED[key] = saved
+
+
+def test_a_greedy_warm_up_is_not_a_step():
+    """LeanStep.warm_greedy (the runner runs it before capturing the greedy graph) puts back the token, the
+    position, the step count and the token ring: the chain reads step n's token from the ring slot of its
+    count, so a counted warm-up made it read every token one step late (seen on the H200, run 7: a token
+    repeated at index 2 wherever the greedy graph was captured lazily inside a chain)."""
+    cfg = _config(bias=False, tied=False)
+    model = _model(cfg, torch.float32, seed=10)
+    s = 32
+    cos, sin = rope_tables(cfg.rope, cfg.head_dim, s, torch.float32, DEVICE)
+    shape = (cfg.num_layers, s, cfg.num_kv_heads, cfg.head_dim)
+    lean = LeanStep(model, cos, sin, list(torch.randn(shape, device=DEVICE).unbind(0)),
+                    list(torch.randn(shape, device=DEVICE).unbind(0)))
+    with torch.no_grad():
+        tokens, start = torch.tensor([5], device=DEVICE), torch.tensor([9], device=DEVICE)
+        lean.forward(tokens.clone(), start.clone(), greedy=True)  # one real step: count 1, a ring slot written
+        state = [t.clone() for t in (lean.greedy_seq, lean.token_ring)]
+        lean.warm_greedy(tokens, start)
+    assert int(tokens[0]) == 5 and int(start[0]) == 9
+    assert torch.equal(lean.greedy_seq, state[0]) and int(lean.greedy_seq[0]) == 1
+    assert torch.equal(lean.token_ring, state[1])

@@ -156,9 +156,13 @@ class StepRunner:
 
     def greedy_token_ring(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(ring, count) where the greedy step writes each token itself (the lean step on a GPU:
-        models/lean.py's token_ring and greedy_seq), or None (read the token buffer)."""
+        models/lean.py's token_ring and greedy_seq), or None (read the token buffer). Captures the greedy
+        graph first if it is not yet, so no capture runs between a reader's count and its reads."""
         if self._lean is None or not self.cuda_graph or self.device.type != "cuda":
             return None
+        if GREEDY not in self._graphs:
+            with torch.inference_mode():
+                self._capture(1, greedy=True)
         return self._lean.token_ring, self._lean.greedy_seq
 
     @torch.inference_mode()

@@ -89,9 +89,10 @@ class LeanStep:
 
 
     def warm_greedy(self, tokens: torch.Tensor, start: torch.Tensor) -> None:
-        """Run the greedy step once (compiles its kernels before a graph capture) and put tokens and start
-        back as they were."""
-        saved_tokens, saved_start = tokens.clone(), start.clone()
+        """Run the greedy step once (compiles its kernels before a graph capture) and put tokens, start, the
+        step count and the token ring back as they were: a warm-up is not a step (a reader of the ring that
+        counted it would take each token one step late)."""
+        saved = [(t, t.clone()) for t in (tokens, start, self.greedy_seq, self.token_ring)]
         self.forward(tokens, start, greedy=True)
-        tokens.copy_(saved_tokens)
-        start.copy_(saved_start)
+        for t, old in saved:
+            t.copy_(old)
