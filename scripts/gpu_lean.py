@@ -21,7 +21,6 @@ measured); a part that would start after --deadline-s is skipped and says so.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
@@ -46,71 +45,19 @@ ap.add_argument("--smoke-cpu", action="store_true",
 args = ap.parse_args()
 if args.smoke_cpu:
     os.environ["TRITON_INTERPRET"] = "1"
-os.makedirs(args.out, exist_ok=True)
-_results = open(os.path.join(args.out, "results.jsonl"), "a")
-
-
-def emit(kind: str, **kw) -> None:
-    line = json.dumps({"kind": kind, "t_s": round(time.time() - T0, 1), **kw})
-    _results.write(line + "\n")
-    _results.flush()
-    print(line, flush=True)
-
-
-def late(what: str) -> bool:
-    if time.time() - T0 > args.deadline_s:
-        emit("skipped", what=what, reason=f"past the {args.deadline_s:.0f} s deadline")
-        return True
-    return False
-
-
 import torch  # noqa: E402
 import triton  # noqa: E402
 
 from expresslane.engine.decode import DecodeEngine, SamplingParams  # noqa: E402
 from expresslane.engine.decode.bench import copy_bandwidth  # noqa: E402
 from expresslane.engine.models import fused, pdl  # noqa: E402
-from expresslane.engine.models.config import ModelConfig, RopeConfig  # noqa: E402
-from expresslane.engine.models.transformer import Transformer  # noqa: E402
 from expresslane.engine.models.triton_decode import split_kv_attention  # noqa: E402
 
+from gpu_shapes import ResultLog, make_model  # noqa: E402  (this directory: the scripts run as files)
+
 DEV = torch.device("cpu" if args.smoke_cpu else "cuda")
-SHAPES = {
-    "tiny": dict(hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
-                 tie_word_embeddings=True),
-    "llama-1b": dict(hidden_size=2048, intermediate_size=8192, num_layers=16, num_heads=32, num_kv_heads=8,
-                     head_dim=64, tie_word_embeddings=True),
-    "llama-8b": dict(hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32, num_kv_heads=8,
-                     head_dim=128, tie_word_embeddings=False),
-}
-
-
-def make_model(shape: str) -> Transformer:
-    cfg = ModelConfig(model_type="llama", vocab_size=512 if shape == "tiny" else 128256, rms_norm_eps=1e-5, max_position_embeddings=131072,
-                      qkv_bias=False, o_bias=False, mlp_bias=False, qk_norm=False,
-                      rope=RopeConfig(theta=500000.0, rope_type="llama3", factor=8.0, low_freq_factor=1.0,
-                                      high_freq_factor=4.0, original_max_position_embeddings=8192),
-                      **SHAPES[shape])
-    torch.manual_seed(0)
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        with torch.device(DEV):
-            model = Transformer(cfg)
-    finally:
-        torch.set_default_dtype(old)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.fill_(1.0)
-            else:
-                p.normal_(0.0, 0.02)
-        if cfg.tie_word_embeddings:
-            model.lm_head.weight = model.embed_tokens.weight
-        model.lm_head.weight.mul_(16.0)  # trained models' top-1 margins (gpu_make_shape_model.py)
-    return model.eval()
-
-
+_log = ResultLog(args.out, args.deadline_s, T0)
+emit, late = _log.emit, _log.late
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.double(), b.double()
     return float((a - b).norm() / b.norm()) if torch.isfinite(a).all() else float("nan")
@@ -293,7 +240,7 @@ def attention_alone(shape: str, engine: DecodeEngine, ctx: int) -> None:
 
 def run_shape(shape: str, contexts: list[int], bw: float) -> None:
     t0 = time.time()
-    model = make_model(shape)
+    model = make_model(shape, DEV)
     max_seq = max(contexts) + args.tokens + 64
     engine = DecodeEngine(model, model.config, dtype=torch.bfloat16, device=DEV, max_seq_len=max_seq,
                           attention="split", cuda_graph=DEV.type == "cuda", speculation=None)
@@ -414,7 +361,7 @@ def pdl_variant(shape: str, engine: DecodeEngine, contexts: list[int], bw: float
 
 def compiled_step(shape: str, contexts: list[int], bw: float) -> None:
     t0 = time.time()
-    model = make_model(shape)
+    model = make_model(shape, DEV)
     engine = DecodeEngine(model, model.config, dtype=torch.bfloat16, device=DEV,
                           max_seq_len=max(contexts) + args.tokens + 64, attention="split", cuda_graph=True,
                           compile=True, speculation=None)

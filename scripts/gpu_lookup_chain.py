@@ -26,7 +26,6 @@ tests/unit/engine/test_lookup_chain.py and test_greedy_chain.py on the GPU.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
@@ -45,69 +44,16 @@ ap.add_argument("--smoke-cpu", action="store_true",
                 help="run the script's code paths on CPU with a tiny shape (no CUDA graphs): a check of this "
                      "script, not a result")
 args = ap.parse_args()
-os.makedirs(args.out, exist_ok=True)
-_results = open(os.path.join(args.out, "results.jsonl"), "a")
-
-
-def emit(kind: str, **kw) -> None:
-    line = json.dumps({"kind": kind, "t_s": round(time.time() - T0, 1), **kw})
-    _results.write(line + "\n")
-    _results.flush()
-    print(line, flush=True)
-
-
-def late(what: str) -> bool:
-    if time.time() - T0 > args.deadline_s:
-        emit("skipped", what=what, reason=f"past the {args.deadline_s:.0f} s deadline")
-        return True
-    return False
-
-
 import torch  # noqa: E402
 
 from expresslane.engine.decode import DecodeEngine, SamplingParams, SpeculationConfig  # noqa: E402
-from expresslane.engine.models.config import ModelConfig, RopeConfig  # noqa: E402
-from expresslane.engine.models.transformer import Transformer  # noqa: E402
+
+from gpu_shapes import ResultLog, make_model  # noqa: E402  (this directory: the scripts run as files)
 
 DEV = torch.device("cpu" if args.smoke_cpu else "cuda")
+_log = ResultLog(args.out, args.deadline_s, T0)
+emit, late = _log.emit, _log.late
 FIRST = 424  # the first token (the prefill's), as scripts/gpu_lean.py
-SHAPES = {
-    "tiny": dict(hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
-                 tie_word_embeddings=True),
-    "llama-1b": dict(hidden_size=2048, intermediate_size=8192, num_layers=16, num_heads=32, num_kv_heads=8,
-                     head_dim=64, tie_word_embeddings=True),
-    "llama-8b": dict(hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32, num_kv_heads=8,
-                     head_dim=128, tie_word_embeddings=False),
-}
-
-
-def make_model(shape: str) -> Transformer:
-    """The same random model as scripts/gpu_lean.py's make_model."""
-    cfg = ModelConfig(model_type="llama", vocab_size=512 if shape == "tiny" else 128256, rms_norm_eps=1e-5,
-                      max_position_embeddings=131072, qkv_bias=False, o_bias=False, mlp_bias=False, qk_norm=False,
-                      rope=RopeConfig(theta=500000.0, rope_type="llama3", factor=8.0, low_freq_factor=1.0,
-                                      high_freq_factor=4.0, original_max_position_embeddings=8192),
-                      **SHAPES[shape])
-    torch.manual_seed(0)
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        with torch.device(DEV):
-            model = Transformer(cfg)
-    finally:
-        torch.set_default_dtype(old)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.fill_(1.0)
-            else:
-                p.normal_(0.0, 0.02)
-        if cfg.tie_word_embeddings:
-            model.lm_head.weight = model.embed_tokens.weight
-        model.lm_head.weight.mul_(16.0)
-    return model.eval()
-
-
 def decode(engine: DecodeEngine, ctx: int, lookup: list[int], chain: bool, speculative: bool = True) -> dict:
     """Best of --repeats: tok/s of --tokens greedy tokens after the first, the lookup seeing `lookup`."""
     best: dict | None = None
@@ -169,7 +115,7 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 def run_shape(shape: str, contexts: list[int]) -> None:
     t0 = time.time()
-    model = make_model(shape)
+    model = make_model(shape, DEV)
     cuda = DEV.type == "cuda"
     engine = DecodeEngine(model, model.config, dtype=torch.bfloat16, device=DEV,
                           max_seq_len=max(contexts) + args.tokens + 64, attention="split" if cuda else "live",
