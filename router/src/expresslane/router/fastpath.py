@@ -24,16 +24,15 @@ The Starlette routes of the two paths stay: they answer the other methods (405 w
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Awaitable, Callable
 
 from fastapi import FastAPI
 from starlette.responses import JSONResponse, Response
-from starlette.types import Message, Receive, Scope, Send
+from starlette.types import Receive, Scope, Send
 
 from .errors import RouterError, error_body
 from .openai_shapes import Kind
-from .requestlog import bind_request_id, log_access, reply_start, request_id_of, unbind_request_id
+from .requestlog import RequestTrace
 
 __all__ = ["FAST_ROUTES", "CompletionsFastPath", "RouterApp"]
 
@@ -54,25 +53,14 @@ class CompletionsFastPath:
         self.access_log = access_log
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send, kind: Kind) -> None:
-        rid = request_id_of(scope)
-        rid_bytes = rid.encode()
-        token = bind_request_id(rid)
-        started = time.monotonic()
-        status, lane = 0, ""
-
-        async def send_with_id(message: Message) -> None:
-            nonlocal status, lane
-            if message["type"] == "http.response.start":
-                status = message["status"]
-                message, lane = reply_start(message, rid_bytes)
-            await send(message)
-
+        trace = RequestTrace(scope)
+        send_with_id = trace.wrap(send)
         try:
             try:
                 resp = await self.serve(scope, receive, kind)
                 await resp(scope, receive, send_with_id)
             except Exception as exc:
-                if status:  # the reply had begun: nothing can be sent any more (Starlette re-raises too)
+                if trace.status:  # the reply had begun: nothing can be sent any more (Starlette re-raises too)
                     raise
                 if isinstance(exc, RouterError):
                     await self.error_response(exc)(scope, receive, send_with_id)
@@ -82,9 +70,7 @@ class CompletionsFastPath:
                                    status_code=500)(scope, receive, send)
                 raise
         finally:
-            if self.access_log:
-                log_access(scope, status, lane, started)
-            unbind_request_id(token)
+            trace.finish(scope, self.access_log)
 
 
 class RouterApp(FastAPI):

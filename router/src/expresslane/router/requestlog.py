@@ -81,6 +81,34 @@ def log_access(scope: Scope, status: int, lane: str, started: float) -> None:
                     client[0] if client else "-")
 
 
+class RequestTrace:
+    """One HTTP request's id, bound for its logs, and what its reply said: `wrap(send)` adds `X-Request-Id` to
+    the reply's start and notes its status and lane; `finish` writes the access line (if on) and unbinds the id.
+    Shared by RequestIdMiddleware and the completion routes' fast path (fastpath.py)."""
+
+    __slots__ = ("rid", "_rid_bytes", "_token", "started", "status", "lane")
+
+    def __init__(self, scope: Scope) -> None:
+        self.rid = request_id_of(scope)
+        self._rid_bytes = self.rid.encode()
+        self._token = bind_request_id(self.rid)
+        self.started = time.monotonic()
+        self.status, self.lane = 0, ""
+
+    def wrap(self, send: Send) -> Send:
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                self.status = message["status"]
+                message, self.lane = reply_start(message, self._rid_bytes)
+            await send(message)
+        return send_with_id
+
+    def finish(self, scope: Scope, access_log: bool) -> None:
+        if access_log:
+            log_access(scope, self.status, self.lane, self.started)
+        unbind_request_id(self._token)
+
+
 class RequestIdMiddleware:
     def __init__(self, app: ASGIApp, *, access_log: bool = False) -> None:
         self.app = app
@@ -90,25 +118,11 @@ class RequestIdMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        rid = request_id_of(scope)
-        rid_bytes = rid.encode()
-        token = bind_request_id(rid)
-        started = time.monotonic()
-        status, lane = 0, ""
-
-        async def send_with_id(message: Message) -> None:
-            nonlocal status, lane
-            if message["type"] == "http.response.start":
-                status = message["status"]
-                message, lane = reply_start(message, rid_bytes)
-            await send(message)
-
+        trace = RequestTrace(scope)
         try:
-            await self.app(scope, receive, send_with_id)
+            await self.app(scope, receive, trace.wrap(send))
         finally:
-            if self.access_log:
-                log_access(scope, status, lane, started)
-            unbind_request_id(token)
+            trace.finish(scope, self.access_log)
 
 
 class RequestIdFilter(logging.Filter):
