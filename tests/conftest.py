@@ -40,6 +40,14 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=_run_order)  # stable: the order inside each group (and module) is kept
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Each phase's report on the item (`item.rep_call`, ...), for fixtures that add evidence on failure."""
+    outcome = yield
+    rep = outcome.get_result()
+    setattr(item, "rep_" + rep.when, rep)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     """The embedded default model, generated once (deterministic, float32)."""

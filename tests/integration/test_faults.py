@@ -244,6 +244,28 @@ def faults(live_stack, tmp_path_factory):
             router.stop()
 
 
+@pytest.fixture(autouse=True)
+def logs_on_failure(faults, request):
+    """A failed fault test prints what every process logged while it ran (the router, both vLLM servers, the
+    express node): under CI's load a timing bound can miss, and the logs are the only account of where the
+    time went (pytest keeps just three basetemps)."""
+    logs = sorted(faults.stack.state_dir.glob("*.log")) + [faults.router.workdir / "router.log"]
+    start = {p: p.stat().st_size if p.exists() else 0 for p in logs}
+    yield
+    rep = getattr(request.node, "rep_call", None)
+    if rep is None or not rep.failed:
+        return
+    for p in logs:
+        if not p.exists():
+            continue
+        with open(p, "rb") as fh:
+            fh.seek(start[p])
+            lines = fh.read().decode(errors="replace").splitlines()
+        lines = [ln for ln in lines if "GET /health" not in ln and "GET /metrics" not in ln]
+        print(f"\n===== {p.parent.name}/{p.name} while the test ran ({len(lines)} lines, last 150) =====")
+        print("\n".join(lines[-150:]))
+
+
 def _baseline(f: Faults, c: Checks) -> None:
     f.ensure_all()
     c(f.gate_free() and f.node_idle(), f"baseline: gate free, node idle ({f.node_status()})")
