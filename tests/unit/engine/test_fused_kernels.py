@@ -14,6 +14,7 @@ import pytest
 import torch
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
 if DEVICE == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")  # read when the jit functions are decorated and run
 
@@ -28,6 +29,12 @@ from expresslane.engine.models.attention import AttentionKind, StepContext  # no
 from expresslane.engine.models.config import ModelConfig  # noqa: E402
 from expresslane.engine.models.rope import apply_rope, rope_tables  # noqa: E402
 from expresslane.engine.models.transformer import Transformer  # noqa: E402
+
+
+def _sync() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
 
 DTYPES = [torch.float32] + ([torch.bfloat16] if DEVICE == "cuda" else [])
 # float32: only summation order differs; bf16: one rounding of a projection output may differ by an ulp.
@@ -364,8 +371,10 @@ def test_a_greedy_warm_up_is_not_a_step():
     with torch.no_grad():
         tokens, start = torch.tensor([5], device=DEVICE), torch.tensor([9], device=DEVICE)
         lean.forward(tokens.clone(), start.clone(), greedy=True)  # one real step: count 1, a ring slot written
+        _sync()  # on a GPU the ring is host memory the kernel writes: read it once the step has run
         state = [t.clone() for t in (lean.greedy_seq, lean.token_ring)]
         lean.warm_greedy(tokens, start)
+        _sync()  # a warm-up kernel that landed after warm_greedy's restore would show now
     assert int(tokens[0]) == 5 and int(start[0]) == 9
     assert torch.equal(lean.greedy_seq, state[0]) and int(lean.greedy_seq[0]) == 1
     assert torch.equal(lean.token_ring, state[1])

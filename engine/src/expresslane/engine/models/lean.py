@@ -92,7 +92,16 @@ class LeanStep:
         """Run the greedy step once (compiles its kernels before a graph capture) and put tokens, start, the
         step count and the token ring back as they were: a warm-up is not a step (a reader of the ring that
         counted it would take each token one step late)."""
+        # On a GPU the ring is pinned host memory that the kernel writes: a host copy is not in stream order, so
+        # the stream is drained before the ring is saved and again before it is put back. Without the second
+        # drain the warm-up's kernel could land after the restore and leave its (next step number, token) entry
+        # in the slot the first real step's reader waits on, which would then take the warm-up's token.
+        host_ring = self.token_ring.device.type == "cpu" and tokens.device.type == "cuda"
+        if host_ring:
+            torch.cuda.current_stream(tokens.device).synchronize()
         saved = [(t, t.clone()) for t in (tokens, start, self.greedy_seq, self.token_ring)]
         self.forward(tokens, start, greedy=True)
+        if host_ring:
+            torch.cuda.current_stream(tokens.device).synchronize()
         for t, old in saved:
             t.copy_(old)
