@@ -94,10 +94,17 @@ def test_decode_request_waits_for_kv(stack):
         "rid": "nixl-2", "first_token_id": first, "max_tokens": 12, "stream": False,
         "sampling": {"temperature": 0, "ignore_eos": True}})))
     t.start()
-    time.sleep(0.3)
+    deadline = time.monotonic() + 20
+    while client.get("/decode_status").json().get("phase") != "waiting_kv":  # the node holds it, no KV yet
+        assert time.monotonic() < deadline, "the node never started waiting for the KV"
+        time.sleep(0.01)
+    t_seen = time.monotonic()
+    time.sleep(0.2)
+    t_send = time.monotonic()  # no KV can land before this: the sender has not started
     _prefill_and_send(stack, "nixl-2")
     t.join(20)
     out = result["r"].json()
     assert out["token_ids"] == _expected(reference, first, 12)
-    assert out["timing_ms"]["wire_wait"] >= 200
+    # Causal, not a speed bound: the node was waiting by t_seen and the KV was sent after t_send.
+    assert out["timing_ms"]["wire_wait"] >= (t_send - t_seen) * 1000
     assert client.get("/decode_status").json()["state"] == "idle"
