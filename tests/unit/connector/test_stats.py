@@ -179,3 +179,43 @@ def test_built_twice_in_one_process_on_the_global_registry(model_dir) -> None:
 
         _unregister_ours()
         unregister_vllm_metrics()
+
+
+def test_idle_engine_is_paced_while_only_old_sends_are_pending(model_dir) -> None:
+    """vLLM steps an engine with no requests every ~1 ms while push work is pending (two sends hung on a dead
+    peer took the CPU stack's prefill from 0.97 to 1.63 cores). Young sends step at vLLM's rate; once the
+    newest pending send is older than PACE_AFTER_S the hook sleeps PACE_S, once per engine step."""
+    from expresslane.engine.connector.config import ExpressLaneConnectorConfig
+    from expresslane.engine.connector.metadata import ExpressLaneWorkerMeta
+    from expresslane.engine.connector.scheduler import PACE_AFTER_S, PACE_S, ExpressLaneScheduler
+
+    from .conftest import make_request as mk
+
+    now, slept = [100.0], []
+    s = ExpressLaneScheduler(ExpressLaneConnectorConfig(), 1024, clock=lambda: now[0], sleep=slept.append)
+    s.on_new_request(mk("a", 8, marker("rid-a")))
+
+    class _So:
+        preempted_req_ids = ()
+        scheduled_new_reqs = [type("N", (), {"req_id": "a", "block_ids": ([1],), "num_computed_tokens": 0})()]
+        scheduled_cached_reqs = type("C", (), {"req_ids": []})()
+        num_scheduled_tokens = {"a": 8}
+
+    class _Empty:  # an empty engine step
+        preempted_req_ids = ()
+        scheduled_new_reqs = []
+        scheduled_cached_reqs = type("C", (), {"req_ids": []})()
+        num_scheduled_tokens = {}
+
+    assert len(s.build_connector_meta(_So()).ship) == 1
+    assert s.has_pending_push_work() and s.has_pending_push_work() and slept == []  # young: vLLM's own rate
+    now[0] += PACE_AFTER_S + 0.01
+    assert s.has_pending_push_work() and slept == [PACE_S]  # old: one sleep for the step that ran
+    assert s.has_pending_push_work() and s.has_pending_push_work() and slept == [PACE_S]  # no step since
+    for _ in range(3):
+        s.build_connector_meta(_Empty())
+        assert s.has_pending_push_work() and s.has_pending_push_work()
+    assert slept == [PACE_S] * 4  # one per step
+    s.update_worker_meta(ExpressLaneWorkerMeta({"rid-a": 1}))
+    s.build_connector_meta(_Empty())
+    assert not s.has_pending_push_work() and slept == [PACE_S] * 4  # nothing pending: no pacing

@@ -20,7 +20,9 @@ Numbers: this role's counts (claimed, unclaimed, refusals it finds) go to vLLM t
 worker reports it done (sent, failed or aborted) in its worker metadata: vLLM keeps stepping the engine
 meanwhile (``has_pending_push_work``), so the sends' numbers, recorded in the sender threads, reach
 /metrics in the following steps instead of waiting for the next request. The wait is bounded
-(``pending_bound_s``: every sender timeout plus a margin); an rid past it is dropped with an error.
+(``pending_bound_s``: every sender timeout plus a margin); an rid past it is dropped with an error. Once the
+newest pending send is older than ``PACE_AFTER_S`` (it waits on a peer's timeouts) the idle engine's steps are
+paced to one per ``PACE_S`` instead of vLLM's one per millisecond.
 """
 
 from __future__ import annotations
@@ -66,6 +68,18 @@ CLAIMED, UNCLAIMED, REFUSED_DESTINATION = "claimed_requests", "unclaimed_request
 FAILURES, ABORTS = "send_failures", "send_aborts"
 
 
+# Pacing of the idle engine while only old sends are pending. vLLM steps an engine with no requests again
+# 1 ms after an empty step for as long as this hook says there is push work, and each empty step is a
+# scheduler pass plus a round trip to every worker: measured on the 2-CPU CPU stack, two sends hung on a peer
+# that accepts and never answers took the prefill from 0.97 to 1.63 cores for as long as they hung (up to
+# pending_bound_s, ~75 s). A send that has not reported within PACE_AFTER_S is waiting on a peer's timeouts, so
+# from then on the hook sleeps PACE_S once per engine step before it answers: the numbers still reach /metrics
+# within ~PACE_S of the send's end, and a request that arrives meanwhile waits at most PACE_S more (the hook
+# is asked only when the engine has no request at all: vLLM's has_requests() checks those first).
+PACE_AFTER_S = 0.5
+PACE_S = 0.025
+
+
 def pending_bound_s(c: ExpressLaneConnectorConfig) -> float:
     """The longest a worker's send can take before it reports (connect attempts, busy wait, I/O, WRITE)."""
     return (c.connect_retries + 1) * (c.connect_timeout_s + 2.0) + c.busy_retry_s + 2 * c.io_timeout_s \
@@ -74,11 +88,12 @@ def pending_bound_s(c: ExpressLaneConnectorConfig) -> float:
 
 class ExpressLaneScheduler:
     def __init__(self, config: ExpressLaneConnectorConfig | None = None, max_tokens: int | None = None,
-                 world_size: int = 1, clock=time.monotonic) -> None:
+                 world_size: int = 1, clock=time.monotonic, sleep=time.sleep) -> None:
         self.config = config or ExpressLaneConnectorConfig()
         self.max_tokens = max_tokens  # longest prompt the staging slots take; None: not checked here
         self.world_size = world_size  # TP ranks whose workers each report a shipped rid done
         self._clock = clock
+        self._sleep = sleep
         self._tracked: dict[str, _Tracked] = {}
         self._outcome: dict[str, dict[str, Any]] = {}  # req_id -> kv_transfer_params for request_finished
         self._aborts: list[AbortRequest] = []
@@ -87,6 +102,8 @@ class ExpressLaneScheduler:
         # The same counts for the rank-0 worker's side port (only when metrics_port is set).
         self._side_delta: ExpressLaneStats | None = ExpressLaneStats() if self.config.metrics_port else None
         self._pending: dict[str, list] = {}  # rid -> [ranks not done yet, deadline]
+        self._last_ship_at = 0.0  # when the newest pending rid shipped (pacing starts PACE_AFTER_S after it)
+        self._stepped = False  # an engine step ran since the hook last paced (one sleep per step)
         # Totals, for tests and logs.
         self.totals: Counter[str] = Counter()
 
@@ -121,6 +138,9 @@ class ExpressLaneScheduler:
                              "no longer keeping the engine stepping for it", rid, self._pending[rid][0],
                              pending_bound_s(self.config))
                 del self._pending[rid]
+            if self._pending and self._stepped and now - self._last_ship_at > PACE_AFTER_S:
+                self._stepped = False
+                self._sleep(PACE_S)
         return bool(self._pending)
 
     # ------------------------------------------------------------------ hooks
@@ -157,6 +177,7 @@ class ExpressLaneScheduler:
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> ExpressLaneConnectorMetadata:
         meta = ExpressLaneConnectorMetadata()
+        self._stepped = True
         if self._tracked:
             self._scan(scheduler_output, meta)
         if self._aborts:  # already sent by the notifier; the worker only logs/counts them
@@ -231,7 +252,8 @@ class ExpressLaneScheduler:
         meta.ship.append(ShipRequest(req_id, tracked.claim, tracked.prompt_len,
                                      tuple(list(g) for g in tracked.block_ids)))
         del self._tracked[req_id]
-        self._pending[tracked.claim.rid] = [self.world_size, self._clock() + pending_bound_s(self.config)]
+        self._last_ship_at = self._clock()
+        self._pending[tracked.claim.rid] = [self.world_size, self._last_ship_at + pending_bound_s(self.config)]
         # Staged in this step's forward; later failures reach the node as an abort frame.
         self._outcome[req_id] = {CLAIM_RID: tracked.claim.rid, STATUS: STAGED, ERROR: ""}
 
