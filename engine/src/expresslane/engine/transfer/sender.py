@@ -46,7 +46,8 @@ class SenderConfig:
     backoff_initial_s: float = 0.02
     backoff_max_s: float = 0.5
     queue_size: int = 64        # per destination
-    max_destinations: int = 64  # worker threads (one per host:port); the allow-list bounds it in practice
+    max_destinations: int = 64  # live worker threads (one per host:port at a time)
+    destination_idle_s: float = 300.0  # a worker with nothing queued this long ends (node churn frees its place)
     checksum: bool = True       # put a checksum of the staged bytes in done (crc32 | wsum16, checksum.py)
     checksum_algorithm: str = "auto"  # "auto": choose_algorithm (wsum16 for VRAM -> VRAM); or crc32 | wsum16
 
@@ -85,15 +86,24 @@ def _jitter(backoff: float) -> float:
 
 
 class _Destination:
+    """One worker thread per host:port. It ends after destination_idle_s with nothing queued, so nodes that come
+    and go (new addresses, new ports) never use up max_destinations; the next job for it starts a new one."""
+
     def __init__(self, sender: "KVSender", host: str, port: int) -> None:
         self.sender = sender
+        self.key = (host, port)
         self.queue: queue.Queue[SendJob | None] = queue.Queue(sender.config.queue_size)
         self.thread = threading.Thread(target=self._run, name=f"expresslane-kv-send-{host}:{port}", daemon=True)
         self.thread.start()
 
     def _run(self) -> None:
         while True:
-            job = self.queue.get()
+            try:
+                job = self.queue.get(timeout=self.sender.config.destination_idle_s)
+            except queue.Empty:
+                if self.sender._retire(self):
+                    return
+                continue
             if job is None:
                 return
             try:
@@ -163,19 +173,28 @@ class KVSender:
             dest = self._destinations.get((job.host, job.port))
             if dest is None and not self._stopped and len(self._destinations) < self.config.max_destinations:
                 dest = self._destinations[(job.host, job.port)] = _Destination(self, job.host, job.port)
-        reason = "stopped" if self._stopped else "too_many_destinations" if dest is None else ""
-        if not reason:
-            try:
-                dest.queue.put_nowait(job)  # type: ignore[union-attr]
-                return True
-            except queue.Full:
-                reason = "queue_full"
+            reason = "stopped" if self._stopped else "too_many_destinations" if dest is None else ""
+            if not reason:
+                try:  # under the lock: a worker retires only with its queue empty, checked under it too
+                    dest.queue.put_nowait(job)  # type: ignore[union-attr]
+                    return True
+                except queue.Full:
+                    reason = "queue_full"
         if job.slot is not None:
             job.slot.release()
         logger.error("expresslane: cannot queue rid=%s for %s:%s (%s); not shipping", job.rid, job.host,
                      job.port, reason)
         self.observer.on_failure(job, reason)
         return False
+
+    def _retire(self, dest: _Destination) -> bool:
+        """Called by an idle worker: forget it and let it end, unless a job was queued meanwhile."""
+        with self._lock:
+            if not dest.queue.empty():
+                return False
+            if self._destinations.get(dest.key) is dest:
+                del self._destinations[dest.key]
+            return True
 
     def submit_abort(self, rid: str, host: str, port: int, reason: str, detail: str = "") -> bool:
         """Tell the node at host:port that rid failed on this side (e.g. no staging slot): its waiting
