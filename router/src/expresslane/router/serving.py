@@ -1,4 +1,5 @@
-"""The router's HTTP server: uvicorn's Server without a housekeeping tick; the Date header is made by requests.
+"""The router's HTTP server: uvicorn's Server without a housekeeping tick; the Date header is made by requests;
+uvicorn's httptools protocol with one write per reply (http_protocol.py).
 
 uvicorn wakes its main loop ten times a second (to refresh the Date header once a second and to notice a
 shutdown request). On this project's small hosts a wake-up of an idle process costs far more than its few lines
@@ -23,6 +24,8 @@ from types import FrameType
 
 import uvicorn
 
+from .http_protocol import RouterHttpProtocol
+
 __all__ = ["RouterServer", "serve"]
 
 STARTUP_FAILURE = 3  # uvicorn.run's exit code when the app did not start
@@ -30,6 +33,7 @@ STARTUP_FAILURE = 3  # uvicorn.run's exit code when the app did not start
 
 class RouterServer(uvicorn.Server):
     def __init__(self, config: uvicorn.Config) -> None:
+        config.http = RouterHttpProtocol  # one write per reply of a known length (http_protocol.py)
         super().__init__(config)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake: asyncio.Event | None = None
