@@ -20,17 +20,28 @@ disconnect detection. Each request's cycle gets a `ReplyTransport` in front of t
 
 A held head is never lost: `close()` (uvicorn closes after a failed or unfinished reply, or for
 `Connection: close`) writes it first, so a broken reply breaks exactly where it did before.
+
+Each cycle also gets a `ClientWatch` in its scope (`scope["extensions"]["expresslane.client_watch"]`): the
+connection's loss, told to one subscriber by a plain call from `connection_lost`, under exactly the condition
+uvicorn marks the cycle disconnected (and so when its `receive()` would answer `http.disconnect`). The handler
+(app.run_until_disconnect) subscribes instead of running a watcher task that waits on `receive()`: one task
+fewer per request (its creation, first step and cancellation).
 """
 
 from __future__ import annotations
 
 import asyncio
 import enum
+from collections.abc import Callable
 from typing import Any
+
+from starlette.types import Scope
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
-__all__ = ["ReplyState", "ReplyTransport", "RouterHttpProtocol"]
+__all__ = ["CLIENT_WATCH", "ClientWatch", "ReplyState", "ReplyTransport", "RouterHttpProtocol", "client_watch"]
+
+CLIENT_WATCH = "expresslane.client_watch"  # the scope extension's name
 
 
 class ReplyState(enum.Enum):
@@ -79,9 +90,54 @@ class ReplyTransport:
         return getattr(self.transport, name)
 
 
+class ClientWatch:
+    """Whether a request's client connection is gone, and one callback to call when it goes."""
+
+    __slots__ = ("gone", "_callback")
+
+    def __init__(self) -> None:
+        self.gone = False
+        self._callback: Callable[[], None] | None = None
+
+    def subscribe(self, callback: Callable[[], None]) -> None:
+        """Call `callback` when the connection is lost (now, if it already is). One subscriber at a time."""
+        if self.gone:
+            callback()
+        else:
+            self._callback = callback
+
+    def unsubscribe(self) -> None:
+        self._callback = None
+
+    def lost(self) -> None:
+        if not self.gone:
+            self.gone = True
+            callback, self._callback = self._callback, None
+            if callback is not None:
+                callback()
+
+
+def client_watch(scope: Scope) -> ClientWatch | None:
+    """The request's ClientWatch when RouterHttpProtocol serves it, else None (another server, a test client)."""
+    ext = scope.get("extensions")
+    return ext.get(CLIENT_WATCH) if ext else None
+
+
 class RouterHttpProtocol(HttpToolsProtocol):
-    """uvicorn's httptools protocol whose request cycles write through a `ReplyTransport`."""
+    """uvicorn's httptools protocol whose request cycles write through a `ReplyTransport` and carry a
+    `ClientWatch` (module docstring)."""
 
     def _start_asgi_task(self, cycle: RequestResponseCycle, app: Any) -> None:
         cycle.transport = ReplyTransport(self.transport, cycle)
+        watch = ClientWatch()
+        cycle.client_watch = watch  # type: ignore[attr-defined]  (read back in connection_lost)
+        cycle.scope.setdefault("extensions", {})[CLIENT_WATCH] = watch  # type: ignore[typeddict-item]
         super()._start_asgi_task(cycle, app)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        cycle = self.cycle
+        super().connection_lost(exc)
+        if cycle is not None and cycle.disconnected:  # uvicorn's own condition (its receive() now says so)
+            watch = getattr(cycle, "client_watch", None)
+            if watch is not None:
+                watch.lost()

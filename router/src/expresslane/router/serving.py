@@ -18,6 +18,7 @@ uvicorn's tick also drives `limit_max_requests` and `callback_notify`, which the
 from __future__ import annotations
 
 import asyncio
+import gc
 import time
 from email.utils import formatdate
 from types import FrameType
@@ -59,6 +60,9 @@ class RouterServer(uvicorn.Server):
 
         self.config.loaded_app = fresh_date  # the protocols made from here on call it
         await super().startup(sockets)
+        # Everything built so far (modules, the app, its lifespan's clients) lives as long as the process: out of
+        # the collector's generations, so its collections walk only what requests allocate.
+        gc.freeze()
 
     async def main_loop(self) -> None:
         self._loop, self._wake = asyncio.get_running_loop(), asyncio.Event()
