@@ -64,6 +64,10 @@ class RouterServer(uvicorn.Server):
         # the collector's generations, so its collections walk only what requests allocate.
         gc.freeze()
 
+    async def shutdown(self, sockets=None) -> None:
+        await super().shutdown(sockets)
+        gc.unfreeze()  # what startup froze is the collector's again (garbage at exit is collected as before)
+
     async def main_loop(self) -> None:
         self._loop, self._wake = asyncio.get_running_loop(), asyncio.Event()
         should_exit = await self.on_tick(0)  # the default headers' list (counter 0: with the Date)
