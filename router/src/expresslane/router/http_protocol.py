@@ -18,6 +18,11 @@ disconnect detection. Each request's cycle gets a `ReplyTransport` in front of t
 - SENT: the reply's head is on its way; writes go straight through (a streamed, chunked reply's head is never
   held: its first chunk may be a model's time away).
 
+What this relies on in uvicorn (0.54, pinned in images/router/requirements.txt; router/pyproject.toml asks for
+>= 0.54): `HttpToolsProtocol._start_asgi_task(cycle, app)` starts every cycle, and a cycle's `response_started`,
+`chunked_encoding`, `expected_content_length` and `disconnected`; tests/unit/router/test_router_http_protocol.py
+fails if any of it changes (bytes against stock uvicorn, writes counted).
+
 A held head is never lost: `close()` (uvicorn closes after a failed or unfinished reply, or for
 `Connection: close`) writes it first, so a broken reply breaks exactly where it did before.
 
