@@ -81,3 +81,20 @@ def test_every_response_has_the_date_of_its_second_after_any_idle_time():
     finally:
         server.handle_exit(signal.SIGTERM, None)
         thread.join(timeout=30)
+
+
+def test_the_startup_heap_is_frozen_while_serving_and_unfrozen_after():
+    import gc
+
+    port = _free_port()
+    server = RouterServer(uvicorn.Config(_app, host="127.0.0.1", port=port, log_level="warning", log_config=None))
+    thread = threading.Thread(target=lambda: asyncio.run(server.serve()), daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert server.started
+    assert gc.get_freeze_count() > 0  # the app and everything imported: out of the collector's generations
+    server.handle_exit(signal.SIGTERM, None)
+    thread.join(timeout=30)
+    assert not thread.is_alive() and gc.get_freeze_count() == 0

@@ -56,6 +56,7 @@ from .requestlog import RequestIdMiddleware, upstream_request_id_hook
 from .secrets import RouterSecrets
 from .aiohttp_upstream import AiohttpTransport
 from .h1_pool import H1Pool
+from .http_protocol import ClientWatch, client_watch
 from .upstream import HttpxOneShot
 
 __all__ = ["create_app", "Lanes", "resolve_lane"]
@@ -100,24 +101,34 @@ def error_response(err: RouterError) -> Response:
     return Response(content=content, status_code=status, headers=headers)
 
 
-async def run_until_disconnect(receive: Receive, work: Awaitable[Response]) -> Response:
-    """Run `work` in this task; if the client disconnects first (an ASGI `http.disconnect` from `receive`, read
-    after the body), cancel it (its cleanup runs, here, before this returns) and raise ClientGone.
+async def run_until_disconnect(receive: Receive, work: Awaitable[Response],
+                               watch: ClientWatch | None = None) -> Response:
+    """Run `work` in this task; if the client disconnects first, cancel it (its cleanup runs, here, before this
+    returns) and raise ClientGone.
 
-    One watcher task reads `receive` and cancels this task on a disconnect; `work` itself runs inline (no task of
-    its own, no asyncio.wait: this is the hot path of every completion request)."""
+    The disconnect is told by the request's `watch` (http_protocol.ClientWatch: a plain call from the server's
+    connection_lost) when the server gives one; otherwise one watcher task reads `receive` (an ASGI
+    `http.disconnect`, read after the body). `work` itself runs inline (no task of its own, no asyncio.wait: this
+    is the hot path of every completion request)."""
     me = asyncio.current_task()
     assert me is not None
     gone = False
 
-    async def watch() -> None:
+    def client_gone() -> None:
         nonlocal gone
-        while (await receive())["type"] != "http.disconnect":
-            pass
         gone = True
         me.cancel()
 
-    watcher = asyncio.get_running_loop().create_task(watch())
+    watcher: asyncio.Task | None = None
+    if watch is not None:
+        watch.subscribe(client_gone)
+    else:
+        async def watch_receive() -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            client_gone()
+
+        watcher = asyncio.get_running_loop().create_task(watch_receive())
     try:
         resp = await work
     except asyncio.CancelledError:
@@ -126,7 +137,10 @@ async def run_until_disconnect(receive: Receive, work: Awaitable[Response]) -> R
             raise ClientGone("client disconnected") from None
         raise
     finally:
-        watcher.cancel()
+        if watcher is not None:
+            watcher.cancel()
+        else:
+            watch.unsubscribe()  # type: ignore[union-attr]
     if gone:  # the disconnect came in the same instant the work ended: its cancel is pending on this task
         me.uncancel()
         with anyio.CancelScope(shield=True), contextlib.suppress(BaseException):
@@ -319,7 +333,8 @@ def create_app(config: RouterConfig, *, secrets: RouterSecrets | None = None,
             ApiKeys.check_lane(key, route.lane)
             record = RequestRecord(metrics, lane=route.lane, alias=req.alias, started=started, clock=clock)
             lanes: Lanes = state.lanes
-            resp = await run_until_disconnect(receive, lanes.dispatch(req, route.lane, route.pool, record))
+            resp = await run_until_disconnect(receive, lanes.dispatch(req, route.lane, route.pool, record),
+                                              client_watch(scope))
             resp.headers["x-expresslane-lane"] = record.lane
             if route.features:
                 resp.headers["x-expresslane-reroute"] = route.header

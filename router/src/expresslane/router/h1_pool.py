@@ -32,7 +32,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import functools
-import json
 import ssl
 import zlib
 from typing import Any
@@ -42,6 +41,7 @@ import httptools
 import httpx
 
 from .requestlog import current_request_id
+from .json_codec import dumps_compact
 from .upstream import json_object, map_transport_error, status_error, total_timeout_error
 
 __all__ = ["H1Pool"]
@@ -204,7 +204,7 @@ class H1Pool:
     # ---- the OneShotCalls interface ---------------------------------------------------------------
     async def post_json(self, url: str, body: dict, *, stage: str, timeout: httpx.Timeout,
                         headers: dict[str, str] | None = None) -> dict[str, Any]:
-        data = json.dumps(body, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
+        data = dumps_compact(body).encode()
         try:
             status, content, ctype = await self._call(b"POST", url, data, headers, timeout)
         except httpx.HTTPError as e:

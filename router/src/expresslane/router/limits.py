@@ -10,7 +10,6 @@
 
 from __future__ import annotations
 
-import json
 import re
 from typing import Any
 
@@ -18,6 +17,7 @@ from starlette.requests import Request
 from starlette.types import Receive
 
 from .errors import BadRequest, ClientGone, PayloadTooLarge
+from .json_codec import client_decoder
 
 __all__ = ["json_depth_exceeds", "loads_object", "read_asgi_body", "read_body"]
 
@@ -83,12 +83,15 @@ def _no_constants(name: str) -> Any:
     raise ValueError(f"{name} is not a JSON value")
 
 
+_loads = client_decoder(_no_constants)  # json.loads(raw, parse_constant=_no_constants), its decoder built once
+
+
 def loads_object(raw: bytes, max_depth: int) -> dict[str, Any]:
     """Parse a client body that must be one JSON object, within the depth limit (400 otherwise)."""
     if json_depth_exceeds(raw, max_depth):
         raise BadRequest(f"request body nests JSON deeper than the limit of {max_depth} levels")
     try:
-        body = json.loads(raw, parse_constant=_no_constants)
+        body = _loads(raw)
     except (ValueError, UnicodeDecodeError, RecursionError) as e:
         raise BadRequest(f"request body is not valid JSON: {e}") from None
     if not isinstance(body, dict):

@@ -1,4 +1,5 @@
-"""The router's HTTP server: uvicorn's Server without a housekeeping tick; the Date header is made by requests.
+"""The router's HTTP server: uvicorn's Server without a housekeeping tick; the Date header is made by requests;
+uvicorn's httptools protocol with one write per reply (http_protocol.py).
 
 uvicorn wakes its main loop ten times a second (to refresh the Date header once a second and to notice a
 shutdown request). On this project's small hosts a wake-up of an idle process costs far more than its few lines
@@ -17,11 +18,14 @@ uvicorn's tick also drives `limit_max_requests` and `callback_notify`, which the
 from __future__ import annotations
 
 import asyncio
+import gc
 import time
 from email.utils import formatdate
 from types import FrameType
 
 import uvicorn
+
+from .http_protocol import RouterHttpProtocol
 
 __all__ = ["RouterServer", "serve"]
 
@@ -30,6 +34,7 @@ STARTUP_FAILURE = 3  # uvicorn.run's exit code when the app did not start
 
 class RouterServer(uvicorn.Server):
     def __init__(self, config: uvicorn.Config) -> None:
+        config.http = RouterHttpProtocol  # one write per reply of a known length (http_protocol.py)
         super().__init__(config)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake: asyncio.Event | None = None
@@ -55,6 +60,13 @@ class RouterServer(uvicorn.Server):
 
         self.config.loaded_app = fresh_date  # the protocols made from here on call it
         await super().startup(sockets)
+        # Everything built so far (modules, the app, its lifespan's clients) lives as long as the process: out of
+        # the collector's generations, so its collections walk only what requests allocate.
+        gc.freeze()
+
+    async def shutdown(self, sockets=None) -> None:
+        await super().shutdown(sockets)
+        gc.unfreeze()  # what startup froze is the collector's again (garbage at exit is collected as before)
 
     async def main_loop(self) -> None:
         self._loop, self._wake = asyncio.get_running_loop(), asyncio.Event()

@@ -9,10 +9,11 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
 from ..detokenizer import OutputAssembler
 from ..errors import RouterError, UpstreamError
+from ..json_codec import CompactJSONResponse
 from ..logprobs import TokenStrings, chat_logprobs, completion_logprobs
 from ..metrics import RequestRecord
 from ..tools import HermesParser, chat_message_and_finish, stream_finish
@@ -81,13 +82,13 @@ async def collect(req: ClientRequest, leg: Leg, asm: OutputAssembler, feed: Feed
     if feed.logprobs is not None:
         extra["logprobs"] = feed.logprobs.take(leg, asm)
     if req.kind != "chat":
-        return JSONResponse(completion_response(leg.response_id, req.alias, asm.text, finish, asm.stop_reason,
-                                                leg.n_prompt, n, **extra))
+        return CompactJSONResponse(completion_response(leg.response_id, req.alias, asm.text, finish,
+                                                       asm.stop_reason, leg.n_prompt, n, **extra))
     if req.opts.tools_active:
         extra["message"], finish = chat_message_and_finish(asm.text, req.opts.tool_choice, finish,
                                                            parallel_tool_calls=req.opts.parallel_tool_calls)
-    return JSONResponse(chat_response(leg.response_id, req.alias, asm.text, finish, asm.stop_reason,
-                                      leg.n_prompt, n, **extra))
+    return CompactJSONResponse(chat_response(leg.response_id, req.alias, asm.text, finish, asm.stop_reason,
+                                             leg.n_prompt, n, **extra))
 
 async def relay(req: ClientRequest, leg: Leg, asm: OutputAssembler, feed: Feed,
                  batches: AsyncIterator[list[int]], stack: contextlib.AsyncExitStack,

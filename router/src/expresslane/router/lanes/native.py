@@ -28,10 +28,11 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
 from ..config import NativePool
 from ..errors import RouterError, UpstreamError, UpstreamTimeout, UpstreamUnavailable
+from ..json_codec import CompactJSONResponse
 from ..metrics import RequestRecord, node_label
 from ..openai_shapes import SSE_DONE, ClientRequest, iter_sse_data, sse
 from ..prefill import native_prefill_body, prompt_tokens
@@ -193,7 +194,7 @@ class NativeLane:
             out["kv_transfer_params"] = None
         completion = fix_usage(out, n_prompt)
         record.finish(200, completion)
-        return JSONResponse(out)
+        return CompactJSONResponse(out)
 
     async def open_stream(self, pool: str, url: str, path: str, body: dict[str, Any],
                           deadline: Deadline) -> NativeStream:
