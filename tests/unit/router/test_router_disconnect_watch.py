@@ -12,6 +12,8 @@ from expresslane.router.app import run_until_disconnect
 from expresslane.router.errors import ClientGone
 from expresslane.router.http_protocol import ClientWatch
 
+from ._asgi import serve_lifespan
+
 
 def _receive(disconnect: asyncio.Event):
     async def receive() -> dict:
@@ -150,11 +152,7 @@ def test_the_server_tells_the_watch_when_the_client_goes():
 
     async def app(scope, receive, send):
         if scope["type"] == "lifespan":
-            while True:
-                msg = await receive()
-                await send({"type": msg["type"] + ".complete"})
-                if msg["type"] == "lifespan.shutdown":
-                    return
+            return await serve_lifespan(receive, send)
         await receive()  # the body
         watch = client_watch(scope)
         events.append("watch" if watch is not None else "no watch")

@@ -24,14 +24,12 @@ import uvicorn
 from expresslane.router.http_protocol import ReplyState, ReplyTransport, RouterHttpProtocol
 from expresslane.router.serving import RouterServer
 
+from ._asgi import free_port, serve_lifespan
+
 
 async def _app(scope, receive, send):
     if scope["type"] == "lifespan":
-        while True:
-            msg = await receive()
-            await send({"type": msg["type"] + ".complete"})
-            if msg["type"] == "lifespan.shutdown":
-                return
+        return await serve_lifespan(receive, send)
     path = scope["path"]
     body = b""
     while True:
@@ -74,12 +72,6 @@ async def _app(scope, receive, send):
     else:
         await send({"type": "http.response.start", "status": 404, "headers": [(b"content-length", b"9")]})
         await send({"type": "http.response.body", "body": b"not found"})
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class _Writes:
@@ -127,7 +119,7 @@ def _config(port: int) -> uvicorn.Config:
 
 @pytest.fixture(scope="module")
 def servers():
-    ours_port, stock_port, counted_port = _free_port(), _free_port(), _free_port()
+    ours_port, stock_port, counted_port = free_port(), free_port(), free_port()
     ours = _Serving(RouterServer(_config(ours_port)))
     stock = _Serving(uvicorn.Server(_config(stock_port)))
     counted_server = RouterServer(_config(counted_port))

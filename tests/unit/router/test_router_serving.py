@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import socket
 import threading
 import time
 from email.utils import parsedate_to_datetime
@@ -16,22 +15,14 @@ import uvicorn
 
 from expresslane.router.serving import RouterServer
 
+from ._asgi import free_port, serve_lifespan
+
 
 async def _app(scope, receive, send):
     if scope["type"] == "lifespan":
-        while True:
-            msg = await receive()
-            await send({"type": msg["type"] + ".complete"})
-            if msg["type"] == "lifespan.shutdown":
-                return
+        return await serve_lifespan(receive, send)
     await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
     await send({"type": "http.response.body", "body": b"ok"})
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class _CountingServer(RouterServer):
@@ -43,7 +34,7 @@ class _CountingServer(RouterServer):
 
 
 def test_an_exit_request_stops_the_server_and_an_idle_server_never_wakes():
-    port = _free_port()
+    port = free_port()
     server = _CountingServer(uvicorn.Config(_app, host="127.0.0.1", port=port, log_level="warning", log_config=None))
     thread = threading.Thread(target=lambda: asyncio.run(server.serve()), daemon=True)  # no signal handlers off main
     thread.start()
@@ -61,7 +52,7 @@ def test_an_exit_request_stops_the_server_and_an_idle_server_never_wakes():
 
 
 def test_every_response_has_the_date_of_its_second_after_any_idle_time():
-    port = _free_port()
+    port = free_port()
     server = RouterServer(uvicorn.Config(_app, host="127.0.0.1", port=port, log_level="warning", log_config=None))
     thread = threading.Thread(target=lambda: asyncio.run(server.serve()), daemon=True)
     thread.start()
@@ -86,7 +77,7 @@ def test_every_response_has_the_date_of_its_second_after_any_idle_time():
 def test_the_startup_heap_is_frozen_while_serving_and_unfrozen_after():
     import gc
 
-    port = _free_port()
+    port = free_port()
     server = RouterServer(uvicorn.Config(_app, host="127.0.0.1", port=port, log_level="warning", log_config=None))
     thread = threading.Thread(target=lambda: asyncio.run(server.serve()), daemon=True)
     thread.start()
