@@ -12,7 +12,7 @@ from expresslane.router.app import run_until_disconnect
 from expresslane.router.errors import ClientGone
 from expresslane.router.http_protocol import ClientWatch
 
-from ._asgi import serve_lifespan
+from ._asgi import Serving, free_port, serve_lifespan
 
 
 def _receive(disconnect: asyncio.Event):
@@ -139,7 +139,6 @@ def test_the_server_tells_the_watch_when_the_client_goes():
     cancelled (it would sleep 60 s) through the scope's ClientWatch, with no watcher task."""
     import socket
     import threading
-    import time
 
     import uvicorn
 
@@ -168,16 +167,9 @@ def test_the_server_tells_the_watch_when_the_client_goes():
         finally:
             ended.set()
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = RouterServer(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", log_config=None,
-                                         http="httptools", loop="uvloop"))
-    thread = threading.Thread(target=lambda: asyncio.run(server.serve()), daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.02)
+    port = free_port()
+    serving = Serving(RouterServer(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                                                  log_config=None, http="httptools", loop="uvloop")))
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=10) as c:
             c.sendall(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}")
@@ -185,6 +177,4 @@ def test_the_server_tells_the_watch_when_the_client_goes():
         assert ended.wait(20)  # generous: CI is slower; without the watch's call the work sleeps 60 s
         assert events == ["watch", "gone"]
     finally:
-        server.should_exit = True
-        server.handle_exit(15, None)
-        thread.join(30)
+        serving.stop()

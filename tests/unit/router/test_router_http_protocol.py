@@ -15,8 +15,6 @@ from __future__ import annotations
 import asyncio
 import re
 import socket
-import threading
-import time
 
 import pytest
 import uvicorn
@@ -24,7 +22,7 @@ import uvicorn
 from expresslane.router.http_protocol import ReplyState, ReplyTransport, RouterHttpProtocol
 from expresslane.router.serving import RouterServer
 
-from ._asgi import free_port, serve_lifespan
+from ._asgi import Serving, free_port, serve_lifespan
 
 
 async def _app(scope, receive, send):
@@ -96,22 +94,6 @@ class _CountingProtocol(RouterHttpProtocol):
         super().connection_made(_Writes(transport, WRITES))
 
 
-class _Serving:
-    def __init__(self, server: uvicorn.Server) -> None:
-        self.server = server
-        self.thread = threading.Thread(target=lambda: asyncio.run(server.serve()), daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not server.started and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert server.started
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.server.handle_exit(15, None)
-        self.thread.join(30)
-
-
 def _config(port: int) -> uvicorn.Config:
     return uvicorn.Config(_app, host="127.0.0.1", port=port, log_level="critical", log_config=None,
                           http="httptools", loop="uvloop")
@@ -120,11 +102,11 @@ def _config(port: int) -> uvicorn.Config:
 @pytest.fixture(scope="module")
 def servers():
     ours_port, stock_port, counted_port = free_port(), free_port(), free_port()
-    ours = _Serving(RouterServer(_config(ours_port)))
-    stock = _Serving(uvicorn.Server(_config(stock_port)))
+    ours = Serving(RouterServer(_config(ours_port)))
+    stock = Serving(uvicorn.Server(_config(stock_port)))
     counted_server = RouterServer(_config(counted_port))
     counted_server.config.http = _CountingProtocol
-    counted = _Serving(counted_server)
+    counted = Serving(counted_server)
     yield {"ours": ours_port, "stock": stock_port, "counted": counted_port}
     for s in (ours, stock, counted):
         s.stop()

@@ -4,9 +4,6 @@ Date of its second (made by the request, not by a tick), while an idle server ne
 
 from __future__ import annotations
 
-import asyncio
-import signal
-import threading
 import time
 from email.utils import parsedate_to_datetime
 
@@ -15,7 +12,7 @@ import uvicorn
 
 from expresslane.router.serving import RouterServer
 
-from ._asgi import free_port, serve_lifespan
+from ._asgi import Serving, free_port, serve_lifespan
 
 
 async def _app(scope, receive, send):
@@ -36,29 +33,19 @@ class _CountingServer(RouterServer):
 def test_an_exit_request_stops_the_server_and_an_idle_server_never_wakes():
     port = free_port()
     server = _CountingServer(uvicorn.Config(_app, host="127.0.0.1", port=port, log_level="warning", log_config=None))
-    thread = threading.Thread(target=lambda: asyncio.run(server.serve()), daemon=True)  # no signal handlers off main
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert server.started
+    serving = Serving(server)  # on a thread: no signal handlers off the main thread
     r = httpx.get(f"http://127.0.0.1:{port}/", trust_env=False, timeout=10)
     assert r.status_code == 200 and r.text == "ok" and "date" in r.headers
     time.sleep(1.5)  # uvicorn's own loop would tick 15 times here, session 3's once or twice
     assert server.ticks == 1  # the start only
-    server.handle_exit(signal.SIGTERM, None)  # what uvicorn's SIGTERM handler calls
-    thread.join(timeout=30)  # generous (CI is slower); without the wake-up this waits for the hour-long tick
-    assert not thread.is_alive()
+    serving.stop()  # what uvicorn's SIGTERM handler calls; generous bound (CI is slower): without the wake-up
+    assert not serving.thread.is_alive()  # this waits for the hour-long tick
 
 
 def test_every_response_has_the_date_of_its_second_after_any_idle_time():
     port = free_port()
     server = RouterServer(uvicorn.Config(_app, host="127.0.0.1", port=port, log_level="warning", log_config=None))
-    thread = threading.Thread(target=lambda: asyncio.run(server.serve()), daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.05)
+    serving = Serving(server)
     try:
         with httpx.Client(trust_env=False, timeout=10) as c:  # one keep-alive connection, as a client would
             for pause in (0.0, 1.3, 2.2):
@@ -70,8 +57,7 @@ def test_every_response_has_the_date_of_its_second_after_any_idle_time():
                 assert before <= got <= after, (pause, r.headers["date"])
                 assert len(r.headers.get_list("date")) == 1
     finally:
-        server.handle_exit(signal.SIGTERM, None)
-        thread.join(timeout=30)
+        serving.stop()
 
 
 def test_the_startup_heap_is_frozen_while_serving_and_unfrozen_after():
@@ -79,13 +65,7 @@ def test_the_startup_heap_is_frozen_while_serving_and_unfrozen_after():
 
     port = free_port()
     server = RouterServer(uvicorn.Config(_app, host="127.0.0.1", port=port, log_level="warning", log_config=None))
-    thread = threading.Thread(target=lambda: asyncio.run(server.serve()), daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert server.started
+    serving = Serving(server)
     assert gc.get_freeze_count() > 0  # the app and everything imported: out of the collector's generations
-    server.handle_exit(signal.SIGTERM, None)
-    thread.join(timeout=30)
-    assert not thread.is_alive() and gc.get_freeze_count() == 0
+    serving.stop()
+    assert not serving.thread.is_alive() and gc.get_freeze_count() == 0
