@@ -325,3 +325,20 @@ async def test_a_wrong_or_unknown_checksum_fails_the_transfer(receiver: KVReceiv
     with pytest.raises(KVTransferFailed) as f:
         await receiver.wait_for("bad", 2)
     assert f.value.reason == "checksum_mismatch" and receiver.stats["checksum_failures"] == 1
+
+
+def test_stop_ends_open_control_connections():
+    """A receiver that stops ends its open control connections (the peer reads EOF at once) after their cleanup,
+    instead of leaving their handlers to the event loop's close (seen in CI: "Exception ignored in
+    ControlServer._accept ... Event loop is closed", and the peer's socket stayed open)."""
+    rx = KVReceiver(L, H, D, torch.float32, "cpu", MAX, "127.0.0.1", ctrl_port=_free_port(), num_slots=1)
+    rx.start()
+    with socket.create_connection(("127.0.0.1", rx.ctrl_port), timeout=10) as s:
+        assert s.recv(65536)  # the node's challenge: the connection is being served
+        t0 = time.monotonic()
+        rx.stop()
+        s.settimeout(10)
+        rest = b""
+        while chunk := s.recv(65536):
+            rest += chunk
+        assert time.monotonic() - t0 < 8  # EOF, not the 10 s timeout: the node closed it

@@ -82,6 +82,7 @@ class ControlServer:
         self.open_connections = 0
         self._ids = itertools.count(1)
         self._server: asyncio.base_events.Server | None = None
+        self._handlers: set[asyncio.Task] = set()  # one per open connection (close() ends them)
 
     async def start(self) -> None:
         self._server = await asyncio.start_server(
@@ -91,10 +92,21 @@ class ControlServer:
     def serving(self) -> bool:
         return self._server is not None and self._server.is_serving()
 
-    async def close(self) -> None:
-        if self._server is not None:
-            self._server.close()
-            self._server = None
+    async def close(self, timeout_s: float = 5.0) -> None:
+        """Stop accepting, then end every open connection (as a deadline would: their unfinished transfers
+        fail, their writes stay fenced) and wait for each handler's cleanup, within timeout_s. asyncio's
+        Server.close() leaves open connections alone (Python 3.11), and a handler the loop's close found
+        still running was torn down without its cleanup."""
+        server, self._server = self._server, None
+        if server is not None:
+            server.close()
+        handlers = [t for t in self._handlers if not t.done()]
+        for t in handlers:
+            t.cancel()
+        if handlers:
+            await asyncio.wait(handlers, timeout=timeout_s)
+        if server is not None:
+            await asyncio.wait_for(server.wait_closed(), timeout_s)
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         if self.open_connections >= self.max_connections:
@@ -109,6 +121,9 @@ class ControlServer:
         conn_id = next(self._ids)
         conn = _Conn(reader, writer, conn_id, a.Session.open(side="decode"))
         peer_closed = False
+        handler = asyncio.current_task()
+        if handler is not None:
+            self._handlers.add(handler)
         try:
             if await self._handshake(conn):
                 peer_closed = await self._serve(conn)
@@ -117,6 +132,7 @@ class ControlServer:
             self.rx._set_gauge("connections_open", self.open_connections)
             self.rx._connection_closed(conn_id, peer_closed=peer_closed)
             writer.close()
+            self._handlers.discard(handler)
 
     async def _handshake(self, conn: _Conn) -> bool:
         nonce_d = a.new_nonce()
