@@ -266,11 +266,14 @@ def test_a_thousand_idle_connections_stay_bounded(rx: KVReceiver) -> None:
         except OSError:
             pass
     # The accept loop may lag on a loaded machine: wait (bounded) until it has refused what it will refuse.
-    deadline = time.monotonic() + 10
-    while rx.stats["connections_refused"] < len(socks) - 16 - 64 and time.monotonic() < deadline:
+    # Up to the listen backlog (128, control_server.start) may still wait in the kernel, not yet accepted
+    # (CI under load: 903 refused of 1000 after 10 s with a slack of 64).
+    unaccepted = 128
+    deadline = time.monotonic() + 30
+    while rx.stats["connections_refused"] < len(socks) - 16 - unaccepted and time.monotonic() < deadline:
         time.sleep(0.05)
     assert rx.stats["connections_open"] <= 16  # max_connections
-    assert rx.stats["connections_refused"] >= len(socks) - 16 - 64  # (a few may still sit in the backlog)
+    assert rx.stats["connections_refused"] >= len(socks) - 16 - unaccepted
     assert _threads() - threads_before <= 4  # no thread per connection
     # An exact transfer during the attack still lands (once the idle ones hit the handshake deadline).
     rx.expect("during", 10)
