@@ -34,22 +34,25 @@ async def test_the_work_ends_first_and_its_result_is_returned():
     await asyncio.sleep(0)  # the task can still await
 
 
+async def _hangs_then_cleans_up(events: list[str]) -> str:
+    """Work that never ends by itself, with a cleanup that itself awaits (it must run to its end)."""
+    try:
+        await asyncio.sleep(30)
+        return "never"
+    finally:
+        events.append("cleanup")
+        await asyncio.sleep(0.01)
+        events.append("cleanup done")
+
+
 async def test_a_disconnect_cancels_the_work_after_its_cleanup_and_leaves_the_task_usable():
     gone = asyncio.Event()
     events: list[str] = []
 
-    async def work() -> str:
-        try:
-            await asyncio.sleep(30)
-            return "never"
-        finally:
-            events.append("cleanup")
-            await asyncio.sleep(0.01)  # cleanup that itself awaits runs to its end
-            events.append("cleanup done")
 
     asyncio.get_running_loop().call_later(0.05, gone.set)
     with pytest.raises(ClientGone):
-        await run_until_disconnect(_receive(gone), work())
+        await run_until_disconnect(_receive(gone), _hangs_then_cleans_up(events))
     assert events == ["cleanup", "cleanup done"]
     assert asyncio.current_task().cancelling() == 0
     await asyncio.sleep(0.01)  # no cancellation is left pending on the request's task
@@ -105,18 +108,10 @@ async def test_a_lost_connection_cancels_the_work_after_its_cleanup():
     watch = ClientWatch()
     events: list[str] = []
 
-    async def work() -> str:
-        try:
-            await asyncio.sleep(30)
-            return "never"
-        finally:
-            events.append("cleanup")
-            await asyncio.sleep(0.01)
-            events.append("cleanup done")
 
     asyncio.get_running_loop().call_later(0.05, watch.lost)
     with pytest.raises(ClientGone):
-        await run_until_disconnect(_receive(asyncio.Event()), work(), watch)
+        await run_until_disconnect(_receive(asyncio.Event()), _hangs_then_cleans_up(events), watch)
     assert events == ["cleanup", "cleanup done"]
     assert asyncio.current_task().cancelling() == 0
     await asyncio.sleep(0.01)
