@@ -58,7 +58,7 @@ Off a GPU (the eager or compiled CPU step) the same steps run synchronously: not
 is read from the token buffer directly.
 
 With the lean step on a GPU (models/lean.py) the greedy step writes its token itself, with the step's number,
-into a ring of pinned host memory (StepRunner.greedy_token_ring): nothing is queued between two steps' graphs,
+into a ring of pinned host memory (StepRunner.start_greedy returns it): nothing is queued between two steps' graphs,
 and result() polls the ring slot of step n's number (yielding the GIL each poll, READ_TIMEOUT_S at most). The
 copy and the event cost 10 us a step on the H200 (docs/performance.md, session 5).
 """
@@ -115,12 +115,11 @@ class GreedyChain:
 
     def start(self, token: int, pos: int) -> None:
         """The next step takes `token` at position `pos`."""
-        ring = self.runner.greedy_token_ring() if self._cuda else None
+        ring = self.runner.start_greedy(token, pos)  # sets the buffers first, then captures if need be
         self._ring = ring[0] if ring is not None else None
         if ring is not None:
             self._ring_view = ring[0].numpy()  # pinned host memory the step writes: read it in place
             self._seq0 = int(ring[1][0])  # steps counted so far (waits for any step still queued)
-        self.runner.start_greedy(token, pos)
         self._pos = pos
         self._submitted = 0
         self._cpu_results.clear()

@@ -154,22 +154,26 @@ class StepRunner:
         graph.replay()
         return logits
 
-    def greedy_token_ring(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(ring, count) where the greedy step writes each token itself (the lean step on a GPU:
-        models/lean.py's token_ring and greedy_seq), or None (read the token buffer). Captures the greedy
-        graph first if it is not yet, so no capture runs between a reader's count and its reads."""
+    @torch.inference_mode()
+    def start_greedy(self, token: int, start_pos: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Set the device buffers a greedy chain starts from (`token` at position `start_pos`) and return the
+        lean step's (token ring, step count) where the greedy step writes each token itself (models/lean.py's
+        token_ring and greedy_seq), or None (read the token buffer).
+
+        The lean greedy graph is captured here when it is not yet, and only AFTER the buffers are set: a
+        capture's warm-up runs compute the step at the runner's buffers and write its K/V row at their start
+        position, so with the buffers set they write exactly the row the chain's first step writes. Captured
+        before (as it once was, from the ring's accessor), the warm-ups ran at the last forward's start and
+        token and overwrote a live cache row: on a fresh engine, row 0 of the first request's prompt, which
+        then decoded wrong tokens from its second token on (H200, 2026-12-04; tests/unit/engine/
+        test_first_request.py). No capture then runs between the caller's read of the count and its reads."""
+        self._tokens[:1].fill_(token)
+        self._start.fill_(start_pos)
         if self._lean is None or not self.cuda_graph or self.device.type != "cuda":
             return None
         if GREEDY not in self._graphs:
-            with torch.inference_mode():
-                self._capture(1, greedy=True)
+            self._capture(1, greedy=True)
         return self._lean.token_ring, self._lean.greedy_seq
-
-    @torch.inference_mode()
-    def start_greedy(self, token: int, start_pos: int) -> None:
-        """Set the device buffers a greedy chain starts from: `token` at position `start_pos`."""
-        self._tokens[:1].fill_(token)
-        self._start.fill_(start_pos)
 
     @torch.inference_mode()
     def greedy_step(self, start_pos: int) -> torch.Tensor:
