@@ -378,3 +378,48 @@ def test_a_greedy_warm_up_is_not_a_step():
     assert int(tokens[0]) == 5 and int(start[0]) == 9
     assert torch.equal(lean.greedy_seq, state[0]) and int(lean.greedy_seq[0]) == 1
     assert torch.equal(lean.token_ring, state[1])
+
+
+# The row-invariant verify (models/lean.py): R rows in one step, row r bit-identical to the T = 1 step at
+# start + r. On CPU (the interpreter) float32 and one row count per case; on a GPU bf16 too, every row count,
+# and positions on both sides of the split-KV attention's chunk boundaries (a row's splits are those of its own
+# length, not the verify's).
+VERIFY_CASES = ([(torch.float32, 3, 37)] if DEVICE == "cpu" else
+                [(dt, r, pos) for dt in DTYPES for r in range(2, fused.MAX_ROWS + 1) for pos in (37, 63, 64, 126)])
+
+
+@pytest.mark.parametrize("dtype,rows,pos", VERIFY_CASES)
+@pytest.mark.parametrize("bias,tied", [(True, True)] + ([(False, False)] if DEVICE == "cuda" else []))
+def test_each_verify_row_is_the_one_row_step_bit_for_bit(dtype, rows, pos, bias, tied):
+    cfg = _config(bias, tied)
+    model = _model(cfg, dtype, seed=11)
+    s = 160
+    cos, sin = rope_tables(cfg.rope, cfg.head_dim, s, dtype, DEVICE)
+    shape = (cfg.num_layers, s, cfg.num_kv_heads, cfg.head_dim)
+    k = torch.randn(shape, device=DEVICE).to(dtype)
+    v = torch.randn(shape, device=DEVICE).to(dtype)
+    k1, v1 = k.clone(), v.clone()
+    tokens = torch.tensor([11, 3, 90, 42, 7][:rows], device=DEVICE)
+    with torch.no_grad():
+        lean = LeanStep(model, cos, sin, list(k.unbind(0)), list(v.unbind(0)), max_rows=fused.MAX_ROWS)
+        verify = lean.forward(tokens, torch.tensor([pos], device=DEVICE)).clone()
+        one = LeanStep(model, cos, sin, list(k1.unbind(0)), list(v1.unbind(0)))
+        steps = [one.forward(tokens[r:r + 1], torch.tensor([pos + r], device=DEVICE)).clone() for r in range(rows)]
+    _sync()
+    assert verify.shape == (rows, cfg.vocab_size)
+    for r in range(rows):
+        assert torch.equal(verify[r], steps[r][0]), (r, _rel(verify[r], steps[r][0]))
+    assert torch.equal(k, k1) and torch.equal(v, v1)  # the same K/V rows start .. start + R - 1, nothing else
+
+
+def test_the_lean_step_refuses_more_rows_than_it_was_built_for():
+    cfg = _config(bias=False, tied=False)
+    model = _model(cfg, torch.float32, seed=12)
+    cos, sin = rope_tables(cfg.rope, cfg.head_dim, 16, torch.float32, DEVICE)
+    shape = (cfg.num_layers, 16, cfg.num_kv_heads, cfg.head_dim)
+    lean = LeanStep(model, cos, sin, list(torch.zeros(shape, device=DEVICE).unbind(0)),
+                    list(torch.zeros(shape, device=DEVICE).unbind(0)), max_rows=2)
+    with pytest.raises(ValueError, match="takes 1..2 rows"):
+        lean.forward(torch.tensor([1, 2, 3], device=DEVICE), torch.tensor([0], device=DEVICE))
+    with pytest.raises(ValueError, match="takes 1..5 rows"):
+        LeanStep(model, cos, sin, [], [], max_rows=fused.MAX_ROWS + 1)

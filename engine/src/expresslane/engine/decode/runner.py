@@ -13,10 +13,13 @@ buffers (token rows, the start position), picks the attention kernel, and runs t
   tests/unit/engine/test_no_recompile.py counts dynamo's compiles after warmup);
 * graph / compiled graph (CUDA, fixed-shape attention): one CUDA graph per T bucket, captured on first use
   (`capture` does it ahead of time), replayed with the start position read from a device buffer;
-* lean graph (CUDA, split-KV attention, the default there): the T = 1 bucket's graph holds the lean step
-  (models/lean.py: 6 fused Triton kernels a layer, no torch.compile) instead of the PyTorch step; the verify
-  buckets (T > 1) stay the (compiled) graph. `lean=None` picks it wherever it applies, `lean=True` demands it
-  (ValueError saying why it does not apply), `lean=False` keeps the PyTorch step; `set_lean` switches later.
+* lean graph (CUDA, split-KV attention, the default there): every bucket's graph holds the lean step
+  (models/lean.py: 6 fused Triton kernels a layer, no torch.compile) instead of the PyTorch step: T = 1 and
+  the verify buckets T = 2 .. max_rows, whose row r is bit-identical to the T = 1 step at start + r (the
+  row-invariant verify), so speculation never changes a greedy token. A step never mixes the lean T = 1 step
+  with the PyTorch verify: where the lean verify cannot take max_rows (k > 4) the lean step is off.
+  `lean=None` picks it wherever it applies, `lean=True` demands it (ValueError saying why it does not apply),
+  `lean=False` keeps the PyTorch step; `set_lean` switches later.
 
 `greedy_step` is the T = 1 step of a greedy chain: the step reads its token and start position from the
 runner's device buffers and writes the argmax of its logits and the next position back into them, so the host
@@ -47,7 +50,7 @@ class StepMode(str, enum.Enum):
     COMPILED = "compiled"
     GRAPH = "graph"
     COMPILED_GRAPH = "compiled-graph"
-    LEAN_GRAPH = "lean-graph"  # T = 1: the lean step's graph; T > 1: graph or compiled graph
+    LEAN_GRAPH = "lean-graph"  # every T: the lean step's graph (T > 1: its row-invariant verify)
 
 
 class StepRunner:
@@ -85,6 +88,11 @@ class StepRunner:
             from ..models.lean import LeanStep
         except ImportError as e:
             return f"the lean step needs triton ({e})"
+        from ..models.fused import MAX_ROWS
+
+        if self.max_rows > MAX_ROWS:  # the T = 1 step must never be mixed with the PyTorch verify
+            return (f"a verify of {self.max_rows} rows (speculation k = {self.max_rows - 1}): the lean step's "
+                    f"row-invariant verify takes at most {MAX_ROWS} rows (k <= {MAX_ROWS - 1})")
         return LeanStep.unsupported_reason(self.model)
 
     def set_lean(self, lean: bool | None) -> None:
@@ -95,12 +103,12 @@ class StepRunner:
         on = why is None if lean is None else lean
         if on == (self._lean is not None):
             return
-        self._graphs.pop(1, None)
-        self._graphs.pop(GREEDY, None)
+        self._graphs.clear()  # every bucket's graph holds the lean step or the PyTorch one
         if on:
             from ..models.lean import LeanStep
 
-            self._lean = LeanStep(self.model, self.cos, self.sin, self.cache.k_layers, self.cache.v_layers)
+            self._lean = LeanStep(self.model, self.cos, self.sin, self.cache.k_layers, self.cache.v_layers,
+                                  max_rows=self.max_rows)
         else:
             self._lean = None
 
@@ -117,7 +125,8 @@ class StepRunner:
         return StepMode.COMPILED if self.compile else StepMode.EAGER
 
     def _set_step(self) -> None:
-        self._graphs = {t: g for t, g in self._graphs.items() if self._lean is not None and t in (1, GREEDY)}
+        # The lean step's graphs do not depend on the PyTorch step (compiled or not); the others do.
+        self._graphs = self._graphs if self._lean is not None else {}
         self._step = (torch.compile(self._forward, dynamic=True, mode=self.compile_mode) if self.compile
                       else self._forward)
 
@@ -215,7 +224,7 @@ class StepRunner:
         # the ones the step writes anyway.
         # The lean step's first warm-up run also picks its kernels' block shapes (models/fused.py).
         tokens = self._tokens[:t]
-        lean = self._lean if t == 1 else None
+        lean = self._lean
         step = (lambda tok, start, kv_len: lean.forward(tok, start)) if lean is not None else self._step
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))

@@ -97,10 +97,8 @@ def _rounded(x, dt: tl.constexpr):
         return x.to(dt).to(tl.float32)
 
 
-@triton.jit
-def _dot_rows(w_ptr, rows, rmask, xv, cols, K):
-    w = tl.load(w_ptr + rows[:, None] * K + cols[None, :], mask=rmask[:, None] & (cols[None, :] < K), other=0.0)
-    return w.to(tl.float32) * xv[None, :]
+#: The most rows one launch of these kernels takes: a T = 1 step is 1, a verify of k drafts k + 1 (k <= 4).
+MAX_ROWS = 5
 
 
 @triton.jit
@@ -109,89 +107,171 @@ def _load_rows(w_ptr, rows, rmask, cols, K):
 
 
 @triton.jit
-def _gemv1(w_ptr, rows, rmask, x_ptr, nw_ptr, K, eps, HAS_NORM: tl.constexpr, BLOCK_N: tl.constexpr,
-           BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr, K_POW2: tl.constexpr, PDL: tl.constexpr):
-    """sum_k w[rows, k] * in[k] in float32, in = RMSNorm(x) (HAS_NORM) or x. PDL: the first weight tile (the
-    weights are constant) is loaded before the wait for the kernel this one depends on (models/pdl.py)."""
-    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    if PREFETCH:
-        w_cur = _load_rows(w_ptr, rows, rmask, tl.arange(0, BLOCK_K), K)
-        pdl_wait(PDL)
-        rstd = 1.0
-        if HAS_NORM:
-            rstd = _rstd_once(x_ptr, K, eps, K_POW2)
-        for k0 in range(0, K, BLOCK_K):
-            cols = k0 + tl.arange(0, BLOCK_K)
-            w_next = _load_rows(w_ptr, rows, rmask, cols + BLOCK_K, K)
-            xv = _input_chunk(x_ptr, nw_ptr, cols, K, rstd, HAS_NORM)
-            acc += w_cur.to(tl.float32) * xv[None, :]
-            w_cur = w_next
+def _rstd_rows(x_ptr, sx, K, eps, BLOCK_K: tl.constexpr, K_POW2: tl.constexpr, ONCE: tl.constexpr,
+               ROWS: tl.constexpr, HAS_NORM: tl.constexpr):
+    """The RMSNorm statistic of each of the ROWS input rows (row r at x_ptr + r * sx), each computed as a
+    one-row kernel computes it (_rstd_once or _rstd): one row's statistic never depends on another row.
+    Without HAS_NORM: 1.0 each (unused)."""
+    r0 = 1.0
+    r1 = 1.0
+    r2 = 1.0
+    r3 = 1.0
+    r4 = 1.0
+    if not HAS_NORM:
+        pass
+    elif ONCE:
+        r0 = _rstd_once(x_ptr, K, eps, K_POW2)
+        if ROWS > 1:
+            r1 = _rstd_once(x_ptr + sx, K, eps, K_POW2)
+        if ROWS > 2:
+            r2 = _rstd_once(x_ptr + 2 * sx, K, eps, K_POW2)
+        if ROWS > 3:
+            r3 = _rstd_once(x_ptr + 3 * sx, K, eps, K_POW2)
+        if ROWS > 4:
+            r4 = _rstd_once(x_ptr + 4 * sx, K, eps, K_POW2)
     else:
-        pdl_wait(PDL)
-        rstd = 1.0
-        if HAS_NORM:
-            rstd = _rstd(x_ptr, K, eps, BLOCK_K)
-        for k0 in range(0, K, BLOCK_K):
-            cols = k0 + tl.arange(0, BLOCK_K)
-            xv = _input_chunk(x_ptr, nw_ptr, cols, K, rstd, HAS_NORM)
-            acc += _dot_rows(w_ptr, rows, rmask, xv, cols, K)
-    return tl.sum(acc, axis=1)
+        r0 = _rstd(x_ptr, K, eps, BLOCK_K)
+        if ROWS > 1:
+            r1 = _rstd(x_ptr + sx, K, eps, BLOCK_K)
+        if ROWS > 2:
+            r2 = _rstd(x_ptr + 2 * sx, K, eps, BLOCK_K)
+        if ROWS > 3:
+            r3 = _rstd(x_ptr + 3 * sx, K, eps, BLOCK_K)
+        if ROWS > 4:
+            r4 = _rstd(x_ptr + 4 * sx, K, eps, BLOCK_K)
+    return r0, r1, r2, r3, r4
 
 
 @triton.jit
-def _gemv2(w_ptr, rows_a, rows_b, rmask, x_ptr, nw_ptr, K, eps, BJ: tl.constexpr, BLOCK_K: tl.constexpr,
-           PREFETCH: tl.constexpr, K_POW2: tl.constexpr, PDL: tl.constexpr):
-    """_gemv1 over RMSNorm(x) for two row sets that share the input (RoPE pairs, gate and up rows)."""
-    acc_a = tl.zeros([BJ, BLOCK_K], tl.float32)
-    acc_b = tl.zeros([BJ, BLOCK_K], tl.float32)
+def _fma_rows(w, a0, a1, a2, a3, a4, x_ptr, sx, nw_ptr, cols, K, r0, r1, r2, r3, r4, HAS_NORM: tl.constexpr,
+              ROWS: tl.constexpr):
+    """a_r += w * in_r[cols] for each of the ROWS rows: the tile w, loaded once, serves every row, and each
+    row's accumulator sees exactly the operations a one-row kernel's accumulator sees, in the same order."""
+    wf = w.to(tl.float32)
+    a0 += wf * _input_chunk(x_ptr, nw_ptr, cols, K, r0, HAS_NORM)[None, :]
+    if ROWS > 1:
+        a1 += wf * _input_chunk(x_ptr + sx, nw_ptr, cols, K, r1, HAS_NORM)[None, :]
+    if ROWS > 2:
+        a2 += wf * _input_chunk(x_ptr + 2 * sx, nw_ptr, cols, K, r2, HAS_NORM)[None, :]
+    if ROWS > 3:
+        a3 += wf * _input_chunk(x_ptr + 3 * sx, nw_ptr, cols, K, r3, HAS_NORM)[None, :]
+    if ROWS > 4:
+        a4 += wf * _input_chunk(x_ptr + 4 * sx, nw_ptr, cols, K, r4, HAS_NORM)[None, :]
+    return a0, a1, a2, a3, a4
+
+
+@triton.jit
+def _sum_rows(a0, a1, a2, a3, a4, ROWS: tl.constexpr):
+    y0 = tl.sum(a0, axis=1)
+    y1 = y0
+    y2 = y0
+    y3 = y0
+    y4 = y0
+    if ROWS > 1:
+        y1 = tl.sum(a1, axis=1)
+    if ROWS > 2:
+        y2 = tl.sum(a2, axis=1)
+    if ROWS > 3:
+        y3 = tl.sum(a3, axis=1)
+    if ROWS > 4:
+        y4 = tl.sum(a4, axis=1)
+    return y0, y1, y2, y3, y4
+
+
+@triton.jit
+def _gemv1(w_ptr, rows, rmask, x_ptr, nw_ptr, K, eps, sx, HAS_NORM: tl.constexpr, BLOCK_N: tl.constexpr,
+           BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr, K_POW2: tl.constexpr, PDL: tl.constexpr,
+           ROWS: tl.constexpr):
+    """sum_k w[rows, k] * in_r[k] in float32 for each of the ROWS input rows (row r at x_ptr + r * sx),
+    in_r = RMSNorm(x_r) (HAS_NORM) or x_r. Each weight tile is loaded once for all rows. Row r's sums are
+    bit-identical to a one-row launch's over x_r: the same tile shapes, the same accumulation order, the same
+    final reduction (the row-invariant verify, models/lean.py). PDL: the first weight tile (the weights are
+    constant) is loaded before the wait for the kernel this one depends on (models/pdl.py)."""
+    a0 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    a1 = a0
+    a2 = a0
+    a3 = a0
+    a4 = a0
+    if PREFETCH:
+        w_cur = _load_rows(w_ptr, rows, rmask, tl.arange(0, BLOCK_K), K)
+        pdl_wait(PDL)
+        r0, r1, r2, r3, r4 = _rstd_rows(x_ptr, sx, K, eps, BLOCK_K, K_POW2, True, ROWS, HAS_NORM)
+        for k0 in range(0, K, BLOCK_K):
+            cols = k0 + tl.arange(0, BLOCK_K)
+            w_next = _load_rows(w_ptr, rows, rmask, cols + BLOCK_K, K)
+            a0, a1, a2, a3, a4 = _fma_rows(w_cur, a0, a1, a2, a3, a4, x_ptr, sx, nw_ptr, cols, K,
+                                           r0, r1, r2, r3, r4, HAS_NORM, ROWS)
+            w_cur = w_next
+    else:
+        pdl_wait(PDL)
+        r0, r1, r2, r3, r4 = _rstd_rows(x_ptr, sx, K, eps, BLOCK_K, K_POW2, False, ROWS, HAS_NORM)
+        for k0 in range(0, K, BLOCK_K):
+            cols = k0 + tl.arange(0, BLOCK_K)
+            w = _load_rows(w_ptr, rows, rmask, cols, K)
+            a0, a1, a2, a3, a4 = _fma_rows(w, a0, a1, a2, a3, a4, x_ptr, sx, nw_ptr, cols, K,
+                                           r0, r1, r2, r3, r4, HAS_NORM, ROWS)
+    y0, y1, y2, y3, y4 = _sum_rows(a0, a1, a2, a3, a4, ROWS)
+    return y0, y1, y2, y3, y4
+
+
+@triton.jit
+def _gemv2(w_ptr, rows_a, rows_b, rmask, x_ptr, nw_ptr, K, eps, sx, BJ: tl.constexpr, BLOCK_K: tl.constexpr,
+           PREFETCH: tl.constexpr, K_POW2: tl.constexpr, PDL: tl.constexpr, ROWS: tl.constexpr):
+    """_gemv1 over RMSNorm(x_r) for two row sets that share the input (RoPE pairs, gate and up rows)."""
+    a0 = tl.zeros([BJ, BLOCK_K], tl.float32)
+    a1 = a0
+    a2 = a0
+    a3 = a0
+    a4 = a0
+    b0 = a0
+    b1 = a0
+    b2 = a0
+    b3 = a0
+    b4 = a0
     if PREFETCH:
         first = tl.arange(0, BLOCK_K)
         wa = _load_rows(w_ptr, rows_a, rmask, first, K)
         wb = _load_rows(w_ptr, rows_b, rmask, first, K)
         pdl_wait(PDL)
-        rstd = _rstd_once(x_ptr, K, eps, K_POW2)
+        r0, r1, r2, r3, r4 = _rstd_rows(x_ptr, sx, K, eps, BLOCK_K, K_POW2, True, ROWS, True)
         for k0 in range(0, K, BLOCK_K):
             cols = k0 + tl.arange(0, BLOCK_K)
             wa_next = _load_rows(w_ptr, rows_a, rmask, cols + BLOCK_K, K)
             wb_next = _load_rows(w_ptr, rows_b, rmask, cols + BLOCK_K, K)
-            xv = _input_chunk(x_ptr, nw_ptr, cols, K, rstd, True)
-            acc_a += wa.to(tl.float32) * xv[None, :]
-            acc_b += wb.to(tl.float32) * xv[None, :]
+            a0, a1, a2, a3, a4 = _fma_rows(wa, a0, a1, a2, a3, a4, x_ptr, sx, nw_ptr, cols, K,
+                                           r0, r1, r2, r3, r4, True, ROWS)
+            b0, b1, b2, b3, b4 = _fma_rows(wb, b0, b1, b2, b3, b4, x_ptr, sx, nw_ptr, cols, K,
+                                           r0, r1, r2, r3, r4, True, ROWS)
             wa = wa_next
             wb = wb_next
     else:
         pdl_wait(PDL)
-        rstd = _rstd(x_ptr, K, eps, BLOCK_K)
+        r0, r1, r2, r3, r4 = _rstd_rows(x_ptr, sx, K, eps, BLOCK_K, K_POW2, False, ROWS, True)
         for k0 in range(0, K, BLOCK_K):
             cols = k0 + tl.arange(0, BLOCK_K)
-            xv = _input_chunk(x_ptr, nw_ptr, cols, K, rstd, True)
-            acc_a += _dot_rows(w_ptr, rows_a, rmask, xv, cols, K)
-            acc_b += _dot_rows(w_ptr, rows_b, rmask, xv, cols, K)
-    return tl.sum(acc_a, axis=1), tl.sum(acc_b, axis=1)
+            wa = _load_rows(w_ptr, rows_a, rmask, cols, K)
+            wb = _load_rows(w_ptr, rows_b, rmask, cols, K)
+            a0, a1, a2, a3, a4 = _fma_rows(wa, a0, a1, a2, a3, a4, x_ptr, sx, nw_ptr, cols, K,
+                                           r0, r1, r2, r3, r4, True, ROWS)
+            b0, b1, b2, b3, b4 = _fma_rows(wb, b0, b1, b2, b3, b4, x_ptr, sx, nw_ptr, cols, K,
+                                           r0, r1, r2, r3, r4, True, ROWS)
+    ya0, ya1, ya2, ya3, ya4 = _sum_rows(a0, a1, a2, a3, a4, ROWS)
+    yb0, yb1, yb2, yb3, yb4 = _sum_rows(b0, b1, b2, b3, b4, ROWS)
+    return ya0, ya1, ya2, ya3, ya4, yb0, yb1, yb2, yb3, yb4
 
 
 @triton.jit
-def _norm_qkv_rope_kernel(x_ptr, nw_ptr, w_ptr, b_ptr, cos_ptr, sin_ptr, start_ptr, q_ptr, kc_ptr, vc_ptr,
-                          K, eps, stride_kc_s, stride_kc_h, stride_vc_s, stride_vc_h,
-                          NH: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr, HAS_BIAS: tl.constexpr,
-                          BJ: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr,
-                          K_POW2: tl.constexpr, PDL: tl.constexpr):
+def _qkv_rope_store(a, b, j, rows_a, rows_b, head, pos, b_ptr, cos_ptr, sin_ptr, q_ptr, kc_ptr, vc_ptr,
+                    stride_kc_s, stride_kc_h, stride_vc_s, stride_vc_h, NH: tl.constexpr, NKV: tl.constexpr,
+                    D: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """One row's epilogue of norm_qkv_rope: bias, rounding, RoPE at `pos`, q out or the cache row `pos`."""
     HALF: tl.constexpr = D // 2
-    NBLK: tl.constexpr = HALF // BJ
-    pid = tl.program_id(0)
-    head = pid // NBLK
-    j = (pid % NBLK) * BJ + tl.arange(0, BJ)
-    rows_a = head * D + j
-    rows_b = rows_a + HALF
-    ok = j < HALF
-    a, b = _gemv2(w_ptr, rows_a, rows_b, ok, x_ptr, nw_ptr, K, eps, BJ, BLOCK_K, PREFETCH, K_POW2, PDL)
     if HAS_BIAS:
         a += tl.load(b_ptr + rows_a).to(tl.float32)
         b += tl.load(b_ptr + rows_b).to(tl.float32)
     dt = q_ptr.dtype.element_ty
     a = a.to(dt)
     b = b.to(dt)
-    pos = tl.load(start_ptr)
     if head < NH + NKV:  # q or k: rotate. cos/sin rows are the signed tables of rope.py: sin = (-s, s)
         cos_a = tl.load(cos_ptr + pos * D + j).to(tl.float32)
         cos_b = tl.load(cos_ptr + pos * D + HALF + j).to(tl.float32)
@@ -215,12 +295,40 @@ def _norm_qkv_rope_kernel(x_ptr, nw_ptr, w_ptr, b_ptr, cos_ptr, sin_ptr, start_p
 
 
 @triton.jit
-def _gemv_residual_kernel(a_ptr, w_ptr, b_ptr, res_ptr, N, K, HAS_BIAS: tl.constexpr,
-                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr,
-                          PDL: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rmask = rows < N
-    y = _gemv1(w_ptr, rows, rmask, a_ptr, a_ptr, K, 0.0, False, BLOCK_N, BLOCK_K, PREFETCH, 16, PDL)
+def _norm_qkv_rope_kernel(x_ptr, nw_ptr, w_ptr, b_ptr, cos_ptr, sin_ptr, start_ptr, q_ptr, kc_ptr, vc_ptr,
+                          K, eps, sx, sq, stride_kc_s, stride_kc_h, stride_vc_s, stride_vc_h,
+                          NH: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr, HAS_BIAS: tl.constexpr,
+                          BJ: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr,
+                          K_POW2: tl.constexpr, PDL: tl.constexpr, ROWS: tl.constexpr):
+    HALF: tl.constexpr = D // 2
+    NBLK: tl.constexpr = HALF // BJ
+    pid = tl.program_id(0)
+    head = pid // NBLK
+    j = (pid % NBLK) * BJ + tl.arange(0, BJ)
+    rows_a = head * D + j
+    rows_b = rows_a + HALF
+    ok = j < HALF
+    ya0, ya1, ya2, ya3, ya4, yb0, yb1, yb2, yb3, yb4 = _gemv2(w_ptr, rows_a, rows_b, ok, x_ptr, nw_ptr, K, eps, sx,
+                                                              BJ, BLOCK_K, PREFETCH, K_POW2, PDL, ROWS)
+    pos = tl.load(start_ptr)  # row r is the token at pos + r
+    _qkv_rope_store(ya0, yb0, j, rows_a, rows_b, head, pos, b_ptr, cos_ptr, sin_ptr, q_ptr, kc_ptr, vc_ptr,
+                    stride_kc_s, stride_kc_h, stride_vc_s, stride_vc_h, NH, NKV, D, HAS_BIAS)
+    if ROWS > 1:
+        _qkv_rope_store(ya1, yb1, j, rows_a, rows_b, head, pos + 1, b_ptr, cos_ptr, sin_ptr, q_ptr + sq,
+                        kc_ptr, vc_ptr, stride_kc_s, stride_kc_h, stride_vc_s, stride_vc_h, NH, NKV, D, HAS_BIAS)
+    if ROWS > 2:
+        _qkv_rope_store(ya2, yb2, j, rows_a, rows_b, head, pos + 2, b_ptr, cos_ptr, sin_ptr, q_ptr + 2 * sq,
+                        kc_ptr, vc_ptr, stride_kc_s, stride_kc_h, stride_vc_s, stride_vc_h, NH, NKV, D, HAS_BIAS)
+    if ROWS > 3:
+        _qkv_rope_store(ya3, yb3, j, rows_a, rows_b, head, pos + 3, b_ptr, cos_ptr, sin_ptr, q_ptr + 3 * sq,
+                        kc_ptr, vc_ptr, stride_kc_s, stride_kc_h, stride_vc_s, stride_vc_h, NH, NKV, D, HAS_BIAS)
+    if ROWS > 4:
+        _qkv_rope_store(ya4, yb4, j, rows_a, rows_b, head, pos + 4, b_ptr, cos_ptr, sin_ptr, q_ptr + 4 * sq,
+                        kc_ptr, vc_ptr, stride_kc_s, stride_kc_h, stride_vc_s, stride_vc_h, NH, NKV, D, HAS_BIAS)
+
+
+@triton.jit
+def _residual_store(y, rows, rmask, b_ptr, res_ptr, HAS_BIAS: tl.constexpr):
     if HAS_BIAS:
         y += tl.load(b_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
     res = tl.load(res_ptr + rows, mask=rmask, other=0.0)
@@ -230,13 +338,26 @@ def _gemv_residual_kernel(a_ptr, w_ptr, b_ptr, res_ptr, N, K, HAS_BIAS: tl.const
 
 
 @triton.jit
-def _norm_gate_up_silu_kernel(x_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, I, K, eps, HAS_BIAS: tl.constexpr,
-                              BJ: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr,
-                              K_POW2: tl.constexpr, PDL: tl.constexpr):
-    rows_g = tl.program_id(0) * BJ + tl.arange(0, BJ)
-    rows_u = rows_g + I
-    ok = rows_g < I
-    g, u = _gemv2(w_ptr, rows_g, rows_u, ok, x_ptr, nw_ptr, K, eps, BJ, BLOCK_K, PREFETCH, K_POW2, PDL)
+def _gemv_residual_kernel(a_ptr, w_ptr, b_ptr, res_ptr, N, K, sa, sres, HAS_BIAS: tl.constexpr,
+                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr,
+                          PDL: tl.constexpr, ROWS: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rmask = rows < N
+    y0, y1, y2, y3, y4 = _gemv1(w_ptr, rows, rmask, a_ptr, a_ptr, K, 0.0, sa, False, BLOCK_N, BLOCK_K, PREFETCH, 16,
+                                PDL, ROWS)
+    _residual_store(y0, rows, rmask, b_ptr, res_ptr, HAS_BIAS)
+    if ROWS > 1:
+        _residual_store(y1, rows, rmask, b_ptr, res_ptr + sres, HAS_BIAS)
+    if ROWS > 2:
+        _residual_store(y2, rows, rmask, b_ptr, res_ptr + 2 * sres, HAS_BIAS)
+    if ROWS > 3:
+        _residual_store(y3, rows, rmask, b_ptr, res_ptr + 3 * sres, HAS_BIAS)
+    if ROWS > 4:
+        _residual_store(y4, rows, rmask, b_ptr, res_ptr + 4 * sres, HAS_BIAS)
+
+
+@triton.jit
+def _silu_store(g, u, rows_g, rows_u, ok, b_ptr, out_ptr, HAS_BIAS: tl.constexpr):
     if HAS_BIAS:
         g += tl.load(b_ptr + rows_g, mask=ok, other=0.0).to(tl.float32)
         u += tl.load(b_ptr + rows_u, mask=ok, other=0.0).to(tl.float32)
@@ -248,16 +369,45 @@ def _norm_gate_up_silu_kernel(x_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, I, K, eps, H
 
 
 @triton.jit
-def _norm_gemv_kernel(x_ptr, nw_ptr, w_ptr, out_ptr, key_ptr, N, K, eps, BLOCK_N: tl.constexpr,
+def _norm_gate_up_silu_kernel(x_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, I, K, eps, sx, so, HAS_BIAS: tl.constexpr,
+                              BJ: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr,
+                              K_POW2: tl.constexpr, PDL: tl.constexpr, ROWS: tl.constexpr):
+    rows_g = tl.program_id(0) * BJ + tl.arange(0, BJ)
+    rows_u = rows_g + I
+    ok = rows_g < I
+    g0, g1, g2, g3, g4, u0, u1, u2, u3, u4 = _gemv2(w_ptr, rows_g, rows_u, ok, x_ptr, nw_ptr, K, eps, sx, BJ,
+                                                    BLOCK_K, PREFETCH, K_POW2, PDL, ROWS)
+    _silu_store(g0, u0, rows_g, rows_u, ok, b_ptr, out_ptr, HAS_BIAS)
+    if ROWS > 1:
+        _silu_store(g1, u1, rows_g, rows_u, ok, b_ptr, out_ptr + so, HAS_BIAS)
+    if ROWS > 2:
+        _silu_store(g2, u2, rows_g, rows_u, ok, b_ptr, out_ptr + 2 * so, HAS_BIAS)
+    if ROWS > 3:
+        _silu_store(g3, u3, rows_g, rows_u, ok, b_ptr, out_ptr + 3 * so, HAS_BIAS)
+    if ROWS > 4:
+        _silu_store(g4, u4, rows_g, rows_u, ok, b_ptr, out_ptr + 4 * so, HAS_BIAS)
+
+
+@triton.jit
+def _norm_gemv_kernel(x_ptr, nw_ptr, w_ptr, out_ptr, key_ptr, N, K, eps, sx, so, BLOCK_N: tl.constexpr,
                       BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr, K_POW2: tl.constexpr, PDL: tl.constexpr,
-                      ARGMAX: tl.constexpr):
+                      ARGMAX: tl.constexpr, ROWS: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < N
-    y = _gemv1(w_ptr, rows, rmask, x_ptr, nw_ptr, K, eps, True, BLOCK_N, BLOCK_K, PREFETCH, K_POW2, PDL)
+    y0, y1, y2, y3, y4 = _gemv1(w_ptr, rows, rmask, x_ptr, nw_ptr, K, eps, sx, True, BLOCK_N, BLOCK_K, PREFETCH,
+                                K_POW2, PDL, ROWS)
     dt = x_ptr.dtype.element_ty
-    logits = y.to(dt).to(tl.float32)
+    logits = y0.to(dt).to(tl.float32)
     tl.store(out_ptr + rows, logits, mask=rmask)
-    if ARGMAX:  # this program's best (value, first row) as one key (greedy_advance takes the largest)
+    if ROWS > 1:
+        tl.store(out_ptr + so + rows, y1.to(dt).to(tl.float32), mask=rmask)
+    if ROWS > 2:
+        tl.store(out_ptr + 2 * so + rows, y2.to(dt).to(tl.float32), mask=rmask)
+    if ROWS > 3:
+        tl.store(out_ptr + 3 * so + rows, y3.to(dt).to(tl.float32), mask=rmask)
+    if ROWS > 4:
+        tl.store(out_ptr + 4 * so + rows, y4.to(dt).to(tl.float32), mask=rmask)
+    if ARGMAX:  # this program's best (value, first row) as one key (greedy_advance takes the largest); ROWS = 1
         v = tl.where(rmask, logits, float("-inf"))
         best = tl.max(v, axis=0)
         row = tl.min(tl.where(v == best, rows, N), axis=0)  # the first row holding the maximum
@@ -340,56 +490,83 @@ def pick_config(name: str, n: int, k: int, candidates, launch, max_rows: int | N
     return best
 
 
+def _rows(x: torch.Tensor) -> tuple[int, int]:
+    """(rows, row stride) of a kernel input: [K] is one row, [R, K] (contiguous rows) R <= MAX_ROWS rows."""
+    if x.dim() == 1:
+        return 1, 0
+    if not 1 <= x.shape[0] <= MAX_ROWS or x.stride(-1) != 1:
+        raise ValueError(f"the fused kernels take 1..{MAX_ROWS} contiguous rows, got shape {tuple(x.shape)}")
+    return x.shape[0], x.stride(0)
+
+
+def _first(x: torch.Tensor) -> torch.Tensor:
+    return x if x.dim() == 1 else x[0]
+
+
 def norm_qkv_rope(x, norm_w, eps, w, b, cos, sin, start, q_out, k_cache, v_cache, num_heads, num_kv_heads,
                   head_dim, config=None):
-    """x [K] residual; w [(NH + 2 NKV) * D, K]; writes q_out [NH * D] and k_cache/v_cache[start] (caches
-    [S, NKV, D]); cos/sin: rope.py's tables [S, D]; start: [1] long on the device."""
+    """x [K] residual (or [R, K]: R rows, row r the token at start + r); w [(NH + 2 NKV) * D, K]; writes q_out
+    [NH * D] (or [R, NH * D]) and k_cache/v_cache[start + r] (caches [S, NKV, D]); cos/sin: rope.py's tables
+    [S, D]; start: [1] long on the device. Row r's results are bit-identical to a one-row launch at start + r."""
     k = x.shape[-1]
     half = head_dim // 2
     heads = num_heads + 2 * num_kv_heads
-
+    rows, sx = _rows(x)
+    sq = q_out.stride(0) if q_out.dim() > 1 else 0
     pdl = use_pdl(x.device)
 
-    def launch(cfg):
+    def launch(cfg, x=x, q_out=q_out, rows=rows):
         bj, bk, pre = cfg[:3]
         _norm_qkv_rope_kernel[(heads * (half // bj),)](
-            x, norm_w, w, b if b is not None else w, cos, sin, start, q_out, k_cache, v_cache, k, eps,
+            x, norm_w, w, b if b is not None else w, cos, sin, start, q_out, k_cache, v_cache, k, eps, sx, sq,
             k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
             NH=num_heads, NKV=num_kv_heads, D=head_dim, HAS_BIAS=b is not None, BJ=bj, BLOCK_K=bk, PREFETCH=pre,
-            K_POW2=triton.next_power_of_2(k), PDL=pdl, num_warps=_warps(cfg), launch_pdl=pdl)
+            K_POW2=triton.next_power_of_2(k), PDL=pdl, ROWS=rows, num_warps=_warps(cfg), launch_pdl=pdl)
 
     cands = [c for c in PAIR_CONFIGS if half % c[0] == 0] or [(1, 2048, 0)]
-    launch(pick_config("norm_qkv_rope", w.shape[0], k, cands, launch, max_rows=half, device=x.device, config=config))
+    # The block shape is the one-row step's (timed one row at a time): the rows of a verify must run the T = 1
+    # step's shapes to give its bits.
+    one = lambda cfg: launch(cfg, _first(x), _first(q_out), 1)  # noqa: E731
+    launch(pick_config("norm_qkv_rope", w.shape[0], k, cands, one, max_rows=half, device=x.device, config=config))
 
 
 def gemv_residual(a, w, b, residual, config=None):
-    """residual [N] += (w [N, K] @ a [K] + b), rounded as the PyTorch step rounds, in place."""
+    """residual [N] += (w [N, K] @ a [K] + b), rounded as the PyTorch step rounds, in place; a [R, K] and
+    residual [R, N]: each row so, row r bit-identical to a one-row launch."""
     n, k = w.shape
+    rows, sa = _rows(a)
+    sres = residual.stride(0) if residual.dim() > 1 else 0
     pdl = use_pdl(a.device)
 
-    def launch(cfg):
+    def launch(cfg, a=a, residual=residual, rows=rows):
         bn, bk, pre = cfg[:3]
-        _gemv_residual_kernel[(triton.cdiv(n, bn),)](a, w, b if b is not None else w, residual, n, k,
+        _gemv_residual_kernel[(triton.cdiv(n, bn),)](a, w, b if b is not None else w, residual, n, k, sa, sres,
                                                      HAS_BIAS=b is not None, BLOCK_N=bn, BLOCK_K=bk, PREFETCH=pre,
-                                                     PDL=pdl, num_warps=_warps(cfg), launch_pdl=pdl)
+                                                     PDL=pdl, ROWS=rows, num_warps=_warps(cfg), launch_pdl=pdl)
 
-    launch(pick_config("gemv_residual", n, k, GEMV_CONFIGS, launch, restore=residual, device=a.device, config=config))
+    one = lambda cfg: launch(cfg, _first(a), _first(residual), 1)  # noqa: E731
+    launch(pick_config("gemv_residual", n, k, GEMV_CONFIGS, one, restore=_first(residual), device=a.device,
+                       config=config))
 
 
 def norm_gate_up_silu(x, norm_w, eps, w, b, out, config=None):
-    """out [I] = silu(gate) * up of gate_up_proj (w [2I, K], gate rows first) over RMSNorm(x)."""
+    """out [I] = silu(gate) * up of gate_up_proj (w [2I, K], gate rows first) over RMSNorm(x); x [R, K] and
+    out [R, I]: each row so, row r bit-identical to a one-row launch."""
     i2, k = w.shape
     i = i2 // 2
+    rows, sx = _rows(x)
+    so = out.stride(0) if out.dim() > 1 else 0
     pdl = use_pdl(x.device)
 
-    def launch(cfg):
+    def launch(cfg, x=x, out=out, rows=rows):
         bj, bk, pre = cfg[:3]
         _norm_gate_up_silu_kernel[(triton.cdiv(i, bj),)](x, norm_w, w, b if b is not None else w, out, i, k, eps,
-                                                         HAS_BIAS=b is not None, BJ=bj, BLOCK_K=bk, PREFETCH=pre,
-                                                         K_POW2=triton.next_power_of_2(k), PDL=pdl,
-                                                         num_warps=_warps(cfg), launch_pdl=pdl)
+                                                         sx, so, HAS_BIAS=b is not None, BJ=bj, BLOCK_K=bk,
+                                                         PREFETCH=pre, K_POW2=triton.next_power_of_2(k), PDL=pdl,
+                                                         ROWS=rows, num_warps=_warps(cfg), launch_pdl=pdl)
 
-    launch(pick_config("norm_gate_up_silu", i2, k, PAIR_CONFIGS, launch, device=x.device, config=config))
+    one = lambda cfg: launch(cfg, _first(x), _first(out), 1)  # noqa: E731
+    launch(pick_config("norm_gate_up_silu", i2, k, PAIR_CONFIGS, one, device=x.device, config=config))
 
 
 #: Below every key _argmax_key makes (the masked lanes of greedy_advance's maximum).
@@ -405,21 +582,28 @@ def new_argmax_keys(n: int, device) -> torch.Tensor:
 
 
 def norm_gemv(x, norm_w, eps, w, out, config=None, argmax_keys=None) -> int:
-    """out [N] float32 = (w [N, K] @ RMSNorm(x)) rounded to the model dtype (the lm_head). argmax_keys: each
-    program also writes its best (value, first row) as one key (new_argmax_keys; greedy_advance takes the
-    largest). Returns the number of programs launched (the keys written)."""
+    """out [N] float32 = (w [N, K] @ RMSNorm(x)) rounded to the model dtype (the lm_head); x [R, K] and out
+    [R, N]: each row so, row r bit-identical to a one-row launch. argmax_keys (one row only): each program also
+    writes its best (value, first row) as one key (new_argmax_keys; greedy_advance takes the largest). Returns
+    the number of programs launched (the keys written)."""
     n, k = w.shape
+    rows, sx = _rows(x)
+    so = out.stride(0) if out.dim() > 1 else 0
+    if argmax_keys is not None and rows != 1:
+        raise ValueError("the folded argmax takes one row")
     pdl = use_pdl(x.device)
 
-    def launch(cfg, keys=None):
+    def launch(cfg, keys=None, x=x, out=out, rows=rows):
         bn, bk, pre = cfg[:3]
         _norm_gemv_kernel[(triton.cdiv(n, bn),)](x, norm_w, w, out, keys if keys is not None else out, n, k, eps,
-                                                 BLOCK_N=bn, BLOCK_K=bk, PREFETCH=pre,
+                                                 sx, so, BLOCK_N=bn, BLOCK_K=bk, PREFETCH=pre,
                                                  K_POW2=triton.next_power_of_2(k), PDL=pdl, ARGMAX=keys is not None,
-                                                 num_warps=_warps(cfg), launch_pdl=pdl)
+                                                 ROWS=rows, num_warps=_warps(cfg), launch_pdl=pdl)
 
-    # The block shape is timed without the argmax (one pick for both: the epilogue is a few instructions).
-    cfg = pick_config("norm_gemv", n, k, GEMV_CONFIGS, launch, device=x.device, config=config)
+    # The block shape is timed on one row without the argmax (one pick for all: the epilogue is a few
+    # instructions, and a verify's rows must run the T = 1 step's shapes to give its bits).
+    one = lambda cfg: launch(cfg, None, _first(x), _first(out), 1)  # noqa: E731
+    cfg = pick_config("norm_gemv", n, k, GEMV_CONFIGS, one, device=x.device, config=config)
     launch(cfg, argmax_keys)
     return triton.cdiv(n, cfg[0])
 

@@ -11,6 +11,13 @@ It computes what `Transformer.forward` computes for T = 1 with the same rounding
 where); it reads the same parameters (no copies: the QKV and gate/up weights are already concatenated).
 Models with per-head q/k norms (Qwen3) are not covered: `LeanStep.supports` says so and the runner keeps the
 PyTorch step for them.
+
+The row-invariant verify: the same step over R = 2 .. fused.MAX_ROWS tokens at start .. start + R - 1 (a verify of
+R - 1 drafts). Every kernel loads each weight tile once for all R rows and gives each row exactly the operations,
+block shapes and reduction order of the T = 1 step (models/fused.py); the attention runs each row as a T = 1
+step at its own position, with that step's splits (models/triton_decode.py: split_kv_attention_rows). So row r's
+logits and K/V are bit-identical to the T = 1 step's at start + r, and greedy output with speculation on equals
+off on a GPU in bf16 (tests/unit/engine/test_lean_verify.py).
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ import torch
 
 from . import fused
 from .transformer import Transformer
-from .triton_decode import split_kv_attention
+from .triton_decode import split_kv_attention_rows
 
 
 class LeanStep:
@@ -27,20 +34,27 @@ class LeanStep:
     RING = 8
 
     def __init__(self, model: Transformer, cos: torch.Tensor, sin: torch.Tensor,
-                 k_layers: list[torch.Tensor], v_layers: list[torch.Tensor]) -> None:
+                 k_layers: list[torch.Tensor], v_layers: list[torch.Tensor], max_rows: int = 1) -> None:
         why = self.unsupported_reason(model)
         if why:
             raise ValueError(f"the lean step does not cover this model: {why}")
+        if not 1 <= max_rows <= fused.MAX_ROWS:
+            raise ValueError(f"the lean step takes 1..{fused.MAX_ROWS} rows, not {max_rows}")
         cfg = model.config
         self.model, self.cfg = model, cfg
         self.cos, self.sin = cos, sin
         self.k_layers, self.v_layers = k_layers, v_layers
+        self.max_rows = max_rows
         p = next(model.parameters())
         dtype, device = p.dtype, p.device
-        self.x = torch.empty(cfg.hidden_size, dtype=dtype, device=device)  # the residual stream
-        self.q = torch.empty(cfg.q_size, dtype=dtype, device=device)
-        self.h = torch.empty(cfg.intermediate_size, dtype=dtype, device=device)
-        self.logits = torch.empty(1, cfg.vocab_size, dtype=torch.float32, device=device)
+        # Each row count's own buffers (a captured graph's output stays valid until that graph replays again).
+        # x: the residual stream.
+        self._bufs = {r: (torch.empty(r, cfg.hidden_size, dtype=dtype, device=device),
+                          torch.empty(r, cfg.q_size, dtype=dtype, device=device),
+                          torch.empty(r, cfg.intermediate_size, dtype=dtype, device=device),
+                          torch.empty(r, cfg.vocab_size, dtype=torch.float32, device=device))
+                      for r in range(1, max_rows + 1)}
+        self.x, self.q, self.h, self.logits = self._bufs[1]
         self.argmax_keys = fused.new_argmax_keys(cfg.vocab_size, device)
         # The greedy step's (step number, token) ring (fused.greedy_advance): pinned host memory on a GPU, which
         # the kernel writes over the bus, so the host reads the token with no copy in the stream; greedy_seq
@@ -60,33 +74,38 @@ class LeanStep:
         return None
 
     def forward(self, tokens: torch.Tensor, start: torch.Tensor, greedy: bool = False) -> torch.Tensor:
-        """tokens [1] long, start [1] long (both on the device). Returns float32 logits [1, vocab] (the
-        step's own buffer). greedy: also the greedy chain's advance (decode/chain.py), on the device:
-        tokens[0] = the logits' argmax (torch.argmax's answer: the first row of the maximum), start += 1,
-        greedy_seq += 1 and token_ring[greedy_seq % RING] = (greedy_seq mod 2^31) * 2^32 + token; each lm_head
-        program writes its best (value, first row) as one int64 key, one one-program kernel after it takes the
-        largest and does the rest."""
+        """tokens [R] long (R <= max_rows; token r at position start + r), start [1] long (both on the
+        device). Returns float32 logits [R, vocab] (the step's own buffer for R rows). greedy (R = 1): also the
+        greedy chain's advance (decode/chain.py), on the device: tokens[0] = the logits' argmax (torch.argmax's
+        answer: the first row of the maximum), start += 1, greedy_seq += 1 and token_ring[greedy_seq % RING] =
+        (greedy_seq mod 2^31) * 2^32 + token; each lm_head program writes its best (value, first row) as one
+        int64 key, one one-program kernel after it takes the largest and does the rest."""
         m, cfg = self.model, self.cfg
-        torch.index_select(m.embed_tokens.weight, 0, tokens, out=self.x.view(1, -1))
-        q3 = self.q.view(1, cfg.num_heads, cfg.head_dim)
+        r = tokens.shape[0]
+        if r not in self._bufs:
+            raise ValueError(f"this lean step takes 1..{self.max_rows} rows, got {r}")
+        if greedy and r != 1:
+            raise ValueError("the greedy step takes one row")
+        x, q, h, logits = self._bufs[r]
+        torch.index_select(m.embed_tokens.weight, 0, tokens, out=x)
+        q3 = q.view(r, cfg.num_heads, cfg.head_dim)
         for layer, kc, vc in zip(m.layers, self.k_layers, self.v_layers):
             att = layer.self_attn
-            fused.norm_qkv_rope(self.x, layer.input_layernorm.weight, layer.input_layernorm.eps,
-                                att.qkv_proj.weight, att.qkv_proj.bias, self.cos, self.sin, start, self.q, kc, vc,
+            fused.norm_qkv_rope(x, layer.input_layernorm.weight, layer.input_layernorm.eps,
+                                att.qkv_proj.weight, att.qkv_proj.bias, self.cos, self.sin, start, q, kc, vc,
                                 cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
-            out = split_kv_attention(q3, kc, vc, start, att.scale)
-            fused.gemv_residual(out.view(-1), att.o_proj.weight, att.o_proj.bias, self.x)
+            out = split_kv_attention_rows(q3, kc, vc, start, att.scale)
+            fused.gemv_residual(out.view(r, -1), att.o_proj.weight, att.o_proj.bias, x)
             mlp = layer.mlp
-            fused.norm_gate_up_silu(self.x, layer.post_attention_layernorm.weight,
+            fused.norm_gate_up_silu(x, layer.post_attention_layernorm.weight,
                                     layer.post_attention_layernorm.eps, mlp.gate_up_proj.weight,
-                                    mlp.gate_up_proj.bias, self.h)
-            fused.gemv_residual(self.h, mlp.down_proj.weight, mlp.down_proj.bias, self.x)
-        keys = fused.norm_gemv(self.x, m.norm.weight, m.norm.eps, m.lm_head.weight, self.logits.view(-1),
+                                    mlp.gate_up_proj.bias, h)
+            fused.gemv_residual(h, mlp.down_proj.weight, mlp.down_proj.bias, x)
+        keys = fused.norm_gemv(x, m.norm.weight, m.norm.eps, m.lm_head.weight, logits,
                                argmax_keys=self.argmax_keys if greedy else None)
         if greedy:
             fused.greedy_advance(self.argmax_keys, keys, tokens, start, self.token_ring, self.greedy_seq)
-        return self.logits
-
+        return logits
 
     def warm_greedy(self, tokens: torch.Tensor, start: torch.Tensor) -> None:
         """Run the greedy step once (compiles its kernels before a graph capture) and put tokens, start, the

@@ -6,6 +6,10 @@ BLOCK_N) and computes an online-softmax partial for all G*T query rows of its KV
 read once for the G query heads that share them). A second kernel merges the partials of the splits. Rows past
 the live length are never read, whatever max_seq_len is.
 
+A third grid dimension runs R such steps at once (`split_kv_attention_rows`): row r is a T = 1 step at
+start_pos + r, computed by exactly the code of a T = 1 launch (the same kernel, the same splits of its own
+length), so its output is bit-identical to that step's. The lean step's verify uses it (models/lean.py).
+
 Float32 inputs use IEEE dots (no TF32), so the exactness tests compare like with like; bf16/fp16 inputs use
 the tensor cores with float32 accumulation. Runs under TRITON_INTERPRET=1 on CPU tensors too (the unit tests).
 """
@@ -27,7 +31,9 @@ def _split_kv_partial(q_ptr, k_ptr, v_ptr, start_ptr, acc_ptr, ml_ptr, scale,
     pdl_wait(PDL)  # q and the cache row at start come from the kernel before (models/pdl.py)
     hkv = tl.program_id(0)
     split = tl.program_id(1)
-    start = tl.load(start_ptr)
+    step = tl.program_id(2)  # the step of a rows launch (T = 1 each, at start_pos + step); 0 otherwise
+    start = tl.load(start_ptr) + step
+    q_ptr += step * stride_qt
     kv_len = start + T
     chunk = tl.cdiv(tl.cdiv(kv_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
     lo = split * chunk
@@ -69,7 +75,7 @@ def _split_kv_partial(q_ptr, k_ptr, v_ptr, start_ptr, acc_ptr, ml_ptr, scale,
         else:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
-    base = (hkv * NUM_SPLITS + split) * BLOCK_M
+    base = ((step * tl.num_programs(0) + hkv) * NUM_SPLITS + split) * BLOCK_M
     tl.store(acc_ptr + (base + rows)[:, None] * D + dims[None, :], acc)
     tl.store(ml_ptr + (base + rows) * 2, m_i)
     tl.store(ml_ptr + (base + rows) * 2 + 1, l_i)
@@ -82,8 +88,10 @@ def _split_kv_merge(acc_ptr, ml_ptr, out_ptr, stride_ot, stride_oh,
     pdl_wait(PDL)
     hkv = tl.program_id(0)
     r = tl.program_id(1)  # r = g * T + t
+    step = tl.program_id(2)
     splits = tl.arange(0, NUM_SPLITS)
-    idx = (hkv * NUM_SPLITS + splits) * BLOCK_M + r
+    idx = ((step * tl.num_programs(0) + hkv) * NUM_SPLITS + splits) * BLOCK_M + r
+    out_ptr += step * stride_ot
     m = tl.load(ml_ptr + idx * 2)
     l = tl.load(ml_ptr + idx * 2 + 1)
     m_max = tl.max(m, axis=0)
@@ -103,30 +111,43 @@ def num_splits_for(num_kv_heads: int, device: torch.device) -> int:
     return min(64, 1 << (want.bit_length() - 1))
 
 
-@torch.library.custom_op("expresslane::split_kv_attention", mutates_args=())
-def split_kv_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start_pos: torch.Tensor,
-                       scale: float) -> torch.Tensor:
-    """q [T, H, D] (rows at start_pos .. start_pos+T-1), caches [S, Hkv, D], start_pos [1] long on q's device."""
-    t, h, d = q.shape
+def _split_kv(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start_pos: torch.Tensor,
+              scale: float, t: int, steps: int) -> torch.Tensor:
+    """q [t * steps, H, D]: `steps` launches' worth of T = t query rows (steps > 1 only with t = 1)."""
+    h, d = q.shape[1], q.shape[2]
     hkv = k_cache.shape[1]
     g = h // hkv
     q = q.contiguous()
     splits = num_splits_for(hkv, q.device)
     block_m = max(16, triton.next_power_of_2(g * t))
-    acc = torch.empty(hkv * splits * block_m, d, dtype=torch.float32, device=q.device)
-    ml = torch.empty(hkv * splits * block_m, 2, dtype=torch.float32, device=q.device)
+    acc = torch.empty(steps * hkv * splits * block_m, d, dtype=torch.float32, device=q.device)
+    ml = torch.empty(steps * hkv * splits * block_m, 2, dtype=torch.float32, device=q.device)
     out = torch.empty_like(q)
     ieee = q.dtype == torch.float32
     pdl, pdl_merge = use_pdl(q.device, "attn_partial"), use_pdl(q.device, "attn_merge")
-    _split_kv_partial[(hkv, splits)](
+    _split_kv_partial[(hkv, splits, steps)](
         q, k_cache, v_cache, start_pos, acc, ml, scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         T=t, G=g, D=d, NUM_SPLITS=splits, BLOCK_M=block_m, BLOCK_N=32 if ieee else 64, IEEE=ieee, PDL=pdl,
         num_warps=4, launch_pdl=pdl)
-    _split_kv_merge[(hkv, g * t)](acc, ml, out, out.stride(0), out.stride(1), T=t, G=g, D=d,
-                                  NUM_SPLITS=splits, BLOCK_M=block_m, PDL=pdl_merge, num_warps=1,
-                                  launch_pdl=pdl_merge)
+    _split_kv_merge[(hkv, g * t, steps)](acc, ml, out, out.stride(0), out.stride(1), T=t, G=g, D=d,
+                                         NUM_SPLITS=splits, BLOCK_M=block_m, PDL=pdl_merge, num_warps=1,
+                                         launch_pdl=pdl_merge)
     return out
+
+
+@torch.library.custom_op("expresslane::split_kv_attention", mutates_args=())
+def split_kv_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start_pos: torch.Tensor,
+                       scale: float) -> torch.Tensor:
+    """q [T, H, D] (rows at start_pos .. start_pos+T-1), caches [S, Hkv, D], start_pos [1] long on q's device."""
+    return _split_kv(q, k_cache, v_cache, start_pos, scale, q.shape[0], 1)
+
+
+def split_kv_attention_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start_pos: torch.Tensor,
+                            scale: float) -> torch.Tensor:
+    """q [R, H, D]: R one-row steps in one launch, row r a T = 1 step at start_pos + r (its keys: rows
+    0 .. start_pos + r), each bit-identical to `split_kv_attention(q[r:r+1], ..., start_pos + r)`."""
+    return _split_kv(q, k_cache, v_cache, start_pos, scale, 1, q.shape[0])
 
 
 @split_kv_attention.register_fake
