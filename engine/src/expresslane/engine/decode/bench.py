@@ -2,7 +2,8 @@
 
     python -m expresslane.engine.decode.bench --model DIR [--dtype float32] [--device cpu] [--prompt-len 128]
         [--contexts 1024,8192] [--tokens 256] [--attention live|masked|split] [--compile]
-        [--cuda-graph auto|on|off] [--lean auto|on|off] [--speculation off|lookup] [--oracle-k 1,2,3,4] [--threads N] [--json F]
+        [--cuda-graph auto|on|off] [--lean auto|on|off] [--speculation-k K] [--oracle-k 1,2,3,4] [--lookup]
+        [--threads N] [--json F]
 
 For each context (prompt length) it prints tok/s of plain decoding and, with --oracle-k, of speculative
 decoding with an oracle drafter: the model's own greedy continuation (decoded first without speculation)
@@ -64,15 +65,16 @@ def _sync(engine: DecodeEngine) -> None:
 
 
 def time_decode(engine: DecodeEngine, prompt: list[int], first: int, tokens: int, repeats: int,
-                speculative: bool) -> dict:
+                speculative: bool, lookup_prompt: bool = False) -> dict:
     """Best of `repeats` decodes of `tokens` tokens after a prefill of `prompt` (best-of: shared hosts are
     noisy). The first token is the prefill's; only decode steps are timed."""
     best, runs = None, []
     for _ in range(repeats):
         engine.prefill(prompt)
         _sync(engine)
-        gen = engine.generate(first, len(prompt), SamplingParams(max_tokens=tokens + 1, ignore_eos=True,
-                                                                 speculative=speculative))
+        gen = engine.generate(first, len(prompt), SamplingParams(
+            max_tokens=tokens + 1, ignore_eos=True, speculative=speculative,
+            prompt_token_ids=prompt if lookup_prompt else ()))  # the drafter's context, as the node passes it
         next(gen)
         t0 = time.perf_counter()
         out = [t for t in gen]
@@ -103,7 +105,7 @@ def step_times(engine: DecodeEngine, start: int, reps: int = 50) -> dict[int, fl
 
 
 def bench_context(engine: DecodeEngine, prompt_len: int, tokens: int, repeats: int, oracle_ks: list[int],
-                  bandwidth: float | None, seed: int = 0) -> list[dict]:
+                  bandwidth: float | None, seed: int = 0, lookup: bool = False) -> list[dict]:
     gen_ = torch.Generator().manual_seed(seed)
     prompt = torch.randint(0, engine.vocab_size, (prompt_len,), generator=gen_).tolist()
     first = int(engine.prefill(prompt).argmax())
@@ -114,6 +116,12 @@ def bench_context(engine: DecodeEngine, prompt_len: int, tokens: int, repeats: i
     plain = time_decode(engine, prompt, first, tokens, repeats, speculative=False)
     rows.append({"context": prompt_len, "mode": "plain", **plain})
     saved = engine._drafter_factory
+    if saved is not None and lookup:
+        # The node's own drafter (prompt lookup, adaptive) on this prompt: on text that does not repeat it must
+        # cost (almost) nothing against plain decoding, and it must not change a token.
+        r = time_decode(engine, prompt, first, tokens, repeats, speculative=True, lookup_prompt=True)
+        r["matches_plain"] = r["token_ids"] == plain["token_ids"]
+        rows.append({"context": prompt_len, "mode": "lookup", **r})
     try:
         for k in oracle_ks:
             cont = plain["token_ids"]
@@ -151,6 +159,8 @@ def main(argv: list[str] | None = None) -> None:
                     help="the lean T = 1 step (fused Triton kernels, CUDA graph; auto: wherever it applies)")
     ap.add_argument("--speculation-k", type=int, default=4, help="most drafts per verify step (0: off)")
     ap.add_argument("--oracle-k", default="", help="acceptance sweep: comma-separated k for the oracle drafter")
+    ap.add_argument("--lookup", action="store_true",
+                    help="also decode with the engine's own drafter (prompt lookup, adaptive) on the same prompt")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--no-bound", action="store_true", help="skip the copy-bandwidth calibration")
@@ -180,7 +190,7 @@ def main(argv: list[str] | None = None) -> None:
           f"max_seq_len={max_seq_len} load+warmup_s={load_s:.1f} weights={engine.weight_bytes() / 1e9:.3f}GB"
           + (f" copy_bandwidth={bw / 1e9:.0f}GB/s" if bw else ""), flush=True)
     for ctx in contexts:
-        results = bench_context(engine, ctx, args.tokens, args.repeats, oracle_ks, bw)
+        results = bench_context(engine, ctx, args.tokens, args.repeats, oracle_ks, bw, lookup=args.lookup)
         times = results[0]["step_ms_by_rows"]
         t1 = times[1]
         print(f"context={ctx} forward ms by rows T: " + " ".join(f"T={t}:{v:.3f}" for t, v in times.items())

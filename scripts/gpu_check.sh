@@ -1,0 +1,112 @@
+#!/usr/bin/env bash
+# The express engine's GPU check, in ONE run on a CUDA machine: every test in the repo that can use CUDA (all of
+# tests/unit/engine and tests/unit/transfer: the lean step and its row-invariant verify, the greedy chain, the
+# first request of a fresh engine in every step mode, the VRAM handoff and injection) and the decode bench (the
+# 8B and 1B shapes, contexts 1k / 8k / 32k, plain, the node's own drafter and the oracle sweep k = 1..4, max_seq_len
+# fixed at 33100 as a deployment would set it). Its summary is one table, printed last.
+#
+#   bash scripts/gpu_check.sh prepare            # here (pip + network): the wheels the GPU machine lacks, pinned
+#                                                # with their hashes in images/gpu/check-wheels.lock, into
+#                                                # .carry/gpu-check/ (nixl-cu13 repacked as tar.xz: 59 -> 32 MB)
+#   bash scripts/gpu_check.sh run OUTDIR [PART]  # there: PART all (default) | tests | bench
+#
+# The GPU machine (see docs/performance.md, "Method") has python3 3.12 with torch, triton, transformers,
+# pytest, httpx and aiohttp, and no network: `prepare`'s folder travels with the run (the device tool's carry).
+# Environment: SHAPES (llama-8b llama-1b), CONTEXTS (1024,8192,32768), TOKENS (256), ORACLE_K (1,2,3,4),
+# REPEATS (2), MAX_SEQ_LEN (33100), TEST_BUDGET_S (330: the tests' share of the run), MODELS_DIR (/tmp/models).
+# Output in OUTDIR: pytest.txt, bench.log, bench.jsonl, summary.txt (the table).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+CARRY=.carry/gpu-check
+LOCK=images/gpu/check-wheels.lock
+
+prepare() {
+  mkdir -p "$CARRY"
+  local tmp
+  tmp="$(mktemp -d)"
+  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 \
+    --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64 \
+    --require-hashes -r "$LOCK" -d "$tmp" || { rm -rf "$tmp"; return 1; }
+  # nixl-cu13's libraries (229 MB unpacked) as tar.xz: the wheel itself (59 MB) and the repo would not fit in one
+  # carry (64 MiB). Unpacking a wheel is what pip --target does for it (no scripts, no data files).
+  local nx
+  nx="$(ls "$tmp"/nixl_cu13-*.whl)"
+  (mkdir "$tmp/nx" && cd "$tmp/nx" && unzip -q "$nx" && tar -c . | xz -T0 -6 >"../nixl_cu13.tar.xz") || return 1
+  rm -rf "$tmp/nx" "$nx"
+  rm -rf "$CARRY" && mkdir -p "$CARRY" && mv "$tmp"/* "$CARRY"/ && rmdir "$tmp"
+  du -sh "$CARRY"
+  ls -la "$CARRY"
+}
+
+install_carried() {  # into /tmp/site, once per machine
+  if [[ ! -f /tmp/site/.gpu-check ]]; then
+    mkdir -p /tmp/site
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+      "$CARRY"/*.whl || return 1
+    tar -xJf "$CARRY"/nixl_cu13.tar.xz -C /tmp/site || return 1
+    touch /tmp/site/.gpu-check
+  fi
+  export PYTHONPATH="$PWD/engine/src:$PWD/router/src:/tmp/site" PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0
+  python3 -c "import torch, triton, fastapi, xgrammar, nixl; from nixl._api import nixl_agent; print('torch', torch.__version__, 'triton', triton.__version__, 'gpu', torch.cuda.get_device_name())"
+}
+
+run_tests() {
+  local out="$1" budget="${TEST_BUDGET_S:-330}"
+  echo "== tests (at most ${budget} s)"
+  # -p no:cacheprovider: the tree is a copy; --timeout: a hung test fails and the rest still run.
+  timeout --signal=INT "$budget" python3 -m pytest -q -o addopts= -p no:cacheprovider --timeout 180 -rfE \
+    tests/unit/engine tests/unit/transfer 2>&1 | tee "$out/pytest.txt" | grep -vE "^(PASSED|SKIPPED)" | tail -60
+}
+
+run_bench() {
+  local out="$1" models="${MODELS_DIR:-/tmp/models}"
+  mkdir -p "$models"
+  : >"$out/bench.jsonl"
+  for shape in ${SHAPES:-llama-8b llama-1b}; do
+    python3 scripts/gpu_make_shape_model.py "$shape" "$models/$shape" || return 1
+    echo "== bench $shape"
+    python3 -m expresslane.engine.decode.bench --model "$models/$shape" --device cuda --dtype bfloat16 \
+      --contexts "${CONTEXTS:-1024,8192,32768}" --max-seq-len "${MAX_SEQ_LEN:-33100}" --tokens "${TOKENS:-256}" \
+      --oracle-k "${ORACLE_K:-1,2,3,4}" --lookup --repeats "${REPEATS:-2}" --json "$out/bench.jsonl" 2>&1 \
+      | tee -a "$out/bench.log"
+  done
+}
+
+summary() {  # one table: the tests' closing line, then one row per bench result
+  local out="$1"
+  {
+    echo "== GPU check $(date -u +%FT%TZ) commit $(git rev-parse --short HEAD 2>/dev/null || cat GIT_HEAD 2>/dev/null || echo ?)"
+    echo "tests: $(grep -E "(passed|failed|error)" "$out/pytest.txt" 2>/dev/null | tail -1)"
+    python3 - "$out/bench.jsonl" <<'EOF'
+import json, sys
+rows = [json.loads(line) for line in open(sys.argv[1]) if line.strip()]
+print(f"{'shape':10} {'ctx':>6} {'mode':10} {'tok/s':>8} {'of bound':>8} {'x plain':>7} {'accept':>6} {'exact':>5} "
+      f"{'T=1 ms':>7} {'T=5/T=1':>7}")
+for r in rows:
+    shape = r["model"].rstrip("/").rsplit("/", 1)[-1]
+    spec = r.get("spec") or {}
+    times = {int(k): v for k, v in r["step_ms_by_rows"].items()}
+    ratio = times[max(times)] / times[1] if len(times) > 1 else float("nan")
+    ob = f"{100 * r['of_bound']:.1f}%" if r.get("of_bound") else "-"
+    acc = f"{spec.get('mean_acceptance', 0):.2f}" if r["mode"] != "plain" else "-"
+    print(f"{shape:10} {r['context']:>6} {r['mode']:10} {r['tok_per_s']:>8.1f} {ob:>8} {r['speedup']:>6.2f}x {acc:>6} "
+          f"{str(r.get('matches_plain', '-')):>5} {times[1]:>7.3f} {ratio:>7.2f}")
+EOF
+  } | tee "$out/summary.txt"
+}
+
+case "${1:-}" in
+  prepare) prepare ;;
+  run)
+    out="${2:?usage: gpu_check.sh run OUTDIR [all|tests|bench]}"
+    part="${3:-all}"
+    mkdir -p "$out"
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+    install_carried || exit 1
+    [[ $part == all || $part == tests ]] && run_tests "$out"
+    [[ $part == all || $part == bench ]] && run_bench "$out"
+    summary "$out"
+    ;;
+  *) sed -n '2,19p' "$0"; exit 2 ;;
+esac
