@@ -13,7 +13,8 @@
 # The GPU machine (see docs/performance.md, "Method") has python3 3.12 with torch, triton, transformers,
 # pytest, httpx and aiohttp, and no network: `prepare`'s folder travels with the run (the device tool's carry).
 # Environment: SHAPES (llama-8b llama-1b), CONTEXTS (1024,8192,32768), TOKENS (256), ORACLE_K (1,2,3,4),
-# REPEATS (2), MAX_SEQ_LEN (33100), TEST_BUDGET_S (330: the tests' share of the run), MODELS_DIR (/tmp/models).
+# REPEATS (2), MAX_SEQ_LEN (33100), TEST_BUDGET_S (330: the tests' share of the run), TEST_WORKERS (4),
+# MODELS_DIR (/tmp/models).
 # Output in OUTDIR: pytest.txt, bench.log, bench.jsonl, summary.txt (the table).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -54,9 +55,12 @@ install_carried() {  # into /tmp/site, once per machine
 run_tests() {
   local out="$1" budget="${TEST_BUDGET_S:-330}"
   echo "== tests (at most ${budget} s)"
-  # -p no:cacheprovider: the tree is a copy; --timeout: a hung test fails and the rest still run.
-  timeout --signal=INT "$budget" python3 -m pytest -q -o addopts= -p no:cacheprovider --timeout 180 -rfE \
-    tests/unit/engine tests/unit/transfer 2>&1 | tee "$out/pytest.txt" | grep -vE "^(PASSED|SKIPPED)" | tail -60
+  # -p no:cacheprovider: the tree is a copy; --timeout: a hung test fails and the rest still run; -n: xdist
+  # workers (the machine's 16 cores compile the Triton kernels; a worker that crashes is named with its test and
+  # replaced, the rest still run); -v: every test's outcome by name in pytest.txt.
+  timeout --signal=INT "$budget" python3 -m pytest -v -o addopts= -p no:cacheprovider --timeout 180 -rfE \
+    -n "${TEST_WORKERS:-4}" --durations 15 tests/unit/engine tests/unit/transfer 2>&1 | tee "$out/pytest.txt" \
+    | grep -vE " (PASSED|SKIPPED) " | tail -80
 }
 
 run_bench() {
@@ -108,5 +112,5 @@ case "${1:-}" in
     [[ $part == all || $part == bench ]] && run_bench "$out"
     summary "$out"
     ;;
-  *) sed -n '2,19p' "$0"; exit 2 ;;
+  *) sed -n '2,20p' "$0"; exit 2 ;;
 esac

@@ -31,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 import triton.testing
+from triton.runtime.errors import OutOfResources
 
 from .pdl import pdl_wait, use_pdl
 
@@ -454,25 +455,62 @@ def _label(cfg: tuple[int, ...]) -> str:
     return f"{cfg[0]}x{cfg[1]}" + ("p" if cfg[2] else "") + (f"w{_warps(cfg)}" if _warps(cfg) != 4 else "")
 
 
-def _fits(cfg: tuple[int, ...], k: int, max_rows: int | None) -> bool:
+def _fits(cfg: tuple[int, ...], k: int, max_block_rows: int | None) -> bool:
     rows, block_k = cfg[0], cfg[1]
-    return (max_rows is None or rows <= max_rows) and block_k <= max(16, triton.next_power_of_2(k))
+    return (max_block_rows is None or rows <= max_block_rows) and block_k <= max(16, triton.next_power_of_2(k))
 
 
-def pick_config(name: str, n: int, k: int, candidates, launch, max_rows: int | None = None,
+def _launch(kernel, grid, compile_only: bool, *args, **kwargs):
+    """kernel[grid](*args, **kwargs), or with compile_only its compiled kernel for those arguments, not run."""
+    if compile_only:
+        return kernel.warmup(*args, grid=grid, **kwargs)
+    return kernel[grid](*args, **kwargs)
+
+
+def spilled_bytes(compiled) -> int:
+    """Bytes a thread of a compiled Triton kernel keeps in local memory (its spills; the module is loaded to
+    read it); a kernel this device cannot run at all (too much shared memory, too many threads) counts as
+    spilling everything."""
+    try:
+        compiled._init_handles()
+    except OutOfResources:
+        return 1 << 30
+    return int(compiled.n_spills)
+
+
+def least_spilling(candidates, spills) -> tuple[list, dict]:
+    """(the candidates that spill the fewest bytes: those that spill none wherever one does not, the bytes each
+    candidate spills); spills(cfg) -> bytes."""
+    spilled = {c: spills(c) for c in candidates}
+    fewest = min(spilled.values())
+    return [c for c in candidates if spilled[c] == fewest], spilled
+
+
+def pick_config(name: str, n: int, k: int, candidates, launch, max_block_rows: int | None = None,
                 restore: torch.Tensor | None = None, device: torch.device | None = None,
-                config: tuple[int, ...] | None = None) -> tuple[int, ...]:
+                config: tuple[int, ...] | None = None, rows: int = 1, spills=None) -> tuple[int, ...]:
     """The fastest candidate for (name, n, k) on this device, timed once (`launch(cfg)` runs the kernel);
-    `restore`: a tensor the kernel updates in place, put back after the timing runs; `config`: use this one."""
+    `restore`: a tensor the kernel updates in place, put back after the timing runs; `config`: use this one.
+
+    rows: the most rows the step that asks runs (a lean step that also verifies: 1 + the drafts). Its T = 1
+    launches and its verify must run one block shape (that is what makes a verify row the T = 1 step's bits),
+    so with rows > 1 on a GPU only the candidates whose `rows`-row kernel does not spill are timed
+    (`spills(cfg)`: the bytes that kernel spills). Each row keeps its own accumulators, so a large tile times
+    five rows no longer fits the registers: on the H200 the 8B's verify of five rows took 2.96x the one-row
+    step with the one-row picks, whose five-row kernels spilled 2.5-4.6 KB a thread
+    (docs/bench/2026-12-04-row-invariant-verify). The fastest of the rest is then picked by one-row timing."""
     if config is not None:
         return config
-    key = (name, n, k, str(device), use_pdl(device) if device is not None else False)
+    key = (name, n, k, rows, str(device), use_pdl(device) if device is not None else False)
     if key in _PICKED:
         return _PICKED[key]
-    fitting = [c for c in candidates if _fits(c, k, max_rows)] or [min(candidates)]
+    fitting = [c for c in candidates if _fits(c, k, max_block_rows)] or [min(candidates)]
     if device is None or device.type != "cuda" or torch.cuda.is_current_stream_capturing():
         _PICKED[key] = fitting[0]
         return fitting[0]
+    spilled = {}
+    if rows > 1 and spills is not None:
+        fitting, spilled = least_spilling(fitting, spills)
     saved = restore.clone() if restore is not None else None
     times: dict[tuple[int, ...], float] = {}
     # Two rounds over the candidates, each one's best: one round once timed every candidate of the 8B's
@@ -484,10 +522,19 @@ def pick_config(name: str, n: int, k: int, candidates, launch, max_rows: int | N
     if saved is not None:
         restore.copy_(saved)
     best = min(times, key=times.get)
-    TUNING_LOG.append({"kernel": name, "n": n, "k": k, "best": list(best),
-                       "us": {_label(c): round(1e3 * t, 2) for c, t in times.items()}})
+    TUNING_LOG.append({"kernel": name, "n": n, "k": k, "rows": rows, "best": list(best),
+                       "us": {_label(c): round(1e3 * t, 2) for c, t in times.items()},
+                       "spilled": {_label(c): b for c, b in spilled.items()}})
     _PICKED[key] = best
     return best
+
+
+def _spills(launch, rows: int):
+    """pick_config's `spills` for a launcher's `launch(cfg, rows=..., compile_only=...)`: the bytes the kernel of
+    `rows` rows spills with a block shape (compiled, not run; the inputs' types are the call's)."""
+    if rows <= 1:
+        return None
+    return lambda cfg: spilled_bytes(launch(cfg, rows=rows, compile_only=True))
 
 
 def _rows(x: torch.Tensor) -> tuple[int, int]:
@@ -504,10 +551,11 @@ def _first(x: torch.Tensor) -> torch.Tensor:
 
 
 def norm_qkv_rope(x, norm_w, eps, w, b, cos, sin, start, q_out, k_cache, v_cache, num_heads, num_kv_heads,
-                  head_dim, config=None):
+                  head_dim, config=None, max_rows=None):
     """x [K] residual (or [R, K]: R rows, row r the token at start + r); w [(NH + 2 NKV) * D, K]; writes q_out
     [NH * D] (or [R, NH * D]) and k_cache/v_cache[start + r] (caches [S, NKV, D]); cos/sin: rope.py's tables
-    [S, D]; start: [1] long on the device. Row r's results are bit-identical to a one-row launch at start + r."""
+    [S, D]; start: [1] long on the device. Row r's results are bit-identical to a one-row launch at start + r.
+    max_rows (every launcher): the most rows the calling step runs (pick_config's `rows`; default: x's)."""
     k = x.shape[-1]
     half = head_dim // 2
     heads = num_heads + 2 * num_kv_heads
@@ -515,10 +563,10 @@ def norm_qkv_rope(x, norm_w, eps, w, b, cos, sin, start, q_out, k_cache, v_cache
     sq = q_out.stride(0) if q_out.dim() > 1 else 0
     pdl = use_pdl(x.device)
 
-    def launch(cfg, x=x, q_out=q_out, rows=rows):
+    def launch(cfg, x=x, q_out=q_out, rows=rows, compile_only=False):
         bj, bk, pre = cfg[:3]
-        _norm_qkv_rope_kernel[(heads * (half // bj),)](
-            x, norm_w, w, b if b is not None else w, cos, sin, start, q_out, k_cache, v_cache, k, eps, sx, sq,
+        return _launch(
+            _norm_qkv_rope_kernel, (heads * (half // bj),), compile_only, x, norm_w, w, b if b is not None else w, cos, sin, start, q_out, k_cache, v_cache, k, eps, sx, sq,
             k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
             NH=num_heads, NKV=num_kv_heads, D=head_dim, HAS_BIAS=b is not None, BJ=bj, BLOCK_K=bk, PREFETCH=pre,
             K_POW2=triton.next_power_of_2(k), PDL=pdl, ROWS=rows, num_warps=_warps(cfg), launch_pdl=pdl)
@@ -527,10 +575,11 @@ def norm_qkv_rope(x, norm_w, eps, w, b, cos, sin, start, q_out, k_cache, v_cache
     # The block shape is the one-row step's (timed one row at a time): the rows of a verify must run the T = 1
     # step's shapes to give its bits.
     one = lambda cfg: launch(cfg, _first(x), _first(q_out), 1)  # noqa: E731
-    launch(pick_config("norm_qkv_rope", w.shape[0], k, cands, one, max_rows=half, device=x.device, config=config))
+    launch(pick_config("norm_qkv_rope", w.shape[0], k, cands, one, max_block_rows=half, device=x.device,
+                       config=config, rows=max_rows or rows, spills=_spills(launch, max_rows or rows)))
 
 
-def gemv_residual(a, w, b, residual, config=None):
+def gemv_residual(a, w, b, residual, config=None, max_rows=None):
     """residual [N] += (w [N, K] @ a [K] + b), rounded as the PyTorch step rounds, in place; a [R, K] and
     residual [R, N]: each row so, row r bit-identical to a one-row launch."""
     n, k = w.shape
@@ -538,18 +587,18 @@ def gemv_residual(a, w, b, residual, config=None):
     sres = residual.stride(0) if residual.dim() > 1 else 0
     pdl = use_pdl(a.device)
 
-    def launch(cfg, a=a, residual=residual, rows=rows):
+    def launch(cfg, a=a, residual=residual, rows=rows, compile_only=False):
         bn, bk, pre = cfg[:3]
-        _gemv_residual_kernel[(triton.cdiv(n, bn),)](a, w, b if b is not None else w, residual, n, k, sa, sres,
-                                                     HAS_BIAS=b is not None, BLOCK_N=bn, BLOCK_K=bk, PREFETCH=pre,
-                                                     PDL=pdl, ROWS=rows, num_warps=_warps(cfg), launch_pdl=pdl)
+        return _launch(_gemv_residual_kernel, (triton.cdiv(n, bn),), compile_only, a, w,
+                       b if b is not None else w, residual, n, k, sa, sres, HAS_BIAS=b is not None, BLOCK_N=bn,
+                       BLOCK_K=bk, PREFETCH=pre, PDL=pdl, ROWS=rows, num_warps=_warps(cfg), launch_pdl=pdl)
 
     one = lambda cfg: launch(cfg, _first(a), _first(residual), 1)  # noqa: E731
     launch(pick_config("gemv_residual", n, k, GEMV_CONFIGS, one, restore=_first(residual), device=a.device,
-                       config=config))
+                       config=config, rows=max_rows or rows, spills=_spills(launch, max_rows or rows)))
 
 
-def norm_gate_up_silu(x, norm_w, eps, w, b, out, config=None):
+def norm_gate_up_silu(x, norm_w, eps, w, b, out, config=None, max_rows=None):
     """out [I] = silu(gate) * up of gate_up_proj (w [2I, K], gate rows first) over RMSNorm(x); x [R, K] and
     out [R, I]: each row so, row r bit-identical to a one-row launch."""
     i2, k = w.shape
@@ -558,15 +607,16 @@ def norm_gate_up_silu(x, norm_w, eps, w, b, out, config=None):
     so = out.stride(0) if out.dim() > 1 else 0
     pdl = use_pdl(x.device)
 
-    def launch(cfg, x=x, out=out, rows=rows):
+    def launch(cfg, x=x, out=out, rows=rows, compile_only=False):
         bj, bk, pre = cfg[:3]
-        _norm_gate_up_silu_kernel[(triton.cdiv(i, bj),)](x, norm_w, w, b if b is not None else w, out, i, k, eps,
-                                                         sx, so, HAS_BIAS=b is not None, BJ=bj, BLOCK_K=bk,
-                                                         PREFETCH=pre, K_POW2=triton.next_power_of_2(k), PDL=pdl,
-                                                         ROWS=rows, num_warps=_warps(cfg), launch_pdl=pdl)
+        return _launch(_norm_gate_up_silu_kernel, (triton.cdiv(i, bj),), compile_only, x, norm_w, w,
+                       b if b is not None else w, out, i, k, eps, sx, so, HAS_BIAS=b is not None, BJ=bj,
+                       BLOCK_K=bk, PREFETCH=pre, K_POW2=triton.next_power_of_2(k), PDL=pdl, ROWS=rows,
+                       num_warps=_warps(cfg), launch_pdl=pdl)
 
     one = lambda cfg: launch(cfg, _first(x), _first(out), 1)  # noqa: E731
-    launch(pick_config("norm_gate_up_silu", i2, k, PAIR_CONFIGS, one, device=x.device, config=config))
+    launch(pick_config("norm_gate_up_silu", i2, k, PAIR_CONFIGS, one, device=x.device, config=config,
+                       rows=max_rows or rows, spills=_spills(launch, max_rows or rows)))
 
 
 #: Below every key _argmax_key makes (the masked lanes of greedy_advance's maximum).
@@ -581,7 +631,7 @@ def new_argmax_keys(n: int, device) -> torch.Tensor:
     return torch.full((triton.cdiv(n, fewest_rows),), ARGMAX_KEY_EMPTY, dtype=torch.int64, device=device)
 
 
-def norm_gemv(x, norm_w, eps, w, out, config=None, argmax_keys=None) -> int:
+def norm_gemv(x, norm_w, eps, w, out, config=None, argmax_keys=None, max_rows=None) -> int:
     """out [N] float32 = (w [N, K] @ RMSNorm(x)) rounded to the model dtype (the lm_head); x [R, K] and out
     [R, N]: each row so, row r bit-identical to a one-row launch. argmax_keys (one row only): each program also
     writes its best (value, first row) as one key (new_argmax_keys; greedy_advance takes the largest). Returns
@@ -593,17 +643,18 @@ def norm_gemv(x, norm_w, eps, w, out, config=None, argmax_keys=None) -> int:
         raise ValueError("the folded argmax takes one row")
     pdl = use_pdl(x.device)
 
-    def launch(cfg, keys=None, x=x, out=out, rows=rows):
+    def launch(cfg, keys=None, x=x, out=out, rows=rows, compile_only=False):
         bn, bk, pre = cfg[:3]
-        _norm_gemv_kernel[(triton.cdiv(n, bn),)](x, norm_w, w, out, keys if keys is not None else out, n, k, eps,
-                                                 sx, so, BLOCK_N=bn, BLOCK_K=bk, PREFETCH=pre,
-                                                 K_POW2=triton.next_power_of_2(k), PDL=pdl, ARGMAX=keys is not None,
-                                                 ROWS=rows, num_warps=_warps(cfg), launch_pdl=pdl)
+        return _launch(_norm_gemv_kernel, (triton.cdiv(n, bn),), compile_only, x, norm_w, w, out,
+                       keys if keys is not None else out, n, k, eps, sx, so, BLOCK_N=bn, BLOCK_K=bk, PREFETCH=pre,
+                       K_POW2=triton.next_power_of_2(k), PDL=pdl, ARGMAX=keys is not None, ROWS=rows,
+                       num_warps=_warps(cfg), launch_pdl=pdl)
 
     # The block shape is timed on one row without the argmax (one pick for all: the epilogue is a few
     # instructions, and a verify's rows must run the T = 1 step's shapes to give its bits).
     one = lambda cfg: launch(cfg, None, _first(x), _first(out), 1)  # noqa: E731
-    cfg = pick_config("norm_gemv", n, k, GEMV_CONFIGS, one, device=x.device, config=config)
+    cfg = pick_config("norm_gemv", n, k, GEMV_CONFIGS, one, device=x.device, config=config,
+                      rows=max_rows or rows, spills=_spills(launch, max_rows or rows))
     launch(cfg, argmax_keys)
     return triton.cdiv(n, cfg[0])
 

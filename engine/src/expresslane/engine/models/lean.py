@@ -17,7 +17,9 @@ R - 1 drafts). Every kernel loads each weight tile once for all R rows and gives
 block shapes and reduction order of the T = 1 step (models/fused.py); the attention runs each row as a T = 1
 step at its own position, with that step's splits (models/triton_decode.py: split_kv_attention_rows). So row r's
 logits and K/V are bit-identical to the T = 1 step's at start + r, and greedy output with speculation on equals
-off on a GPU in bf16 (tests/unit/engine/test_lean_verify.py).
+off on a GPU in bf16 (tests/unit/engine/test_fused_kernels.py). Every kernel is given the step's max_rows, so
+its block shape is one for all row counts and is picked among those whose max_rows-row kernel does not spill
+(fused.pick_config).
 """
 
 from __future__ import annotations
@@ -93,16 +95,16 @@ class LeanStep:
             att = layer.self_attn
             fused.norm_qkv_rope(x, layer.input_layernorm.weight, layer.input_layernorm.eps,
                                 att.qkv_proj.weight, att.qkv_proj.bias, self.cos, self.sin, start, q, kc, vc,
-                                cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+                                cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, max_rows=self.max_rows)
             out = split_kv_attention_rows(q3, kc, vc, start, att.scale)
-            fused.gemv_residual(out.view(r, -1), att.o_proj.weight, att.o_proj.bias, x)
+            fused.gemv_residual(out.view(r, -1), att.o_proj.weight, att.o_proj.bias, x, max_rows=self.max_rows)
             mlp = layer.mlp
             fused.norm_gate_up_silu(x, layer.post_attention_layernorm.weight,
                                     layer.post_attention_layernorm.eps, mlp.gate_up_proj.weight,
-                                    mlp.gate_up_proj.bias, h)
-            fused.gemv_residual(h, mlp.down_proj.weight, mlp.down_proj.bias, x)
+                                    mlp.gate_up_proj.bias, h, max_rows=self.max_rows)
+            fused.gemv_residual(h, mlp.down_proj.weight, mlp.down_proj.bias, x, max_rows=self.max_rows)
         keys = fused.norm_gemv(x, m.norm.weight, m.norm.eps, m.lm_head.weight, logits,
-                               argmax_keys=self.argmax_keys if greedy else None)
+                               argmax_keys=self.argmax_keys if greedy else None, max_rows=self.max_rows)
         if greedy:
             fused.greedy_advance(self.argmax_keys, keys, tokens, start, self.token_ring, self.greedy_seq)
         return logits
