@@ -245,15 +245,15 @@ async def test_node_unreachable_is_503(make_client, node, upstreams):
         raise httpx.ConnectError("refused")
 
     upstreams.on(EXPRESS, "/pd/decode", refused)
-    async with make_client() as (client, app):
+    async with make_client(make_config(outlier={"consecutive_failures": 2})) as (client, app):
         r = await client.post("/v1/completions", json=COMP)
         assert gate_of(app).busy_count == 0
-        assert not app.state.lanes.ctx.healthy(EXPRESS)  # passive ejection
-        r2 = await client.post("/v1/completions", json=COMP)  # known down: no prefill, no reserve
-    assert r.status_code == 503 and r2.status_code == 503
-    assert len(upstreams.bodies(PREFILL, "/v1/completions")) == 1
-    assert len(upstreams.bodies(EXPRESS, "/pd/reserve")) == 1
-    assert "no_healthy_node" in r2.json()["error"]["message"]
+        r2 = await client.post("/v1/completions", json=COMP)
+        metrics = (await client.get("/metrics")).text
+        assert app.state.lanes.ctx.available("express", EXPRESS)  # request errors never eject a pool's last node
+    assert r.status_code == 503 and r2.status_code == 503 and "refused" in r2.json()["error"]["message"]
+    assert ('expresslane_router_outlier_decisions_total{decision="keep",node="express:5557",pool="express",'
+            'reason="last_serving_node"} 1.0') in metrics  # the second failure in a row tripped the rule
 
 
 async def test_error_line_mid_stream_becomes_an_sse_error_event(make_client, node, upstreams):

@@ -179,11 +179,12 @@ def create_app(config: RouterConfig, *, secrets: RouterSecrets | None = None,
             assert config.tokenizer_dir is not None
             mt = await anyio.to_thread.run_sync(load_model_text, config.tokenizer_dir)
         t = config.timeouts
-        oneshot = H1Pool() if transport is None else None
+        oneshot = H1Pool(keepalive_expiry_s=t.upstream_keepalive_s) if transport is None else None
         async with contextlib.AsyncExitStack() as stack, httpx.AsyncClient(
-                transport=transport or AiohttpTransport(), trust_env=False,  # aiohttp's pool (aiohttp_upstream.py)
-                timeout=httpx.Timeout(t.decode_s, connect=t.connect_s),
-                limits=httpx.Limits(max_connections=512, max_keepalive_connections=64),
+                transport=transport or AiohttpTransport(keepalive_expiry_s=t.upstream_keepalive_s), trust_env=False,
+                timeout=httpx.Timeout(t.decode_s, connect=t.connect_s),  # (aiohttp's pool: aiohttp_upstream.py)
+                limits=httpx.Limits(max_connections=512, max_keepalive_connections=64,
+                                    keepalive_expiry=t.upstream_keepalive_s),
                 event_hooks={"request": [upstream_request_id_hook]}) as client:  # X-Request-Id on both legs
             # one-shot calls (JSON legs, probes) on their own keep-alive pool (h1_pool.py); a test's own
             # transport gets them through httpx

@@ -113,12 +113,15 @@ class ExpressLane:
         self.model_text = model_text
         self.nodes = NodeClient(ctx)
         self.gates: dict[str, NodeGate[ExpressNode]] = {
-            name: NodeGate(p.nodes, on_change=self._gauges(name), available=lambda n: ctx.healthy(n.url))
+            name: NodeGate(p.nodes, on_change=self._gauges(name), available=self._available(name))
             for name, p in pools.items()}
         if ctx.health is not None:
             ctx.health.on_change(lambda: [g.poke() for g in self.gates.values()])
         self._max_model_len: int | None = ctx.config.max_model_len
         self._token_strings: TokenStrings | None = None
+
+    def _available(self, pool: str):
+        return lambda n: self.ctx.available(pool, n.url)
 
     def _gauges(self, pool: str):
         m = self.ctx.metrics
@@ -253,7 +256,7 @@ class ExpressLane:
         except RouterError as e:
             count_upstream_error(ctx, "express", e)
             if isinstance(e, UpstreamError) and e.kind in EJECTING_KINDS:
-                ctx.report_failure(cfg.prefill.url, e.kind)
+                ctx.report_failure(cfg.prefill.url, e.kind, e.message)
             raise
         kvp = pre.get("kv_transfer_params")
         if leg.kind == "expresslane" and isinstance(kvp, dict) and kvp.get("expresslane_status") == "failed":
@@ -399,7 +402,7 @@ class ExpressLane:
         except UpstreamError as e:
             count_upstream_error(self.ctx, "express", e)
             if e.kind in EJECTING_KINDS:
-                self.ctx.report_failure(leg.node.url, e.kind)
+                self.ctx.report_failure(leg.node.url, e.kind, e.message)
             if asm.finished or len(asm.token_ids) >= leg.max_tokens:
                 return  # every token is in: nothing to continue
             target = self._failover_pool(req.alias, pool)
