@@ -116,12 +116,14 @@ async def _watch_queue(router: str, stop: asyncio.Event, seen: list[float]) -> N
             pass
 
 
-async def references(prefill: str, model: str, served: list[Sent], parallel: int = 16) -> dict[str, str | None]:
-    """The single server's greedy answer to every distinct served request (None: it could not answer)."""
+async def references(prefill: str, model: str, served: list[Sent], parallel: int = 16,
+                     headers: dict[str, str] | None = None) -> dict[str, str | None]:
+    """The single server's greedy answer to every distinct served request (None: it could not answer);
+    `headers`: vLLM's API key on a closed stack."""
     todo = {s.ref_key(): s for s in served}
     out: dict[str, str | None] = {}
     sem = asyncio.Semaphore(parallel)
-    async with httpx.AsyncClient(timeout=300, trust_env=False) as client:
+    async with httpx.AsyncClient(timeout=300, trust_env=False, headers=headers) as client:
         async def one(key: str, s: Sent) -> None:
             async with sem:
                 try:
@@ -222,7 +224,8 @@ async def main_async(a: argparse.Namespace) -> int:
         bad += len(c["lost"]) + len(c["broken"]) + len(c["refused_no_node"])
         served_all += c["served"]
     if a.check_exact and served_all:
-        refs = await references(a.prefill, a.model, served_all)
+        key = Path(a.vllm_api_key_file).read_text().strip() if a.vllm_api_key_file else None
+        refs = await references(a.prefill, a.model, served_all, headers={"Authorization": f"Bearer {key}"} if key else None)
         inexact = [s for s in served_all if s.outcome.text != refs[s.ref_key()]]
         print(f"exactness: {len(served_all) - len(inexact)}/{len(served_all)} equal to the single server", flush=True)
         for s in inexact[:3]:
@@ -247,6 +250,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--bound-s", type=float, default=120.0, help="a request without an answer by then is lost")
     ap.add_argument("--no-check-exact", dest="check_exact", action="store_false")
+    ap.add_argument("--vllm-api-key-file", help="vLLM's API key for the reference calls (a closed dev stack: "
+                                                 "<state>/secrets/vllm_api_key)")
     ap.add_argument("--overload-s", type=float, default=0.0)
     ap.add_argument("--overload-rps", type=float, default=40.0)
     return asyncio.run(main_async(ap.parse_args(argv)))

@@ -248,8 +248,16 @@ def create_app(config: RouterConfig, *, secrets: RouterSecrets | None = None,
 
     # ---- auth (auth.py): every route but /health, /ready, /metrics ----
     if not keys.enabled:
+        where = f"{config.listen.host}:{config.listen.port}"
         log.warning("no client API keys configured (ROUTER_API_KEYS / ROUTER_API_KEY): the router is open to "
-                    "anyone who can reach it")
+                    "anyone who can reach %s. The default stacks publish it on 127.0.0.1 only (compose "
+                    "PUBLISH_ADDRESS, the dev stack's BIND_HOST); set ROUTER_API_KEYS before exposing it further",
+                    where)
+    missing = [n for n, v in (("VLLM_API_KEY", secrets.vllm_api_key), ("EXPRESS_NODE_TOKEN", secrets.express_node_token))
+               if not v]
+    if missing:
+        log.warning("%s not set: the router calls its upstreams without them, so they must be open too (the default "
+                    "stacks generate them: docs/security.md)", " and ".join(missing))
 
     def authenticate(scope: Scope, authorization: str | None) -> ApiKey | None:
         try:
