@@ -42,7 +42,8 @@ import httpx  # noqa: E402
 from fault_support import Outcome, metric, request, scrape  # noqa: E402
 
 WORDS = (REPO / "scripts" / "tiny_model_corpus.txt").read_text().split()
-NO_NODE = "no healthy"  # the 503 message of a pool without a node to try (lanes/native.py, lanes/express.py)
+# the 503 messages of a pool without a node to take the request (lanes/native.py, gate.py)
+NO_NODE = ("no healthy", "is down", "are down", "went down")
 
 
 @dataclass
@@ -85,7 +86,7 @@ def classify(sents: list[Sent]) -> dict[str, list[Sent]]:
         elif o.lost:
             out["lost"].append(s)
         elif o.typed_error and o.error_type not in ("truncated", "transport", "bad_sse"):
-            out["refused_no_node" if NO_NODE in (o.error or "") else "refused"].append(s)
+            out["refused_no_node" if any(m in (o.error or "") for m in NO_NODE) else "refused"].append(s)
         else:
             out["broken"].append(s)
     return out

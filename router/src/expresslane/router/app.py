@@ -197,6 +197,8 @@ def create_app(config: RouterConfig, *, secrets: RouterSecrets | None = None,
             express = ExpressLane(ctx, {n: p for n, p in config.pools.items() if isinstance(p, ExpressPool)},
                                   native, mt)
             app.state.lanes = Lanes(ctx, native, express)
+            if express.pools:
+                ctx.background(express.prefetch_model_len())  # before a burst needs it (express.py)
             # ---- front door: capability routing and the endpoints beside completions ----
             app.state.capabilities = CapabilityRouter(
                 config, client, secrets, reroutes, clock,
