@@ -11,6 +11,7 @@ config and secrets), served in turn, round after round (interleaved: the shared 
   httpx     every upstream call through httpx's own transport (httpcore)
   plain     httpx's own transport, Starlette's routing (no fast path), stock uvicorn.Server (no http_protocol):
             what is left when the three hand-written layers are deleted
+  mixplain  today's clients, Starlette's routing and stock uvicorn.Server: what the two server-side layers save
 Per variant and round: `--n` sequential native-lane requests (half non-streaming max_tokens 1, half streaming
 8 tokens), the router process's CPU (schedstat, all threads) read right before and after each request; printed:
 p50 / mean router CPU ms per request by kind, and errors.
@@ -31,7 +32,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(REPO / "scripts"))
 
-VARIANTS = ("mix", "aiohttp", "httpx", "plain")
+VARIANTS = ("mix", "aiohttp", "httpx", "plain", "mixplain")
 
 
 def serve(variant: str, port: int) -> int:
@@ -49,13 +50,13 @@ def serve(variant: str, port: int) -> int:
     config = load_config(REPO / "compose" / "config" / "router.yaml", os.environ)
     setup_logging("warning", "text")
     keep = config.timeouts.upstream_keepalive_s
-    transport = {"mix": None, "aiohttp": AiohttpTransport(keepalive_expiry_s=keep)}.get(
+    transport = {"mix": None, "mixplain": None, "aiohttp": AiohttpTransport(keepalive_expiry_s=keep)}.get(
         variant, httpx.AsyncHTTPTransport(limits=httpx.Limits(max_connections=512, max_keepalive_connections=64,
                                                               keepalive_expiry=keep)))
     app = create_app(config, secrets=RouterSecrets.from_env(os.environ), transport=transport,
-                     fast_path=variant != "plain")
+                     fast_path=variant not in ("plain", "mixplain"))
     ucfg = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", access_log=False, log_config=None)
-    server = uvicorn.Server(ucfg) if variant == "plain" else RouterServer(ucfg)
+    server = uvicorn.Server(ucfg) if variant in ("plain", "mixplain") else RouterServer(ucfg)
     server.run()
     return 0
 
