@@ -212,6 +212,13 @@ async def overload(router: str, alias: str, rps: float, duration_s: float, bound
     return {"sent": len(sents), "kinds": dict(kinds), "sents": sents}
 
 
+def overload_examples(o: dict, k: int = 5) -> list[str]:
+    """The outcomes of the open loop that were neither served nor a typed 429 with Retry-After."""
+    odd = [s for s in o["sents"] if not s.outcome.ok and not (s.outcome.status == 429 and s.outcome.typed_error
+                                                              and s.outcome.retry_after)]
+    return [f"{s.kind} stream={s.stream}: {s.outcome.describe()}" for s in odd[:k]]
+
+
 async def main_async(a: argparse.Namespace) -> int:
     aliases = (a.native_alias, a.express_alias)
     bad = 0
@@ -235,6 +242,8 @@ async def main_async(a: argparse.Namespace) -> int:
     if a.overload_s > 0:
         o = await overload(a.router, a.native_alias, a.overload_rps, a.overload_s, a.bound_s, a.seed)
         print(f"overload: {a.overload_rps:g} req/s for {a.overload_s:g}s: sent={o['sent']} {o['kinds']}", flush=True)
+        for line in overload_examples(o):
+            print("  " + line, flush=True)
         bad += sum(v for k, v in o["kinds"].items() if k not in ("served", "429"))
     return 1 if bad else 0
 
