@@ -6,7 +6,10 @@
 # Steps (each timed): Docker engine + Compose v2 (installed and started when missing; needs root), the offline
 # base images (scripts/build-offline-base.sh: no image registry needed), the torch wheel staged into the build
 # context, `compose/check-configs.sh`, `docker compose up -d --build --wait`, `scripts/smoke.py` (bare venv and as
-# a compose service), the images' checks, the chaos soak (`scripts/soak.py --compose`: mixed traffic on both
+# a compose service), the images' checks, closed by default (the node's /pd/*, /decode_status, /capabilities and
+# vLLM's /v1/* answer 401 without the secrets secrets-init generated), bursts (`scripts/burst.py`: 256 mixed
+# requests x BURST_ROUNDS, 0 lost / broken / refused, exact, then an open loop over capacity: served or a typed 429),
+# the chaos soak (`scripts/soak.py --compose`: mixed traffic on both
 # lanes, stream and non-stream, client disconnects, while decode containers are SIGKILLed / SIGSTOPped and
 # brought back; fails on any lost or broken answer, stuck lease or inexact output), and always
 # `docker compose down -v` (KEEP_STACK=1 leaves the stack up). Service logs are printed when a step fails.
@@ -18,6 +21,7 @@
 # Env: OFFLINE_BASE=1 (0 = use upstream python:3.11-slim-bookworm / debian:bookworm-slim from a registry),
 #      BUILD_CA_BUNDLE (default: the system bundle when present: TLS-intercepting proxies), UP_TIMEOUT (s, 1200),
 #      PYTHON (the interpreter a fresh, empty venv is made from to run smoke.py: stdlib only; default python3),
+#      BURST_ROUNDS (3: bursts of 256 before the soak, with SOAK=1),
 #      KEEP_STACK=0, SOAK=1, SOAK_PYTHON (.venv/bin/python), SOAK_S (seconds of traffic and faults, 60),
 #      SOAK_SEED (2: its fault schedule pauses decode-express at 14 s, decode-native at 29 s and kills
 #      decode-express at 43 s, so one CI soak has all three; traffic goes on while it is down), SOAK_ARGS (more scripts/soak.py arguments),
@@ -188,6 +192,42 @@ soak() {  # the chaos soak, CI-sized, on the stack brought up above (COMPOSE_FIL
     ${SOAK_ARGS:-}
 }
 
+closed() {  # closed by default: without the secrets secrets-init generated, the node and vLLM answer 401
+  "$SOAK_PYTHON" - "${EXPRESS_HTTP_PUBLISH_PORT:-5557}" "${PREFILL_PUBLISH_PORT:-8000}" <<'PY'
+import sys
+import urllib.error
+import urllib.request
+
+node, prefill = (f"http://127.0.0.1:{p}" for p in sys.argv[1:3])
+bad = []
+for method, url in (("GET", node + "/decode_status"), ("GET", node + "/capabilities"), ("POST", node + "/pd/cancel"),
+                    ("POST", node + "/pd/reserve"), ("GET", prefill + "/v1/models")):
+    req = urllib.request.Request(url, method=method, data=b"{}" if method == "POST" else None,
+                                 headers={"Content-Type": "application/json"})
+    try:
+        status = urllib.request.urlopen(req, timeout=10).status
+    except urllib.error.HTTPError as e:
+        status = e.code
+    print(f"{method} {url} without a secret: {status}")
+    if status != 401:
+        bad.append(url)
+sys.exit(1 if bad else 0)
+PY
+}
+
+burst() {  # bursts of 256 mixed requests x BURST_ROUNDS, exactness, then 10 s open loop over capacity (scripts/burst.py)
+  [[ "$SOAK" == "1" ]] || return 0
+  local keyfile
+  keyfile="$(mktemp)"
+  docker compose exec -T router cat /run/expresslane/secrets/vllm_api_key > "$keyfile" || { rm -f "$keyfile"; return 1; }
+  "$SOAK_PYTHON" scripts/burst.py --router "http://127.0.0.1:${ROUTER_PUBLISH_PORT:-8080}" \
+    --prefill "http://127.0.0.1:${PREFILL_PUBLISH_PORT:-8000}" --rounds "${BURST_ROUNDS:-3}" --n 256 \
+    --vllm-api-key-file "$keyfile" --overload-s 10 --overload-rps 20
+  local rc=$?
+  rm -f "$keyfile"
+  return $rc
+}
+
 down() {
   if [[ "$KEEP_STACK" == "1" ]]; then log "KEEP_STACK=1: leaving the stack up (docker compose down -v to remove)"; return 0; fi
   docker compose down -v --remove-orphans
@@ -200,7 +240,8 @@ step "offline base images" base_images || rc=1
 [[ $rc == 0 ]] && { step "compose configs" compose/check-configs.sh || rc=1; }
 if [[ $rc == 0 ]]; then
   if step "build + up --wait" up && step "smoke (bare venv)" smoke && step "smoke (compose run)" compose_smoke \
-     && step "images: code, non-root" images && step "chaos soak" soak; then
+     && step "images: code, non-root" images && step "closed by default" closed && step "bursts" burst \
+     && step "chaos soak" soak; then
     :
   else
     rc=1

@@ -11,6 +11,12 @@ router reads the same compose/config/router.yaml; only the environment differs (
 127.0.0.1, ports from the defaults or shifted by --port-base). State (pids, logs, env) lives in
 var/dev-stack/. The pytest fixture `live_stack` (tests/conftest.py) drives the same `DevStack` class.
 
+Closed by default (`up`, as the compose stack's secrets-init): the stack's internal secrets (the express node's
+token, the control-plane peer secret, vLLM's API key) are generated on the first start into <state>/secrets/
+(mode 0600, reused by later starts) and handed to the services as NAME_FILE; `--open` starts without them. A NAME
+or NAME_FILE already set in the environment wins. The router itself stays open on 127.0.0.1 (no client API keys).
+The DevStack class is open unless `secure=True` (the test fixtures call the upstreams directly).
+
 Fault injection acts on one service's whole process group (the launcher execs the server; vLLM's engine
 core is its child), as `docker compose kill|pause|unpause|restart` acts on a container:
   kill SERVICE     SIGKILL (`--signal TERM` etc. for another signal); the service stays down
@@ -25,6 +31,7 @@ import argparse
 import dataclasses
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -51,6 +58,10 @@ DEFAULT_PORTS = {
     "EXPRESS_CTRL_PORT": 5556,
 }
 
+# The stack's internal secrets: variable -> file name under <state>/secrets/ (docs/security.md).
+INTERNAL_SECRETS = {"EXPRESS_NODE_TOKEN": "express_node_token", "EXPRESSLANE_PEER_SECRET": "expresslane_peer_secret",
+                    "VLLM_API_KEY": "vllm_api_key"}
+
 # Service name -> (launcher, health path, port variable). Start order matters only for readiness.
 SERVICES = {
     "prefill": ("prefill.sh", "/health", "PREFILL_PORT"),
@@ -75,6 +86,7 @@ class DevStack:
     python: str = sys.executable
     extra_env: dict[str, str] = dataclasses.field(default_factory=dict)
     start_timeout_s: float = 900.0
+    secure: bool = False  # generate the internal secrets (INTERNAL_SECRETS) into state_dir/secrets
 
     def __post_init__(self) -> None:
         self.model_dir = Path(self.model_dir)
@@ -128,10 +140,42 @@ class DevStack:
             }
         )
         env.update({k: v for k, v in cpu_split().items() if k not in os.environ})
+        if self.secure:
+            env.update(self.secret_files())
         # The launchers run `$PYTHON -m ...`; make the venv's console scripts visible too.
         env["PATH"] = f"{Path(self.python).parent}{os.pathsep}{env.get('PATH', '')}"
         env.update(self.extra_env)
         return env
+
+    def secret_files(self) -> dict[str, str]:
+        """NAME_FILE -> path of each internal secret not set in the environment, generated once (mode 0600)."""
+        out = {}
+        folder = self.state_dir / "secrets"
+        for name, file_name in INTERNAL_SECRETS.items():
+            if any(src.get(k) for src in (os.environ, self.extra_env) for k in (name, f"{name}_FILE")):
+                continue
+            folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+            path = folder / file_name
+            if not path.exists():
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+                with os.fdopen(fd, "w") as f:
+                    f.write(secrets.token_urlsafe(32))
+            out[f"{name}_FILE"] = str(path)
+        return out
+
+    def secret(self, name: str) -> str | None:
+        """An internal secret's value as the services got it (generated, or from the environment); None if unset."""
+        value = self.extra_env.get(name) or os.environ.get(name)
+        path = self.extra_env.get(f"{name}_FILE") or os.environ.get(f"{name}_FILE")
+        generated = self.state_dir / "secrets" / INTERNAL_SECRETS.get(name, name)
+        if not value and not path and generated.exists():
+            path = str(generated)
+        return value or (Path(path).read_text().strip() if path else None)
+
+    def auth_headers(self, name: str = "EXPRESS_NODE_TOKEN") -> dict[str, str]:
+        """Authorization for a direct call to a service (express node: EXPRESS_NODE_TOKEN; vLLM: VLLM_API_KEY)."""
+        token = self.secret(name)
+        return {"Authorization": f"Bearer {token}"} if token else {}
 
     # ---- lifecycle -------------------------------------------------------------------------
     def ensure_model(self) -> None:
@@ -395,12 +439,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--state-dir", type=Path, default=DEFAULT_STATE)
     ap.add_argument("--port-base", type=int, default=0, help="added to every default port")
     ap.add_argument("--only", default=",".join(SERVICES), help="comma-separated services to start")
+    ap.add_argument("--open", action="store_true", help="no generated internal secrets (node token, control-plane "
+                                                         "peer secret, vLLM API key): every service open")
     args = ap.parse_args(argv)
     stack = DevStack(
         model_dir=args.model_dir,
         state_dir=args.state_dir,
         port_base=args.port_base,
         services=tuple(s for s in args.only.split(",") if s),
+        secure=not args.open,
     )
     if args.command in ("kill", "pause", "resume", "restart"):
         if args.service is None:
@@ -422,6 +469,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "up":
         stack.start()
         print(f"up: router {stack.router_url}  (logs in {stack.state_dir}; stop with `dev_stack.py down`)")
+        print(f"  the router is open on 127.0.0.1; " + (
+            f"internal secrets (node token, peer secret, vLLM API key) in {stack.state_dir / 'secrets'}"
+            if stack.secure else "--open: the nodes, the control plane and vLLM are open too"))
         for name, state in stack.status().items():
             print(f"  {name:15s} {state}")
         return 0

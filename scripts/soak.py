@@ -55,6 +55,8 @@ class Endpoints:
     prefill: str
     health: dict[str, str]  # service -> health URL
     express_status: str | None = None  # the express node's /decode_status
+    node_headers: dict[str, str] = field(default_factory=dict)  # the node token (a closed stack: /decode_status)
+    prefill_headers: dict[str, str] = field(default_factory=dict)  # vLLM's API key (the reference calls)
     connector_metrics: str | None = None  # the prefill connector's /metrics (dev stack)
     prometheus: str | None = None  # a Prometheus that scrapes the prefill connector (compose: it is not published)
 
@@ -65,14 +67,16 @@ class DevStackTarget:
     def __init__(self, state_dir: Path, port_base: int, restart_env: dict[str, str] | None = None):
         from dev_stack import DevStack
 
-        self.stack = DevStack(state_dir=state_dir, port_base=port_base)
+        # a stack started closed (`dev_stack.py up`) is restarted with the same generated secrets
+        self.stack = DevStack(state_dir=state_dir, port_base=port_base, secure=(state_dir / "secrets").is_dir())
         self.restart_env = restart_env or {}
         s = self.stack
         self.endpoints = Endpoints(
             router=s.router_url, prefill=s.prefill_url,
             health={"decode-express": s.express_url + "/health", "decode-native": s.native_url + "/health",
                     "prefill": s.prefill_url + "/health"},
-            express_status=s.express_url + "/decode_status", connector_metrics=s.connector_metrics_url + "/metrics")
+            express_status=s.express_url + "/decode_status", connector_metrics=s.connector_metrics_url + "/metrics",
+            node_headers=s.auth_headers("EXPRESS_NODE_TOKEN"), prefill_headers=s.auth_headers("VLLM_API_KEY"))
 
     def kill(self, service: str) -> None:
         self.stack.kill(service)
@@ -111,7 +115,15 @@ class ComposeTarget:
             router=url["router"], prefill=url["prefill"],
             health={"decode-express": url["decode-express"] + "/health",
                     "decode-native": url["decode-native"] + "/health", "prefill": url["prefill"] + "/health"},
-            express_status=url["decode-express"] + "/decode_status", prometheus=url.get("prometheus"))
+            express_status=url["decode-express"] + "/decode_status", prometheus=url.get("prometheus"),
+            node_headers=self._bearer("express_node_token"), prefill_headers=self._bearer("vllm_api_key"))
+
+    def _bearer(self, name: str) -> dict[str, str]:
+        """Authorization with a secret the default stack generated (secrets-init), read where the router reads it;
+        none when the stack has no such file (an open stack, or secrets from elsewhere: production overlay)."""
+        p = subprocess.run(self.base + ["exec", "-T", "router", "cat", f"/run/expresslane/secrets/{name}"],
+                           capture_output=True, text=True, timeout=60, cwd=REPO)
+        return {"Authorization": f"Bearer {p.stdout.strip()}"} if p.returncode == 0 and p.stdout.strip() else {}
 
     @staticmethod
     def _run(cmd: list[str]) -> str:
@@ -275,7 +287,7 @@ async def _references(ep: Endpoints, o: Options, served: list[Sent], parallel: i
     todo = {_ref_key(s): s for s in served}
     out: dict[str, str | None] = {}
     sem = asyncio.Semaphore(parallel)
-    async with httpx.AsyncClient(timeout=120, trust_env=False) as client:
+    async with httpx.AsyncClient(timeout=120, trust_env=False, headers=ep.prefill_headers) as client:
         async def one(key: str, s: Sent) -> None:
             body = dict(s.body, model=o.model, stream=False)
             path = "/v1/chat/completions" if s.kind == "chat" else "/v1/completions"
@@ -320,7 +332,8 @@ def _stuck(ep: Endpoints) -> dict[str, float]:
             out["staging_slots_in_use"] = in_use
     if ep.express_status:
         try:
-            out["express_node_busy"] = 0.0 if httpx.get(ep.express_status, timeout=2, trust_env=False).json().get(
+            out["express_node_busy"] = 0.0 if httpx.get(ep.express_status, timeout=2, trust_env=False,
+                                                                 headers=ep.node_headers).json().get(
                 "state") == "idle" else 1.0
         except (httpx.HTTPError, ValueError):
             out["express_node_busy"] = 1.0

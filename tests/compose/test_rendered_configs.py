@@ -222,3 +222,25 @@ def test_grafana_starts_with_a_password_file_or_makes_a_random_one(tmp_path):
     made = (tmp_path / "admin-password").read_text()
     assert len(made) == 24 and made != "admin" and "/run.sh" in proc.stderr
     assert made not in proc.stderr + proc.stdout  # never logged
+
+
+def test_the_default_stack_is_closed_by_generated_secrets():
+    """secrets-init writes the internal secrets into a volume mounted read-only in exactly the services that read
+    them, which name the files (never a value); production leaves secrets-init out (its own secret files)."""
+    services = render([BASE])["services"]
+    readers = {name for name, svc in services.items()
+               if any(v.get("source") == "internal-secrets" for v in svc.get("volumes", []))}
+    assert readers == {"secrets-init", "prefill", "decode-native", "decode-express", "router"}
+    for name in readers - {"secrets-init"}:
+        mount = next(v for v in services[name]["volumes"] if v.get("source") == "internal-secrets")
+        assert mount["read_only"] is True, name
+        assert services[name]["depends_on"].get("secrets-init", {}).get("condition") in (
+            None, "service_completed_successfully"), name
+    want = {"prefill": {"VLLM_API_KEY_FILE", "EXPRESSLANE_PEER_SECRET_FILE"}, "decode-native": {"VLLM_API_KEY_FILE"},
+            "decode-express": {"EXPRESS_NODE_TOKEN_FILE", "EXPRESSLANE_PEER_SECRET_FILE"},
+            "router": {"VLLM_API_KEY_FILE", "EXPRESS_NODE_TOKEN_FILE"}}
+    for name, names in want.items():
+        env = services[name]["environment"]
+        assert all(env[n].startswith("/run/expresslane/secrets/") for n in names), (name, env)
+        assert not any(env.get(n[:-5]) for n in names), name
+    assert "secrets-init" not in render([BASE, PROD], NODES)["services"]

@@ -1,5 +1,6 @@
-"""Hostile peers against a LIVE express node (the whole stack as real processes, with a peer secret and a
-destination allow-list), while an exact express request is served.
+"""Hostile peers against a LIVE express node (the whole stack as real processes, closed as `dev_stack.py up` starts
+it: the peer secret, node token and vLLM key it generates; plus a destination allow-list), while an exact express
+request is served.
 
 Acceptance of issue 12: garbage bytes, a huge length prefix, an unauthenticated admit, a wrong secret,
 replayed frames and 1,000 idle connections are each refused without the node's NIXL metadata leaking; an
@@ -24,17 +25,14 @@ from expresslane.engine.protocol import auth as a
 from expresslane.engine.protocol import messages as m
 from expresslane.engine.protocol.layout import KVLayoutSpec
 
-SECRET = "integration-peer-secret-not-for-production"
-
-
 @pytest.fixture(scope="module")
 def secured_stack(tiny_model_dir, tmp_path_factory):
     base = int(os.environ.get("EXPRESSLANE_TEST_PORT_BASE", "20000")) + 300
     ctrl = 5556 + base
     stack = DevStack(model_dir=tiny_model_dir, state_dir=tmp_path_factory.mktemp("secured-stack"), port_base=base,
                      services=("prefill", "decode-express", "router"),  # no native lane: nothing here uses it
-                     extra_env={"EXPRESSLANE_PEER_SECRET": SECRET,
-                                "EXPRESSLANE_ALLOWED_DESTINATIONS": f"127.0.0.1:{ctrl}"})
+                     secure=True,  # the default stack's generated secrets (docs/security.md)
+                     extra_env={"EXPRESSLANE_ALLOWED_DESTINATIONS": f"127.0.0.1:{ctrl}"})
     stack.start()
     try:
         yield stack
@@ -43,8 +41,10 @@ def secured_stack(tiny_model_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def http():
-    with httpx.Client(timeout=httpx.Timeout(300.0, connect=5.0)) as c:
+def http(secured_stack):
+    """vLLM's generated API key on every call (the reference calls go to the prefill directly; the router, without
+    client keys, ignores it)."""
+    with httpx.Client(timeout=httpx.Timeout(300.0, connect=5.0), headers=secured_stack.auth_headers("VLLM_API_KEY")) as c:
         yield c
 
 

@@ -225,3 +225,21 @@ def test_router_never_ready_is_a_stack_error_with_the_body(tmp_path):
             stack.wait_router_ready(timeout_s=1.0)
     finally:
         router.close()
+
+
+def test_a_closed_stack_generates_its_internal_secrets_once_and_the_environment_wins(tmp_path, monkeypatch):
+    for name in dev_stack.INTERNAL_SECRETS:
+        monkeypatch.delenv(name, raising=False)
+        monkeypatch.delenv(f"{name}_FILE", raising=False)
+    stack = DevStack(state_dir=tmp_path, secure=True, extra_env={"VLLM_API_KEY": "mine"})
+    env = stack.env()
+    files = {k: Path(v) for k, v in env.items() if k.endswith("_FILE") and k[:-5] in dev_stack.INTERNAL_SECRETS}
+    assert set(files) == {"EXPRESS_NODE_TOKEN_FILE", "EXPRESSLANE_PEER_SECRET_FILE"}  # VLLM_API_KEY: the caller's
+    values = {k: p.read_text() for k, p in files.items()}
+    assert all(len(v) >= 40 for v in values.values()) and len(set(values.values())) == 2
+    assert all(p.stat().st_mode & 0o777 == 0o600 for p in files.values())
+    assert {k: Path(v).read_text() for k, v in stack.env().items() if k in files} == values  # kept on restart
+    assert stack.auth_headers() == {"Authorization": f"Bearer {values['EXPRESS_NODE_TOKEN_FILE']}"}
+    assert stack.auth_headers("VLLM_API_KEY") == {"Authorization": "Bearer mine"}
+    assert not any(k.endswith("_FILE") for k in DevStack(state_dir=tmp_path / "open").env() if k[:-5] in
+                   dev_stack.INTERNAL_SECRETS)  # the class is open unless secure=True

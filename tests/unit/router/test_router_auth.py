@@ -164,3 +164,12 @@ async def test_no_keys_means_open_with_one_warning(make_client, vllm, caplog):  
     async with make_client(make_config(), secrets=RouterSecrets()) as (c, _):
         assert (await c.post("/v1/completions", json=CLIENT)).status_code == 200
     assert sum("no client API keys configured" in r.message for r in caplog.records) == 1
+
+
+async def test_the_open_warning_names_the_listen_address_and_missing_upstream_secrets(make_client, vllm, caplog):  # noqa: F811
+    caplog.set_level(logging.WARNING)
+    async with make_client(make_config(), secrets=RouterSecrets(vllm_api_key="vk")):
+        pass
+    text = caplog.text
+    assert "open to anyone who can reach 0.0.0.0:8080" in text and "127.0.0.1" in text
+    assert "EXPRESS_NODE_TOKEN not set" in text and "VLLM_API_KEY and" not in text  # the key that is set is not named

@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 
-from ._kit import EXPRESS, NATIVE, PREFILL, make_config, ndjson, parse_sse
+from ._kit import EXPRESS, NATIVE, PREFILL, config_dict, make_config, ndjson, parse_config, parse_sse
 
 PROMPT_IDS = [5, 6, 7, 8, 9, 10]
 TEXT = " hello world, hello router"
@@ -245,15 +245,15 @@ async def test_node_unreachable_is_503(make_client, node, upstreams):
         raise httpx.ConnectError("refused")
 
     upstreams.on(EXPRESS, "/pd/decode", refused)
-    async with make_client() as (client, app):
+    async with make_client(make_config(outlier={"consecutive_failures": 2})) as (client, app):
         r = await client.post("/v1/completions", json=COMP)
         assert gate_of(app).busy_count == 0
-        assert not app.state.lanes.ctx.healthy(EXPRESS)  # passive ejection
-        r2 = await client.post("/v1/completions", json=COMP)  # known down: no prefill, no reserve
-    assert r.status_code == 503 and r2.status_code == 503
-    assert len(upstreams.bodies(PREFILL, "/v1/completions")) == 1
-    assert len(upstreams.bodies(EXPRESS, "/pd/reserve")) == 1
-    assert "no_healthy_node" in r2.json()["error"]["message"]
+        r2 = await client.post("/v1/completions", json=COMP)
+        metrics = (await client.get("/metrics")).text
+        assert app.state.lanes.ctx.available("express", EXPRESS)  # request errors never eject a pool's last node
+    assert r.status_code == 503 and r2.status_code == 503 and "refused" in r2.json()["error"]["message"]
+    assert ('expresslane_router_outlier_decisions_total{decision="keep",node="express:5557",pool="express",'
+            'reason="last_serving_node"} 1.0') in metrics  # the second failure in a row tripped the rule
 
 
 async def test_error_line_mid_stream_becomes_an_sse_error_event(make_client, node, upstreams):
@@ -525,3 +525,23 @@ async def test_generation_config_max_new_tokens_is_the_default_budget(upstreams,
                 assert (await client.post("/v1/" + ("chat/completions" if "messages" in body else "completions"),
                                           json=body)).status_code == 200
     assert [d["max_tokens"] for d in upstreams.bodies(EXPRESS, "/pd/decode")] == [3, 9, 16]
+
+
+async def test_max_model_len_is_asked_once_for_a_burst_on_a_fresh_router(make_client, node, upstreams):
+    """Without max_model_len in the config, the express lane learns it from the prefill's /v1/models: one call that
+    a burst of requests on a fresh router shares (it once sent one per request, and a busy prefill timed them out)."""
+    calls = []
+
+    async def models(request, body):
+        calls.append(request.url.path)
+        await asyncio.sleep(0.2)
+        return httpx.Response(200, json={"data": [{"id": "served", "max_model_len": 64}]})
+
+    upstreams.on(PREFILL, "/v1/models", models)
+    d = config_dict()
+    d["max_model_len"] = None
+    d["aliases"]["tiny-x"]["queue"] = {"max_waiting": 8, "max_wait_s": 5, "when_full": "reject"}
+    async with make_client(parse_config(d)) as (client, app):
+        rs = await asyncio.gather(*(client.post("/v1/completions", json=COMP) for _ in range(5)))
+    assert [r.status_code for r in rs] == [200] * 5, [r.text for r in rs]
+    assert calls == ["/v1/models"]

@@ -116,7 +116,8 @@ def _config(up: str, dead: str) -> dict:
         "tokenizer_dir": "/unused",
         "max_model_len": 64,
         "timeouts": {"connect_s": 2, "prefill_s": 5, "decode_s": 5, "kv_wait_s": 3, "cancel_s": 1},
-        "health": {"enabled": False, "passive_threshold": 1000},  # a failed leg does not eject (the cases stay apart)
+        "health": {"enabled": False},
+        "outlier": {"enabled": False},  # a failed leg does not eject (the cases stay apart)
         "limits": {"max_body_bytes": 2048, "max_json_depth": 8},
         "pools": {
             "native": {"kind": "native", "nodes": [up + "/decode"]},

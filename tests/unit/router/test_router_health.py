@@ -25,13 +25,13 @@ class Clock:
 
 def test_breaker_opens_after_threshold_then_half_open_then_closed():
     clock = Clock()
-    b = CircuitBreaker(HealthConfig(unhealthy_threshold=2, passive_threshold=1, open_s=3, healthy_threshold=2), clock)
+    b = CircuitBreaker(HealthConfig(unhealthy_threshold=2, open_s=3, healthy_threshold=2), clock)
     assert b.state is BreakerState.CLOSED and b.allows_traffic()
-    assert not b.failure("probe_timeout", passive=False)  # 1 of 2 probe failures
+    assert not b.failure("probe_timeout")  # 1 of 2 probe failures
     assert b.state is BreakerState.CLOSED
     b.success()  # resets the count
-    assert not b.failure("probe_timeout", passive=False)
-    assert b.failure("probe_timeout", passive=False)  # 2 in a row: ejected
+    assert not b.failure("probe_timeout")
+    assert b.failure("probe_timeout")  # 2 in a row: ejected
     assert b.state is BreakerState.OPEN and not b.allows_traffic() and b.reason == "probe_timeout"
     clock.t += 2.9
     assert b.state is BreakerState.OPEN
@@ -42,21 +42,21 @@ def test_breaker_opens_after_threshold_then_half_open_then_closed():
     assert b.state is BreakerState.CLOSED and b.reason is None
 
 
-def test_breaker_half_open_failure_reopens_and_passive_threshold_is_one():
+def test_breaker_half_open_failure_reopens():
     clock = Clock()
-    b = CircuitBreaker(HealthConfig(open_s=1), clock)
-    assert b.failure("connect", passive=True)  # one connect error ejects
+    b = CircuitBreaker(HealthConfig(open_s=1, unhealthy_threshold=1), clock)
+    assert b.failure("probe_connect")
     clock.t += 1
     assert b.state is BreakerState.HALF_OPEN
-    assert b.failure("probe_connect", passive=False)  # one failure in half-open: back to OPEN
+    assert b.failure("probe_connect")  # one failure in half-open: back to OPEN
     assert b.state is BreakerState.OPEN and b.opened_at == clock.t
-    assert not b.failure("connect", passive=True)  # already open: no second ejection
+    assert not b.failure("probe_connect")  # already open: no second ejection
 
 
 def test_breaker_without_probes_lets_a_trial_request_through_in_half_open():
     clock = Clock()
-    b = CircuitBreaker(HealthConfig(open_s=1), clock, trial_traffic=True)
-    b.failure("connect", passive=True)
+    b = CircuitBreaker(HealthConfig(open_s=1, unhealthy_threshold=1), clock, trial_traffic=True)
+    b.failure("probe_connect")
     assert not b.allows_traffic()
     clock.t += 1
     assert b.allows_traffic() and b.state is BreakerState.HALF_OPEN

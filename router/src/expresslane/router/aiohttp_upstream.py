@@ -60,7 +60,7 @@ class _AiohttpBody(httpx.AsyncByteStream):
 class AiohttpTransport(httpx.AsyncBaseTransport):
     """One aiohttp ClientSession (made on first use, inside the running loop); closed by the httpx client."""
 
-    def __init__(self, *, max_connections: int = 512, keepalive_expiry_s: float = 5.0) -> None:
+    def __init__(self, *, max_connections: int = 512, keepalive_expiry_s: float = 2.0) -> None:
         self._max_connections = max_connections
         self._keepalive_s = keepalive_expiry_s
         self._session: aiohttp.ClientSession | None = None

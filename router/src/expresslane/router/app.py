@@ -179,11 +179,12 @@ def create_app(config: RouterConfig, *, secrets: RouterSecrets | None = None,
             assert config.tokenizer_dir is not None
             mt = await anyio.to_thread.run_sync(load_model_text, config.tokenizer_dir)
         t = config.timeouts
-        oneshot = H1Pool() if transport is None else None
+        oneshot = H1Pool(keepalive_expiry_s=t.upstream_keepalive_s) if transport is None else None
         async with contextlib.AsyncExitStack() as stack, httpx.AsyncClient(
-                transport=transport or AiohttpTransport(), trust_env=False,  # aiohttp's pool (aiohttp_upstream.py)
-                timeout=httpx.Timeout(t.decode_s, connect=t.connect_s),
-                limits=httpx.Limits(max_connections=512, max_keepalive_connections=64),
+                transport=transport or AiohttpTransport(keepalive_expiry_s=t.upstream_keepalive_s), trust_env=False,
+                timeout=httpx.Timeout(t.decode_s, connect=t.connect_s),  # (aiohttp's pool: aiohttp_upstream.py)
+                limits=httpx.Limits(max_connections=512, max_keepalive_connections=64,
+                                    keepalive_expiry=t.upstream_keepalive_s),
                 event_hooks={"request": [upstream_request_id_hook]}) as client:  # X-Request-Id on both legs
             # one-shot calls (JSON legs, probes) on their own keep-alive pool (h1_pool.py); a test's own
             # transport gets them through httpx
@@ -196,6 +197,8 @@ def create_app(config: RouterConfig, *, secrets: RouterSecrets | None = None,
             express = ExpressLane(ctx, {n: p for n, p in config.pools.items() if isinstance(p, ExpressPool)},
                                   native, mt)
             app.state.lanes = Lanes(ctx, native, express)
+            if express.pools:
+                ctx.background(express.prefetch_model_len())  # before a burst needs it (express.py)
             # ---- front door: capability routing and the endpoints beside completions ----
             app.state.capabilities = CapabilityRouter(
                 config, client, secrets, reroutes, clock,
@@ -247,8 +250,16 @@ def create_app(config: RouterConfig, *, secrets: RouterSecrets | None = None,
 
     # ---- auth (auth.py): every route but /health, /ready, /metrics ----
     if not keys.enabled:
+        where = f"{config.listen.host}:{config.listen.port}"
         log.warning("no client API keys configured (ROUTER_API_KEYS / ROUTER_API_KEY): the router is open to "
-                    "anyone who can reach it")
+                    "anyone who can reach %s. The default stacks publish it on 127.0.0.1 only (compose "
+                    "PUBLISH_ADDRESS, the dev stack's BIND_HOST); set ROUTER_API_KEYS before exposing it further",
+                    where)
+    missing = [n for n, v in (("VLLM_API_KEY", secrets.vllm_api_key), ("EXPRESS_NODE_TOKEN", secrets.express_node_token))
+               if not v]
+    if missing:
+        log.warning("%s not set: the router calls its upstreams without them, so they must be open too (the default "
+                    "stacks generate them: docs/security.md)", " and ".join(missing))
 
     def authenticate(scope: Scope, authorization: str | None) -> ApiKey | None:
         try:

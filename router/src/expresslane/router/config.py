@@ -22,7 +22,7 @@ Schema (see compose/config/router.yaml for a commented example):
                  Unset = asked once from the prefill's /v1/models.
   tool_call_parser: the vLLM servers' --tool-call-parser (default hermes; null = off), see tools.py
   return_tokens_as_token_ids: the native decode servers' --return-tokens-as-token-ids (logprobs token names)
-  timeouts:      {connect_s, prefill_s, decode_s, kv_wait_s, cancel_s}
+  timeouts:      {connect_s, prefill_s, decode_s, kv_wait_s, cancel_s, upstream_keepalive_s}
   pools:         name -> native pool {kind: native, nodes: [url...], model?}
                       | express pool {kind: expresslane|tilert, nodes: [{url, ctrl_host, ctrl_port}],
                                       queue: {max_waiting, max_wait_s, when_full, spill_to, retry_after_s},
@@ -45,6 +45,7 @@ from typing import Annotated, Literal, Union
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from .outlier import OutlierConfig  # front-door: ejection by the request path's failures (outlier.py)
 from .resilience import HealthConfig, ResilienceConfig  # router-path's sections (health.py, lanes/)
 
 __all__ = [
@@ -103,6 +104,12 @@ class Timeouts(_Strict):
     kv_wait_s: float = Field(15.0, gt=0)  # router-path: was 120 (a prefill failure now reaches the node at once)
     # Budget for POST /pd/cancel on client disconnect (the node is released after it either way).
     cancel_s: float = Field(1.0, gt=0)
+    # An idle upstream connection is reused only this long (both clients). It must stay well under the upstreams'
+    # own idle close (uvicorn's timeout_keep_alive: 5 s in vLLM and the express node): the router's idle clock
+    # starts when it has READ a reply, the server's when it SENT it, so a busy router sees a connection younger
+    # than the server does; at equal values (as before) a POST went out on a connection the server was closing
+    # and failed with "Server disconnected" (docs/operations.md, "Transport errors under bursts").
+    upstream_keepalive_s: float = Field(2.0, gt=0, le=4.0)
 
 
 class QueueConfig(_Strict):
@@ -202,6 +209,7 @@ class RouterConfig(_Strict):
     aliases: dict[str, Alias] = Field(min_length=1)
     lanes: dict[Lane, str] = Field(default_factory=dict)
     health: HealthConfig = HealthConfig()  # router-path (resilience.py)
+    outlier: OutlierConfig = OutlierConfig()  # front-door (outlier.py)
     resilience: ResilienceConfig = ResilienceConfig()  # router-path (resilience.py)
 
     @field_validator("tool_call_parser")

@@ -19,6 +19,11 @@ and the route's request/response wrapper, each with its own coroutine frame and,
 The Starlette routes of the two paths stay: they answer the other methods (405 with `Allow: POST`), and with
 `fast_path=False` (create_app) all of it, the old path the byte-identity tests compare with
 (tests/unit/router/test_router_fastpath.py).
+
+Measured 2026-12-04 (docs/bench/2026-12-04-one-client): this module and http_protocol.py together save about 0.3 ms of
+router CPU per non-streaming request (1.63 ms with them, 1.94 ms with Starlette's routing and stock uvicorn: +19 %,
+per round +8 to +31 %; streams: no difference). At the edge of the 20 % the project allows for deleting them: a
+longer interleaved run on a quiet host decides.
 """
 
 from __future__ import annotations

@@ -1,19 +1,27 @@
-"""Upstream health: one circuit breaker per upstream, fed by active probes and by the request path.
+"""Upstream health: active probes decide whether a node is DOWN (a circuit breaker per upstream); the request
+path's failures feed outlier detection per pool (outlier.py), which may take a node out of one pool's traffic for
+a while but never makes a pool's last serving node unavailable.
 
-    CLOSED --(unhealthy_threshold probe failures | passive_threshold request failures)--> OPEN
+Breaker (probes only):
+    CLOSED --(unhealthy_threshold probe failures)--> OPEN
     OPEN --(open_s passed)--> HALF_OPEN
     HALF_OPEN --(healthy_threshold successes)--> CLOSED
     HALF_OPEN --(one failure)--> OPEN (open_s starts again)
 
 Only CLOSED upstreams get traffic while probes run (in HALF_OPEN the probe is the trial). With probes off
-(`health.enabled: false`) a HALF_OPEN upstream takes traffic again and the first request's outcome decides.
+(`health.enabled: false`) the breaker never opens; outlier detection alone takes nodes out of traffic.
 
 Probes: `GET <url>/health` every `interval_s` with `timeout_s` on the prefill, every native node and every
 express node (an express node answers 503 naming the failing check when its engine, control plane or NIXL
-agent is not healthy). Passive reports come from the lanes: connect errors, timeouts, stalls, 503 not_ready.
+agent is not healthy). A request that cannot connect to a node starts a probe round at once (a dead node is
+found by the probes within one round, not only by outlier detection's count).
 
-Metrics: `expresslane_router_upstream_healthy{lane,pool,node}` (1 serving, 0 ejected) and
-`expresslane_router_upstream_ejections_total{lane,pool,node,reason}`.
+Passive reports come from the lanes (connect errors, timeouts, stalls, transport errors, 503 not_ready), with the
+error's message as their cause; every outlier decision is one log line naming the rule, the failure and its cause.
+
+Metrics: `expresslane_router_upstream_healthy{lane,pool,node}` (1 takes traffic, 0 not),
+`expresslane_router_upstream_ejections_total{lane,pool,node,reason}` and
+`expresslane_router_outlier_decisions_total{pool,node,decision,reason}`.
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ import httpx
 
 from .config import ExpressPool, RouterConfig
 from .metrics import RouterMetrics, node_label
+from .outlier import Decision, OutlierConfig, OutlierDetector
 from .resilience import HealthConfig
 from .upstream import OneShotCalls
 
@@ -79,14 +88,13 @@ class CircuitBreaker:
                 return True
         return False
 
-    def failure(self, reason: str, *, passive: bool) -> bool:
-        """Record a failure; True when this ejects the upstream (-> OPEN from CLOSED or HALF_OPEN)."""
+    def failure(self, reason: str) -> bool:
+        """Record a failed probe; True when this ejects the upstream (-> OPEN from CLOSED or HALF_OPEN)."""
         s = self.state
         if s is BreakerState.OPEN:
             return False
         self.failures += 1
-        threshold = self.cfg.passive_threshold if passive else self.cfg.unhealthy_threshold
-        if s is BreakerState.HALF_OPEN or self.failures >= threshold:
+        if s is BreakerState.HALF_OPEN or self.failures >= self.cfg.unhealthy_threshold:
             self._state, self.opened_at, self.reason = BreakerState.OPEN, self._clock(), reason
             self.failures = self.successes = 0
             return True
@@ -110,33 +118,55 @@ class HealthMonitor:
     def __init__(self, config: RouterConfig, metrics: RouterMetrics, *, headers: Callable[[str], dict[str, str]],
                  clock: Callable[[], float] = time.monotonic):
         self.cfg: HealthConfig = config.health
+        self.outlier_cfg: OutlierConfig = config.outlier
         self._metrics = metrics
         self._headers = headers
+        self._clock = clock
         self._listeners: list[Callable[[], None]] = []
+        self._wake: asyncio.Event | None = None
         self.upstreams: dict[str, Upstream] = {}
-        self._add("prefill", config.prefill.url, "vllm", "prefill", clock)
+        self.outliers: dict[str, OutlierDetector] = {}  # pool -> its detector ("prefill": the prefill server)
+        self._add("prefill", config.prefill.url, "vllm", "prefill")
         for name, pool in config.pools.items():
             lane, auth = ("express", "express") if isinstance(pool, ExpressPool) else ("native", "vllm")
             for n in pool.nodes:
-                self._add(lane, n if isinstance(n, str) else n.url, auth, name, clock)
+                self._add(lane, n if isinstance(n, str) else n.url, auth, name)
         for u in self.upstreams.values():
             self._set_gauge(u)
-            for reason in ("connect", "timeout"):
+            for reason in ("probe_connect", "probe_timeout", "consecutive_failures"):
                 for pool in u.pools:
                     metrics.ejections.labels(u.lane, pool, u.node, reason)
 
-    def _add(self, lane: str, url: str, auth: str, pool: str, clock: Callable[[], float]) -> None:
+    def _add(self, lane: str, url: str, auth: str, pool: str) -> None:
         u = self.upstreams.get(url)
         if u is None:
             u = self.upstreams[url] = Upstream(lane, url, auth, breaker=CircuitBreaker(
-                self.cfg, clock, trial_traffic=not self.cfg.enabled))
+                self.cfg, self._clock, trial_traffic=not self.cfg.enabled))
         if pool not in u.pools:
             u.pools.append(pool)
+        self.add_pool(pool, [*self.outliers[pool].nodes, url] if pool in self.outliers else [url])
+
+    def add_pool(self, pool: str, urls: list[str]) -> OutlierDetector:
+        """The outlier detector of `pool` (made on first use; its membership set to `urls`)."""
+        d = self.outliers.get(pool)
+        if d is None:
+            d = self.outliers[pool] = OutlierDetector(pool, urls, self.outlier_cfg, self._clock)
+        else:
+            d.set_nodes(urls)
+        return d
 
     # ---- queries -------------------------------------------------------------------------------
     def healthy(self, url: str) -> bool:
+        """Whether the probes let `url` take traffic (outlier detection aside)."""
         u = self.upstreams.get(url)
         return u is None or u.breaker.allows_traffic()
+
+    def available(self, pool: str, url: str) -> bool:
+        """Whether `url` takes traffic of `pool`: the probes let it, and outlier detection does (or panics)."""
+        if not self.healthy(url):
+            return False
+        d = self.outliers.get(pool)
+        return d is None or d.admits(url, self.healthy)
 
     def on_change(self, callback: Callable[[], None]) -> None:
         self._listeners.append(callback)
@@ -145,7 +175,10 @@ class HealthMonitor:
         """(ready, body): ready when the prefill and at least one decode node take traffic."""
         ups = {u.url: {"lane": u.lane, "pools": u.pools, "state": u.breaker.state.value,
                        "healthy": u.breaker.allows_traffic(), **({"reason": u.breaker.reason}
-                                                                 if u.breaker.reason else {})}
+                                                                 if u.breaker.reason else {}),
+                       **({"ejected_from": ej} if (ej := [p for p in u.pools if p in self.outliers
+                                                          and not self.outliers[p].admits(u.url, self.healthy)])
+                          else {})}
                for u in self.upstreams.values()}
         prefill_up = all(v["healthy"] for v in ups.values() if v["lane"] == "prefill")
         decode_up = any(v["healthy"] for v in ups.values() if v["lane"] != "prefill")
@@ -155,26 +188,47 @@ class HealthMonitor:
     # ---- reports -----------------------------------------------------------------------------------
     def report_success(self, url: str) -> None:
         u = self.upstreams.get(url)
-        if u is not None and u.breaker.success():
+        if u is None:
+            return
+        for pool in u.pools:
+            self.outliers[pool].success(url)
+        if u.breaker.success():  # (HALF_OPEN takes requests only with probes off)
             log.warning("upstream %s (%s) re-admitted", u.url, u.lane)
             self._changed(u)
 
-    def report_failure(self, url: str, reason: str, *, passive: bool = True) -> None:
+    def report_failure(self, url: str, kind: str, cause: str = "") -> None:
+        """A request to `url` failed (`kind`: the UpstreamError kind; `cause`: its message). Outlier detection of
+        each of its pools decides; a connect failure also starts a probe round at once."""
         u = self.upstreams.get(url)
         if u is None:
             return
-        was_serving = u.breaker.allows_traffic()
-        if u.breaker.failure(reason, passive=passive):
-            for pool in u.pools:
-                self._metrics.ejections.labels(u.lane, pool, u.node, reason).inc()
-            log.warning("upstream %s (%s) ejected: %s", u.url, u.lane, reason)
-            self._changed(u)
-        elif was_serving != u.breaker.allows_traffic():
-            self._changed(u)
+        if kind == "connect" and self._wake is not None:
+            self._wake.set()
+        for pool in u.pools:
+            before = self.available(pool, url)
+            decision = self.outliers[pool].failure(url, kind, cause, self.healthy)
+            if decision is not None:
+                self._decided(u, decision)
+            if before != self.available(pool, url):
+                self._changed(u)
+
+    def _decided(self, u: Upstream, d: Decision) -> None:
+        self._metrics.outlier_decisions.labels(d.pool, u.node, d.action, d.reason).inc()
+        if d.action == "eject":
+            self._metrics.ejections.labels(u.lane, d.pool, u.node, d.reason).inc()
+        log.warning("upstream %s (%s): %s", u.url, u.lane, d.describe())
+
+    def _readmissions(self) -> None:
+        for pool, d in self.outliers.items():
+            for decision in d.readmissions():
+                u = self.upstreams.get(decision.node)
+                if u is not None:
+                    self._decided(u, decision)
+                    self._changed(u)
 
     def _set_gauge(self, u: Upstream) -> None:
         for pool in u.pools:
-            self._metrics.upstream_healthy.labels(u.lane, pool, u.node).set(1 if u.breaker.allows_traffic() else 0)
+            self._metrics.upstream_healthy.labels(u.lane, pool, u.node).set(1 if self.available(pool, u.url) else 0)
 
     def _changed(self, u: Upstream) -> None:
         self._set_gauge(u)
@@ -182,6 +236,16 @@ class HealthMonitor:
             cb()
 
     # ---- active probes ---------------------------------------------------------------------------
+    def _probe_failed(self, u: Upstream, reason: str) -> None:
+        was_serving = u.breaker.allows_traffic()
+        if u.breaker.failure(reason):
+            for pool in u.pools:
+                self._metrics.ejections.labels(u.lane, pool, u.node, reason).inc()
+            log.warning("upstream %s (%s) ejected: %s", u.url, u.lane, reason)
+            self._changed(u)
+        elif was_serving != u.breaker.allows_traffic():
+            self._changed(u)
+
     async def probe(self, calls: OneShotCalls, u: Upstream) -> None:
         before = u.breaker.allows_traffic()
         t = self.cfg.timeout_s
@@ -189,40 +253,52 @@ class HealthMonitor:
             status = await calls.get_status(u.url + "/health", headers=self._headers(u.auth),
                                             timeout=httpx.Timeout(t, connect=t))
         except httpx.TimeoutException:
-            self.report_failure(u.url, "probe_timeout", passive=False)
+            self._probe_failed(u, "probe_timeout")
         except httpx.HTTPError:
-            self.report_failure(u.url, "probe_connect", passive=False)
+            self._probe_failed(u, "probe_connect")
         else:
             if status == 200:
-                self.report_success(u.url)
+                if u.breaker.success():
+                    log.warning("upstream %s (%s) re-admitted", u.url, u.lane)
+                    self._changed(u)
             else:
-                self.report_failure(u.url, f"probe_http_{status}", passive=False)
+                self._probe_failed(u, f"probe_http_{status}")
         if before != u.breaker.allows_traffic():
             self._set_gauge(u)  # an OPEN -> HALF_OPEN move seen by the probe also updates the gauge
 
     async def probe_all(self, calls: OneShotCalls) -> None:
         await asyncio.gather(*(self.probe(calls, u) for u in self.upstreams.values()))
+        self._readmissions()
 
     async def run(self, calls: OneShotCalls) -> None:
         """Probe forever (the lifespan cancels it): a round starts every interval_s, however long the last
         one took (a hung node's probe costs timeout_s, and must not slow the detection of the next failure)."""
         loop = asyncio.get_running_loop()
+        self._wake = wake = asyncio.Event()
         while True:
             started = loop.time()
+            wake.clear()
             try:
                 await self.probe_all(calls)
             except Exception:  # a bug in a probe must not stop the monitor
                 log.exception("health probe round failed")
-            await asyncio.sleep(max(0.0, self.cfg.interval_s - (loop.time() - started)))
+            with contextlib.suppress(TimeoutError):  # the next round: at interval_s, or soon after a connect failure
+                await asyncio.wait_for(wake.wait(), max(0.0, self.cfg.interval_s - (loop.time() - started)))
+                await asyncio.sleep(min(0.2, self.cfg.interval_s))  # (a burst of connect failures: one round)
 
     @contextlib.asynccontextmanager
     async def running(self, calls: OneShotCalls):
         """Probe in the background while the body runs (`calls`: the lanes' one-shot calls, LaneContext.calls)."""
-        task = asyncio.create_task(self.run(calls)) if self.cfg.enabled else None
+        task = asyncio.create_task(self.run(calls) if self.cfg.enabled else self.run_readmissions())
         try:
             yield self
         finally:
-            if task is not None:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    async def run_readmissions(self) -> None:
+        """Without probes: report the nodes whose ejection ran out, once a second."""
+        while True:
+            await asyncio.sleep(1.0)
+            self._readmissions()

@@ -31,6 +31,11 @@ connection's loss, told to one subscriber by a plain call from `connection_lost`
 uvicorn marks the cycle disconnected (and so when its `receive()` would answer `http.disconnect`). The handler
 (app.run_until_disconnect) subscribes instead of running a watcher task that waits on `receive()`: one task
 fewer per request (its creation, first step and cancellation).
+
+Measured 2026-12-04 (docs/bench/2026-12-04-one-client): this module and fastpath.py together save about 0.3 ms of
+router CPU per non-streaming request (1.63 ms with them, 1.94 ms with Starlette's routing and stock uvicorn: +19 %,
+per round +8 to +31 %; streams: no difference). At the edge of the 20 % the project allows for deleting them: a
+longer interleaved run on a quiet host decides.
 """
 
 from __future__ import annotations

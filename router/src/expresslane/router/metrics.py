@@ -58,8 +58,13 @@ class RouterMetrics:
         # ---- off the happy path (health.py, lanes/) ----
         self.upstream_healthy = Gauge(P + "upstream_healthy", "1 while an upstream takes traffic, 0 while ejected",
                                       ["lane", "pool", "node"], registry=r)
-        self.ejections = Counter(P + "upstream_ejections_total", "Upstreams ejected by the circuit breaker",
-                                 ["lane", "pool", "node", "reason"], registry=r)
+        self.ejections = Counter(P + "upstream_ejections_total",
+                                 "Upstreams taken out of traffic: by the probes (reason probe_*) or by outlier "
+                                 "detection (reason: the rule that tripped)", ["lane", "pool", "node", "reason"],
+                                 registry=r)
+        self.outlier_decisions = Counter(P + "outlier_decisions_total",
+                                         "Outlier detection's decisions (outlier.py): eject, keep (a guard refused "
+                                         "an ejection), readmit", ["pool", "node", "decision", "reason"], registry=r)
         self.failovers = Counter(P + "failovers_total",
                                  "Requests moved to another lane before their first token (node down / failed)",
                                  ["alias", "from_lane", "to_lane", "reason"], registry=r)

@@ -7,7 +7,8 @@ Two sections of the router config (both optional; every value has a safe default
     interval_s: 2             between probe rounds
     timeout_s: 2              one probe's budget (GET <node>/health)
     unhealthy_threshold: 2    consecutive probe failures that eject a serving node (CLOSED -> OPEN)
-    passive_threshold: 1      consecutive request-path failures (connect error, timeout, stall, 503) that eject
+                              (request-path failures do not: they go to outlier detection, section `outlier`,
+                              outlier.py)
     open_s: 3                 how long an ejected node stays OPEN before it may be re-admitted (HALF_OPEN)
     healthy_threshold: 1      consecutive successes in HALF_OPEN that re-admit it (-> CLOSED)
 
@@ -17,7 +18,9 @@ Two sections of the router config (both optional; every value has a safe default
                               and it is the decode leg's read timeout, so a partitioned node costs seconds
     first_token_timeout_s: 30 the same for the wait before a decode leg's first byte (KV wait included)
     reserve_ttl_s: 60         ttl of POST /pd/reserve (the node caps it): prefill + handoff must fit in it
-    native_retries: 1         a native decode node that fails before the first byte: retry on another node
+    native_retries: 1         a native decode node that fails before the first byte: retry on another node (on
+                              the same node after retry_backoff_s when it is the pool's only serving node)
+    retry_backoff_s: 0.2      the wait before such a retry on the same node
     midstream_failover: true  an express stream whose node dies after tokens reached the client continues on
                               the native lane from its token history
     midstream_failover_aliases: {}   per-alias override of midstream_failover, e.g. {tiny-x: false}
@@ -48,7 +51,6 @@ class HealthConfig(_Strict):
     interval_s: float = Field(2.0, gt=0)
     timeout_s: float = Field(2.0, gt=0)
     unhealthy_threshold: int = Field(2, ge=1)
-    passive_threshold: int = Field(1, ge=1)
     open_s: float = Field(3.0, ge=0)
     healthy_threshold: int = Field(1, ge=1)
 
@@ -59,6 +61,7 @@ class ResilienceConfig(_Strict):
     first_token_timeout_s: float = Field(30.0, gt=0)
     reserve_ttl_s: float = Field(60.0, gt=0)
     native_retries: int = Field(1, ge=0)
+    retry_backoff_s: float = Field(0.2, ge=0)
     midstream_failover: bool = True
     midstream_failover_aliases: dict[str, bool] = Field(default_factory=dict)
     first_token_at_once: bool = True

@@ -59,9 +59,13 @@ class LaneContext:
     def healthy(self, url: str) -> bool:
         return self.health is None or self.health.healthy(url)
 
-    def report_failure(self, url: str, reason: str) -> None:
+    def available(self, pool: str, url: str) -> bool:
+        """`url` takes traffic of `pool`: probes and outlier detection (health.HealthMonitor.available)."""
+        return self.health is None or self.health.available(pool, url)
+
+    def report_failure(self, url: str, kind: str, cause: str = "") -> None:
         if self.health is not None:
-            self.health.report_failure(url, reason)
+            self.health.report_failure(url, kind, cause)
 
     def report_success(self, url: str) -> None:
         if self.health is not None:
@@ -78,8 +82,8 @@ class LaneContext:
             await asyncio.wait(set(self._background), timeout=timeout_s)
 
 
-# Transport failures that say the node itself is unreachable, gone or hung: they eject it (health.py).
-# "transport" is a connection the peer dropped mid-reply (RemoteProtocolError: the process died).
+# Transport failures that say the node itself may be unreachable, gone or hung: outlier detection counts them
+# (health.py, outlier.py). "transport" is a connection the peer dropped before or during its reply.
 EJECTING_KINDS = ("connect", "timeout", "stall", "transport")
 
 

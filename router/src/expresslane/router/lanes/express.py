@@ -113,12 +113,16 @@ class ExpressLane:
         self.model_text = model_text
         self.nodes = NodeClient(ctx)
         self.gates: dict[str, NodeGate[ExpressNode]] = {
-            name: NodeGate(p.nodes, on_change=self._gauges(name), available=lambda n: ctx.healthy(n.url))
+            name: NodeGate(p.nodes, on_change=self._gauges(name), available=self._available(name))
             for name, p in pools.items()}
         if ctx.health is not None:
             ctx.health.on_change(lambda: [g.poke() for g in self.gates.values()])
         self._max_model_len: int | None = ctx.config.max_model_len
+        self._model_len_fetch: asyncio.Future | None = None
         self._token_strings: TokenStrings | None = None
+
+    def _available(self, pool: str):
+        return lambda n: self.ctx.available(pool, n.url)
 
     def _gauges(self, pool: str):
         m = self.ctx.metrics
@@ -253,7 +257,7 @@ class ExpressLane:
         except RouterError as e:
             count_upstream_error(ctx, "express", e)
             if isinstance(e, UpstreamError) and e.kind in EJECTING_KINDS:
-                ctx.report_failure(cfg.prefill.url, e.kind)
+                ctx.report_failure(cfg.prefill.url, e.kind, e.message)
             raise
         kvp = pre.get("kv_transfer_params")
         if leg.kind == "expresslane" and isinstance(kvp, dict) and kvp.get("expresslane_status") == "failed":
@@ -281,17 +285,33 @@ class ExpressLane:
         raise KeyError(node.url)
 
     async def _model_len(self) -> int:
-        """max_model_len: the config's, else asked once from the prefill's /v1/models."""
+        """max_model_len: the config's, else asked from the prefill's /v1/models by ONE call that every request
+        arriving meanwhile waits for (a burst on a fresh router once sent one GET per request to a busy prefill,
+        and 69 of 128 express requests got its timeout as a 504); a failed call is tried again by the next request."""
         if self._max_model_len is None:
-            cfg = self.ctx.config
-            models = await post_free_get(self.ctx, cfg.prefill.url + "/v1/models")
-            for m in models.get("data") or []:
-                if isinstance(m, dict) and m.get("id") == cfg.prefill.model and isinstance(m.get("max_model_len"), int):
-                    self._max_model_len = m["max_model_len"]
-            if self._max_model_len is None:
-                raise UpstreamError(f"cannot learn max_model_len of {cfg.prefill.model!r} from the prefill's "
-                                    "/v1/models; set max_model_len in the router config", stage="prefill")
+            fetch = self._model_len_fetch
+            if fetch is None or (fetch.done() and (fetch.cancelled() or fetch.exception() is not None)):
+                fetch = self._model_len_fetch = asyncio.ensure_future(self._fetch_model_len())
+            await asyncio.shield(fetch)  # a client that leaves does not cancel the others' fetch
         return self._max_model_len
+
+    async def _fetch_model_len(self) -> None:
+        cfg = self.ctx.config
+        models = await post_free_get(self.ctx, cfg.prefill.url + "/v1/models")
+        for m in models.get("data") or []:
+            if isinstance(m, dict) and m.get("id") == cfg.prefill.model and isinstance(m.get("max_model_len"), int):
+                self._max_model_len = m["max_model_len"]
+        if self._max_model_len is None:
+            raise UpstreamError(f"cannot learn max_model_len of {cfg.prefill.model!r} from the prefill's "
+                                "/v1/models; set max_model_len in the router config", stage="prefill")
+
+    async def prefetch_model_len(self) -> None:
+        """At start: learn max_model_len before the first request needs it (a failure is left to the requests)."""
+        if self._max_model_len is None:
+            try:
+                await self._model_len()
+            except RouterError as e:
+                log.warning("max_model_len not learned at start (%s); the first express request asks again", e)
 
     def _decode_body(self, req: ClientRequest, leg: Leg) -> dict[str, Any]:
         sampling = sampling_of(req.body, self.model_text.generation_defaults if self.model_text else {}, leg.kind)
@@ -399,7 +419,7 @@ class ExpressLane:
         except UpstreamError as e:
             count_upstream_error(self.ctx, "express", e)
             if e.kind in EJECTING_KINDS:
-                self.ctx.report_failure(leg.node.url, e.kind)
+                self.ctx.report_failure(leg.node.url, e.kind, e.message)
             if asm.finished or len(asm.token_ids) >= leg.max_tokens:
                 return  # every token is in: nothing to continue
             target = self._failover_pool(req.alias, pool)

@@ -136,9 +136,9 @@ class NodeClient:
     def _headers(self) -> dict[str, str]:
         return self.ctx.headers("express")
 
-    def _down(self, leg: Leg, kind: str) -> None:
+    def _down(self, leg: Leg, kind: str, cause: str) -> None:
         if kind in EJECTING_KINDS or kind == "not_ready":
-            self.ctx.report_failure(leg.node.url, kind)
+            self.ctx.report_failure(leg.node.url, kind, cause)
 
     # ---- reserve ------------------------------------------------------------------------------
     async def reserve(self, leg: Leg, deadline: Deadline) -> None:
@@ -152,7 +152,7 @@ class NodeClient:
                                               headers=self._headers(), timeout=httpx.Timeout(t, connect=t))
         except httpx.HTTPError as e:
             err = map_transport_error(e, stage=STAGE, url=url)
-            self._down(leg, err.kind)  # a timed-out reserve may have landed: leave it unsettled (cancel)
+            self._down(leg, err.kind, err.message)  # a timed-out reserve may have landed: leave it unsettled
             raise NodeFailed(err.kind, err.message, before_prefill=True) from None
         if resp.is_success:
             return
@@ -161,8 +161,9 @@ class NodeClient:
         if resp.status_code == 429:
             raise NodeBusy(text)
         if resp.status_code == 503:
-            self._down(leg, "not_ready")
-            raise NodeFailed("not_ready", f"express node {leg.node.name} is not ready: {text}", before_prefill=True)
+            msg = f"express node {leg.node.name} is not ready: {text}"
+            self._down(leg, "not_ready", msg)
+            raise NodeFailed("not_ready", msg, before_prefill=True)
         if resp.status_code in (404, 405):  # a node of the older contract: serve it without reservations
             log.warning("express node %s has no /pd/reserve (%d): serving it without reservations; a dead node "
                         "is then found only after the prefill", leg.node.url, resp.status_code)
@@ -196,16 +197,17 @@ class NodeClient:
                 await gen.aclose()
         except TimeoutError:
             await self._close(resp)
-            self._down(leg, "timeout")
-            raise NodeFailed("timeout", f"express node {leg.node.name} sent no first token within {first_s:g}s")
+            msg = f"express node {leg.node.name} sent no first token within {first_s:g}s"
+            self._down(leg, "timeout", msg)
+            raise NodeFailed("timeout", msg)
         except httpx.HTTPError as e:
             await self._close(resp)
             err = map_transport_error(e, stage=STAGE, url=url)
-            self._down(leg, err.kind)
+            self._down(leg, err.kind, err.message)
             raise NodeFailed(err.kind, err.message) from None
         except UpstreamError as e:  # read errors, stall, an error line or a truncated stream before any token
             await self._close(resp)
-            self._down(leg, e.kind)
+            self._down(leg, e.kind, e.message)
             raise NodeFailed(e.kind, e.message) from None
         except BaseException:
             await self._close(resp)
@@ -231,8 +233,9 @@ class NodeClient:
             raise BadRequest(f"express node {name} refused the request: {content}; "
                              "send 'X-Lane: native' to use the native lane")
         if code == 503:
-            self._down(leg, "not_ready")
-            raise NodeFailed("not_ready", f"express node {name} is not ready: {content}")
+            msg = f"express node {name} is not ready: {content}"
+            self._down(leg, "not_ready", msg)
+            raise NodeFailed("not_ready", msg)
         reason = _reason_of(content) or {504: "kv_timeout", 409: "not_reserved"}.get(code) or f"http_{code}"
         raise NodeFailed(reason, f"express node {name} answered {code}: {content}")
 

@@ -11,19 +11,24 @@ The response id is the decode's, the usage is the decode's with `prompt_tokens` 
 Off the happy path:
 - only healthy nodes (health.py) are picked; no healthy node -> 503 + Retry-After before any prefill;
   a prefill known down -> the same, at once.
-- a decode node that fails before the first byte reaches the client (connect error, 503, no first event in
-  `first_token_timeout_s`, a stream that ends before its first event) is retried on another healthy node
-  (at most `resilience.native_retries` times, counted in retries_total). After a connect error the KV was
-  never touched, so the same kv_transfer_params are reused; otherwise the prefill runs again (the first
-  node may have pulled and freed the blocks).
+- a decode node that fails before the first byte reaches the client (connect error, 503, a connection closed
+  before any reply, no first event in `first_token_timeout_s`, a stream that ends before its first event) is
+  retried on another serving node, or on the same node after `resilience.retry_backoff_s` when it is the pool's
+  only serving one (at most `resilience.native_retries` times, counted in retries_total). After a connect error
+  the KV was never touched, so the same kv_transfer_params are reused; otherwise the prefill runs again (the
+  first node may have pulled and freed the blocks).
+- failures are reported with their message to outlier detection (health.py, outlier.py), which ejects a node
+  only after several, and never the pool's last serving node.
 - a stream that sends nothing for `stall_timeout_s`, or ends without `[DONE]`, is an error event in vLLM's
   streaming error format (then `[DONE]`), never a quiet success.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
+import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -41,6 +46,8 @@ from ..upstream import LineReader, open_stream
 from .base import EJECTING_KINDS, LaneContext, ManagedStream, closing_on_error, count_upstream_error
 
 __all__ = ["NativeLane", "NativeStream", "decode_body", "fix_usage"]
+
+log = logging.getLogger("expresslane.router")
 
 # Failures before the first byte that another node may not have: retried there.
 RETRY_KINDS = ("connect", "http_503", "stall", "timeout", "transport", "truncated")
@@ -98,8 +105,8 @@ class NativeLane:
 
     # ---- node choice -------------------------------------------------------------------------
     def pick_node(self, pool: str, exclude: tuple[str, ...] = ()) -> str | None:
-        """The healthy node with the fewest outstanding requests, or None when none is up."""
-        cands = [u for u in self.pools[pool].nodes if u not in exclude and self.ctx.healthy(u)]
+        """The serving node with the fewest outstanding requests, or None when none is up."""
+        cands = [u for u in self.pools[pool].nodes if u not in exclude and self.ctx.available(pool, u)]
         return min(cands, key=lambda url: self._outstanding[(pool, url)]) if cands else None
 
     def _track(self, pool: str, url: str, delta: int) -> None:
@@ -116,7 +123,7 @@ class NativeLane:
     def _failed(self, url: str, err: RouterError) -> None:
         count_upstream_error(self.ctx, "native", err)
         if isinstance(err, UpstreamError) and err.kind in EJECTING_KINDS:
-            self.ctx.report_failure(url, err.kind)
+            self.ctx.report_failure(url, err.kind, err.message)
 
     # ---- the prefill leg ---------------------------------------------------------------------------
     def require_prefill_up(self) -> None:
@@ -152,9 +159,11 @@ class NativeLane:
             raise self._unavailable(f"every decode node of pool {pool!r} is down")
         kvp, n_prompt = await self.prefill(req.body, req.path, deadline)
         tried: tuple[str, ...] = ()
-        retries = cfg.resilience.native_retries
+        res = cfg.resilience
+        attempts = 0
         while True:
-            url = self.pick_node(pool, tried)
+            url = self.pick_node(pool, tried) or (tried[-1] if tried and self.ctx.available(pool, tried[-1])
+                                                  else None)  # the only serving node: once more, after a backoff
             if url is None:
                 raise self._unavailable(f"no healthy decode node of pool {pool!r} is left to try")
             body = decode_body(req.body, cfg.native_model(pool), kvp, force_usage=True)
@@ -165,10 +174,15 @@ class NativeLane:
                                          record=record)
                 return await self._non_stream(req, pool, url, body, n_prompt, record, deadline)
             except UpstreamError as e:
-                if len(tried) >= retries or e.kind not in RETRY_KINDS or self.pick_node(pool, tried + (url,)) is None:
+                if attempts >= res.native_retries or e.kind not in RETRY_KINDS:
                     raise
+                attempts += 1
                 tried += (url,)
                 ctx.metrics.retries.labels("native", pool, e.kind).inc()
+                log.warning("native decode leg on %s failed before its first byte (%s: %s): retrying on %s",
+                            url, e.kind, e.message, self.pick_node(pool, tried) or "the same node")
+                if self.pick_node(pool, tried) is None:
+                    await asyncio.sleep(deadline.timeout_for(res.retry_backoff_s, stage="decode"))
                 if e.kind != "connect":  # the node may have pulled (and so freed) the KV: prefill again
                     kvp, n_prompt = await self.prefill(req.body, req.path, deadline)
 
