@@ -104,6 +104,10 @@ def _in_stream_error(e: UpstreamRejected, record: RequestRecord) -> Response:
     return ManagedStream(events(), on_close=nothing, record=record)
 
 
+class PrefillLost(NodeFailed):
+    """The prefill member died or hung during this request's prefill leg (after the request reached it)."""
+
+
 class ExpressLane:
     def __init__(self, ctx: LaneContext, pools: dict[str, ExpressPool], native: NativeLane,
                  model_text: ModelText | None):
@@ -139,7 +143,7 @@ class ExpressLane:
             raise RouterError("express lane has no tokenizer loaded (tokenizer_dir)")
         deadline = self.ctx.deadline(record)
         gate, busy_retries = self.gates[pool], self.pools[pool].busy_retries
-        busy = failed = 0
+        busy = failed = lost = 0
         while True:
             try:
                 lease = await gate.acquire(max_waiting=queue.max_waiting,
@@ -162,6 +166,12 @@ class ExpressLane:
                     return await self._when_full(req, pool, queue, "node_busy",
                                                  f"express nodes stayed busy after {busy} tries", record)
                 await asyncio.sleep(min(0.05 * busy, 0.5))
+            except PrefillLost as e:  # the node was released; a new attempt reserves it again for another member
+                lost += 1
+                log.warning("express request: %s (attempt %d)", e.detail, lost)
+                if lost < len(self.ctx.prefills.members()) and self.ctx.prefills.any_serving():  # type: ignore[union-attr]
+                    continue
+                return await self._failover(req, pool, queue, e.reason, e.detail, record)
             except NodeFailed as e:
                 self.ctx.metrics.upstream_errors.labels("express", STAGE, e.reason).inc()
                 log.warning("express node %s cannot serve a request: %s (%s)", lease.node.url, e.reason, e.detail)
@@ -246,15 +256,23 @@ class ExpressLane:
                       "expresslane_rid": leg.rid}
         body = express_prefill_body(req.body, cfg.prefill.model, chat=req.kind == "chat", kv_transfer_params=marker)
         self.native.require_prefill_up()
-        try:
-            pre = await ctx.calls.post_json(cfg.prefill.url + req.path, body, stage="prefill",
-                                  headers=ctx.headers("vllm"),
-                                  timeout=ctx.timeout(deadline.timeout_for(cfg.timeouts.prefill_s, stage="prefill")))
-        except RouterError as e:
-            count_upstream_error(ctx, "express", e)
-            if isinstance(e, UpstreamError) and e.kind in EJECTING_KINDS:
-                ctx.report_failure(cfg.prefill.url, e.kind)
-            raise
+
+        async def attempt(url: str) -> dict[str, Any]:  # on one member of the prefill pool (pools.py)
+            try:
+                return await ctx.calls.post_json(url + req.path, body, stage="prefill", headers=ctx.headers("vllm"),
+                                                 timeout=ctx.timeout(deadline.timeout_for(cfg.timeouts.prefill_s,
+                                                                                          stage="prefill")))
+            except RouterError as e:
+                count_upstream_error(ctx, "express", e)
+                if isinstance(e, UpstreamError) and e.kind in EJECTING_KINDS:
+                    ctx.report_failure(url, e.kind)
+                    if e.kind != "connect":  # the member may have begun the handoff under this rid: start over
+                        raise PrefillLost("prefill_lost", f"prefill {url} failed mid-leg: {e.message}") from None
+                raise
+
+        # A member that refused the connection never saw the rid: the next member prefills for the same reservation.
+        pre = await ctx.prefills.run(req.body, attempt,  # type: ignore[union-attr]
+                                     retry=lambda e: isinstance(e, UpstreamError) and e.kind == "connect")
         kvp = pre.get("kv_transfer_params")
         if leg.kind == "expresslane" and isinstance(kvp, dict) and kvp.get("expresslane_status") == "failed":
             err = str(kvp.get("expresslane_error") or "failed")
