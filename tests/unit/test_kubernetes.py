@@ -334,6 +334,9 @@ def router_config(rendered, overlay: str) -> dict:
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_router_pools_point_at_the_headless_services(rendered, overlay):
     cfg = router_config(rendered, overlay)
+    from expresslane.router.config import parse_config
+    typed = parse_config(cfg, source=f"{overlay} router-config")  # the router would start with it
+    assert typed.prefill.dns is not None and typed.prefill.static_nodes == []
     assert cfg["prefill"]["dns"]["name"] == "prefill"
     assert cfg["prefill"]["dns"]["port"] == 8000
     assert cfg["pools"]["native"]["dns"]["name"] == "decode-native"
