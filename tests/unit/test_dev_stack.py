@@ -225,3 +225,25 @@ def test_router_never_ready_is_a_stack_error_with_the_body(tmp_path):
             stack.wait_router_ready(timeout_s=1.0)
     finally:
         router.close()
+
+
+def test_pool_members_get_their_own_ports_and_the_router_their_urls(tmp_path):
+    """--prefills 2 --natives 3: members 2.. are services of their own (own ports, same launcher), listed for the
+    router in PREFILL_EXTRA_NODES / DECODE_NATIVE_EXTRA_NODES (compose/config/router.yaml's pool lists)."""
+    stack = DevStack(state_dir=tmp_path, port_base=100, prefills=2, natives=3)
+    assert stack.services == ("prefill", "prefill-2", "decode-native", "decode-native-2", "decode-native-3",
+                              "decode-express", "router")
+    assert stack.member_env["prefill-2"] == {"PREFILL_PORT": "8110", "PREFILL_NIXL_PORT": "5710",
+                                             "CONNECTOR_METRICS_PORT": "9510"}
+    assert stack.member_env["decode-native-3"] == {"DECODE_NATIVE_PORT": "8220", "DECODE_NATIVE_NIXL_PORT": "5721"}
+    env = stack.env()
+    assert env["PREFILL_EXTRA_NODES"] == "http://127.0.0.1:8110"
+    assert env["DECODE_NATIVE_EXTRA_NODES"] == "http://127.0.0.1:8210,http://127.0.0.1:8220"
+    assert "PREFILL_EXTRA_NODES" not in DevStack(state_dir=tmp_path).env()
+    from expresslane.router.config import load_config
+
+    cfg = load_config(REPO / "compose" / "config" / "router.yaml", env)
+    assert cfg.prefill.static_nodes == stack.member_urls("prefill")
+    assert cfg.pools["native"].nodes == stack.member_urls("decode-native")
+    with pytest.raises(ValueError, match="at least one member"):
+        DevStack(state_dir=tmp_path, prefills=0)
