@@ -6,7 +6,8 @@ decodes, our express node and the router (scripts/dev_stack.py --prefills 2 --na
 - traffic spreads: the router's per-member counters and each member's own metrics show both members used;
 - a conversation's second turn goes to the member that served its first and hits that member's prefix cache
   (vLLM's `vllm:prefix_cache_hits_total` moves there, not on the other member);
-- a prefill SIGKILLed under load loses nothing: every request of the burst gets its exact answer.
+- a prefill SIGKILLed under load loses nothing: every request of the burst gets its exact answer, and a native
+  decode whose KV that prefill had computed but not yet handed over recomputes it.
 
 The numbers each test measured are printed (run with -s to see them).
 """
@@ -166,6 +167,12 @@ def test_a_prefill_sigkilled_under_load_loses_nothing(pool_stack, http):
     prompts = [token_prompt(80 + i % 5, salt=3000 + i) for i in range(24)]
     refs = [reference(http, s, p)["text"] for p in prompts]
     aliases = [NATIVE_ALIAS if i % 2 else EXPRESS_ALIAS for i in range(len(prompts))]
+    # A KV that prefill-2 computed for a native decode that has not read it yet when prefill-2 dies (the race the
+    # burst below may or may not hit): the decode must compute the blocks itself (KV_LOAD_FAILURE_POLICY=recompute)
+    orphan = token_prompt(90, salt=4000)
+    orphan_ref = reference(http, s, orphan)["text"]
+    pre = completion(http, s.url("PREFILL_PORT_2"), {"model": "tiny-llama", "prompt": orphan, "max_tokens": 1,
+                                                     "temperature": 0, "kv_transfer_params": {"do_remote_decode": True}})
     started = threading.Event()
     results: list[tuple[int, str, str] | None] = [None] * len(prompts)
 
@@ -191,5 +198,10 @@ def test_a_prefill_sigkilled_under_load_loses_nothing(pool_stack, http):
           f"({len(prompts) // 2} native, {len(prompts) // 2} express): lost {len(lost)}; lanes served "
           f"{ {lane: lanes.count(lane) for lane in set(lanes)} }; router prefill legs by member/choice {retries}")
     assert not lost, f"lost or wrong: {lost[:3]}"
+    orphaned = http.post(f"{s.native_url}/v1/completions",
+                         json={"model": "tiny-llama", "prompt": orphan, "max_tokens": MAX_TOKENS, "temperature": 0,
+                               "kv_transfer_params": pre["kv_transfer_params"]})
+    assert orphaned.status_code == 200, f"a decode whose prefill died: {orphaned.text}"
+    assert orphaned.json()["choices"][0]["text"] == orphan_ref
     ready = http.get(f"{s.router_url}/ready").json()
     assert ready["upstreams"][s.url("PREFILL_PORT_2")]["healthy"] is False  # ejected, and the pool still serves

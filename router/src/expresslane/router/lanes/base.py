@@ -17,10 +17,9 @@ from starlette.types import Receive, Scope, Send
 from ..config import RouterConfig
 from ..errors import RouterError, UpstreamError
 from ..metrics import RequestRecord, RouterMetrics
+from ..pools import PrefillPool, member_serving
 from ..resilience import Deadline
 from ..upstream import HttpxOneShot, OneShotCalls
-
-from ..pools import PrefillPool, member_serving
 
 if TYPE_CHECKING:
     from ..discovery import Membership
