@@ -20,6 +20,7 @@ combos=(
   "default + host metrics||--profile host-metrics|cadvisor decode-express decode-native grafana model-init node-exporter prefill prometheus router"
   "base file explicitly|-f $base||decode-express decode-native grafana model-init prefill prometheus router"
   "offline (no registry)|-f $base -f compose/overlays/offline.yaml||decode-express decode-native model-init prefill prometheus router"
+  "pools (2 prefills, 2 native decodes)|-f $base -f compose/overlays/pools.yaml||decode-express decode-native decode-native-2 grafana model-init prefill prefill-2 prometheus router"
   "development (source mounted)|-f $base -f compose/overlays/dev.yaml||decode-express decode-native grafana model-init prefill prometheus router"
   "one GPU (host checkpoint)|-f $base -f compose/overlays/gpu-single.yaml||dcgm-exporter decode-express decode-native grafana prefill prometheus router"
   "production, one host|-f $base -f $prod||dcgm-exporter decode-express decode-native grafana prefill prometheus router tilert-convert"

@@ -2,6 +2,7 @@
 """Run the whole expresslane stack without Docker, for development and tests.
 
     python scripts/dev_stack.py up [--model-dir DIR] [--port-base N] [--only prefill,router,...]
+                                  [--prefills N] [--natives N]
     python scripts/dev_stack.py status
     python scripts/dev_stack.py down
     python scripts/dev_stack.py kill|pause|resume|restart SERVICE   (fault injection, real signals)
@@ -16,6 +17,10 @@ token, the control-plane peer secret, vLLM's API key) are generated on the first
 (mode 0600, reused by later starts) and handed to the services as NAME_FILE; `--open` starts without them. A NAME
 or NAME_FILE already set in the environment wins. The router itself stays open on 127.0.0.1 (no client API keys).
 The DevStack class is open unless `secure=True` (the test fixtures call the upstreams directly).
+
+Pools: `--prefills N` / `--natives N` start N prefill / native decode servers (members 2..N are the services
+`prefill-2`... / `decode-native-2`..., each on the first member's ports + 10 x (i - 1)); the router gets them as
+PREFILL_EXTRA_NODES / DECODE_NATIVE_EXTRA_NODES (compose/config/router.yaml's pool lists).
 
 Fault injection acts on one service's whole process group (the launcher execs the server; vLLM's engine
 core is its child), as `docker compose kill|pause|unpause|restart` acts on a container:
@@ -71,6 +76,14 @@ SERVICES = {
 }
 
 
+# Pool members beyond the first: service prefix -> (the port variables shifted per member, the router's list).
+MEMBER_PORTS = {
+    "prefill": (("PREFILL_PORT", "PREFILL_NIXL_PORT", "CONNECTOR_METRICS_PORT"), "PREFILL_EXTRA_NODES"),
+    "decode-native": (("DECODE_NATIVE_PORT", "DECODE_NATIVE_NIXL_PORT"), "DECODE_NATIVE_EXTRA_NODES"),
+}
+MEMBER_PORT_STEP = 10
+
+
 class StackError(RuntimeError):
     """A service failed to start or become healthy."""
 
@@ -87,6 +100,8 @@ class DevStack:
     extra_env: dict[str, str] = dataclasses.field(default_factory=dict)
     start_timeout_s: float = 900.0
     secure: bool = False  # generate the internal secrets (INTERNAL_SECRETS) into state_dir/secrets
+    prefills: int = 1  # prefill pool size (members 2..N: services prefill-2 ...)
+    natives: int = 1  # native decode pool size (decode-native-2 ...)
 
     def __post_init__(self) -> None:
         self.model_dir = Path(self.model_dir)
@@ -96,6 +111,36 @@ class DevStack:
             raise ValueError(f"unknown services {sorted(unknown)}; choose from {list(SERVICES)}")
         self.ports = {k: v + self.port_base for k, v in DEFAULT_PORTS.items()}
         self.procs: dict[str, subprocess.Popen] = {}
+        self.specs = dict(SERVICES)
+        self.member_env: dict[str, dict[str, str]] = {}  # a pool member's own ports
+        self._add_members("prefill", self.prefills)
+        self._add_members("decode-native", self.natives)
+
+    def _add_members(self, first: str, count: int) -> None:
+        """Services first-2 .. first-count beside `first`, each with its ports shifted by MEMBER_PORT_STEP."""
+        if count < 1:
+            raise ValueError(f"a {first} pool needs at least one member, got {count}")
+        if first not in self.services or count == 1:
+            return
+        port_vars, _ = MEMBER_PORTS[first]
+        names = []
+        for i in range(2, count + 1):
+            name = f"{first}-{i}"
+            env = {}
+            for var in port_vars:
+                member_var = f"{var}_{i}"
+                self.ports[member_var] = self.ports[var] + MEMBER_PORT_STEP * (i - 1)
+                env[var] = str(self.ports[member_var])
+            launcher, health, main_var = SERVICES[first]
+            self.specs[name] = (launcher, health, f"{main_var}_{i}")
+            self.member_env[name] = env
+            names.append(name)
+        at = self.services.index(first) + 1
+        self.services = self.services[:at] + tuple(names) + self.services[at:]
+
+    def member_urls(self, first: str) -> list[str]:
+        """Every member's base URL of the pool whose first service is `first` (prefill, decode-native)."""
+        return [self.url(self.specs[n][2]) for n in self.services if n == first or n.startswith(first + "-")]
 
     # ---- addresses -------------------------------------------------------------------------
     def url(self, port_var: str) -> str:
@@ -144,6 +189,10 @@ class DevStack:
             env.update(self.secret_files())
         # The launchers run `$PYTHON -m ...`; make the venv's console scripts visible too.
         env["PATH"] = f"{Path(self.python).parent}{os.pathsep}{env.get('PATH', '')}"
+        for first, (_, router_var) in MEMBER_PORTS.items():
+            extra = self.member_urls(first)[1:]
+            if extra:  # the router's pool lists (compose/config/router.yaml)
+                env[router_var] = ",".join(extra)
         env.update(self.extra_env)
         return env
 
@@ -202,7 +251,8 @@ class DevStack:
         return self
 
     def _launch(self, name: str, env: dict[str, str], *, log_mode: str = "ab") -> subprocess.Popen:
-        launcher = SERVICES[name][0]
+        launcher = self.specs[name][0]
+        env = {**env, **self.member_env.get(name, {})}
         with open(self.state_dir / f"{name}.log", log_mode) as log:
             proc = subprocess.Popen(
                 ["bash", str(LAUNCH / launcher)],
@@ -227,7 +277,7 @@ class DevStack:
                 proc = self.procs.get(name)
                 if proc is not None and proc.poll() is not None:
                     raise StackError(f"{name} exited with {proc.returncode}:\n{self.log_tail(name)}")
-                _, path, port_var = SERVICES[name]
+                _, path, port_var = self.specs[name]
                 if _http_ok(self.url(port_var) + path):
                     pending.remove(name)
             if pending and time.monotonic() > deadline:
@@ -244,7 +294,7 @@ class DevStack:
         of services this stack did not start are not waited for. StackError with the last body after
         timeout_s."""
         t0 = time.monotonic()
-        port_vars = {name: SERVICES[name][2] for name in self.services if name != "router"}
+        port_vars = {name: self.specs[name][2] for name in self.services if name != "router"}
         want = {self.ports[v] for v in port_vars.values()}
         body: object = None
         while True:
@@ -328,8 +378,8 @@ class DevStack:
         return self.wait_healthy((name,), timeout_s) if wait else 0.0
 
     def _check(self, name: str) -> None:
-        if name not in SERVICES:
-            raise ValueError(f"unknown service {name!r}; choose from {list(SERVICES)}")
+        if name not in self.specs:
+            raise ValueError(f"unknown service {name!r}; choose from {list(self.specs)}")
 
     def log_tail(self, name: str, lines: int = 60) -> str:
         path = self.state_dir / f"{name}.log"
@@ -355,7 +405,7 @@ class DevStack:
 
     def status(self) -> dict[str, str]:
         out = {}
-        for name, (_, path, port_var) in SERVICES.items():
+        for name, (_, path, port_var) in self.specs.items():
             pid_file = self.state_dir / f"{name}.pid"
             running = pid_file.exists() and _pid_alive(int(pid_file.read_text()))
             healthy = _http_ok(self.url(port_var) + path)
@@ -433,7 +483,7 @@ _SIGNALS = {"KILL": signal.SIGKILL, "TERM": signal.SIGTERM, "INT": signal.SIGINT
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("command", choices=["up", "down", "status", "kill", "pause", "resume", "restart"])
-    ap.add_argument("service", nargs="?", choices=list(SERVICES), help="for kill / pause / resume / restart")
+    ap.add_argument("service", nargs="?", help="for kill / pause / resume / restart (also prefill-2 ... with --prefills)")
     ap.add_argument("--signal", choices=list(_SIGNALS), default="KILL", help="kill: which signal (default KILL)")
     ap.add_argument("--model-dir", type=Path, default=DEFAULT_MODEL_DIR)
     ap.add_argument("--state-dir", type=Path, default=DEFAULT_STATE)
@@ -441,6 +491,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", default=",".join(SERVICES), help="comma-separated services to start")
     ap.add_argument("--open", action="store_true", help="no generated internal secrets (node token, control-plane "
                                                          "peer secret, vLLM API key): every service open")
+    ap.add_argument("--prefills", type=int, default=1, help="prefill pool size (default 1)")
+    ap.add_argument("--natives", type=int, default=1, help="native decode pool size (default 1)")
     args = ap.parse_args(argv)
     stack = DevStack(
         model_dir=args.model_dir,
@@ -448,6 +500,8 @@ def main(argv: list[str] | None = None) -> int:
         port_base=args.port_base,
         services=tuple(s for s in args.only.split(",") if s),
         secure=not args.open,
+        prefills=args.prefills,
+        natives=args.natives,
     )
     if args.command in ("kill", "pause", "resume", "restart"):
         if args.service is None:
@@ -461,7 +515,7 @@ def main(argv: list[str] | None = None) -> int:
                 stack.resume(args.service)
             else:
                 print(f"{args.service} healthy after {stack.restart(args.service):.1f}s")
-        except StackError as e:
+        except (StackError, ValueError) as e:
             print(f"{args.command} {args.service}: {e}", file=sys.stderr)
             return 1
         print(f"{args.command} {args.service}: done")

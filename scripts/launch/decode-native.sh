@@ -8,6 +8,10 @@ KV_BUFFER_DEVICE="${KV_BUFFER_DEVICE:-cpu}"
 export VLLM_CPU_OMP_THREADS_BIND="${DECODE_NATIVE_CPU_BIND:-auto}"
 export VLLM_NIXL_SIDE_CHANNEL_PORT="${DECODE_NATIVE_NIXL_PORT:-5601}"
 export VLLM_NIXL_SIDE_CHANNEL_HOST="${DECODE_NATIVE_NIXL_HOST:-127.0.0.1}"
-kv_config='{"kv_connector":"NixlConnector","kv_role":"kv_consumer","kv_buffer_device":"'"$KV_BUFFER_DEVICE"'"}'
+# A KV the decode cannot load (its prefill died mid-handoff, a NIXL failure): `recompute` computes the missing blocks
+# here and the request still succeeds, exactly; `fail` (vLLM's default) ends it with an error. With a prefill pool, a
+# prefill member killed under load otherwise costs every request whose KV was in flight from it.
+KV_LOAD_FAILURE_POLICY="${KV_LOAD_FAILURE_POLICY:-recompute}"
+kv_config='{"kv_connector":"NixlConnector","kv_role":"kv_consumer","kv_buffer_device":"'"$KV_BUFFER_DEVICE"'","kv_load_failure_policy":"'"$KV_LOAD_FAILURE_POLICY"'"}'
 
 vllm_serve "$DECODE_NATIVE_PORT" "$kv_config" "$@"

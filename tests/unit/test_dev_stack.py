@@ -243,3 +243,25 @@ def test_a_closed_stack_generates_its_internal_secrets_once_and_the_environment_
     assert stack.auth_headers("VLLM_API_KEY") == {"Authorization": "Bearer mine"}
     assert not any(k.endswith("_FILE") for k in DevStack(state_dir=tmp_path / "open").env() if k[:-5] in
                    dev_stack.INTERNAL_SECRETS)  # the class is open unless secure=True
+
+
+def test_pool_members_get_their_own_ports_and_the_router_their_urls(tmp_path):
+    """--prefills 2 --natives 3: members 2.. are services of their own (own ports, same launcher), listed for the
+    router in PREFILL_EXTRA_NODES / DECODE_NATIVE_EXTRA_NODES (compose/config/router.yaml's pool lists)."""
+    stack = DevStack(state_dir=tmp_path, port_base=100, prefills=2, natives=3)
+    assert stack.services == ("prefill", "prefill-2", "decode-native", "decode-native-2", "decode-native-3",
+                              "decode-express", "router")
+    assert stack.member_env["prefill-2"] == {"PREFILL_PORT": "8110", "PREFILL_NIXL_PORT": "5710",
+                                             "CONNECTOR_METRICS_PORT": "9510"}
+    assert stack.member_env["decode-native-3"] == {"DECODE_NATIVE_PORT": "8220", "DECODE_NATIVE_NIXL_PORT": "5721"}
+    env = stack.env()
+    assert env["PREFILL_EXTRA_NODES"] == "http://127.0.0.1:8110"
+    assert env["DECODE_NATIVE_EXTRA_NODES"] == "http://127.0.0.1:8210,http://127.0.0.1:8220"
+    assert "PREFILL_EXTRA_NODES" not in DevStack(state_dir=tmp_path).env()
+    from expresslane.router.config import load_config
+
+    cfg = load_config(REPO / "compose" / "config" / "router.yaml", env)
+    assert cfg.prefill.static_nodes == stack.member_urls("prefill")
+    assert cfg.pools["native"].nodes == stack.member_urls("decode-native")
+    with pytest.raises(ValueError, match="at least one member"):
+        DevStack(state_dir=tmp_path, prefills=0)

@@ -44,7 +44,9 @@ from .detokenizer import ModelText, load_model_text
 from .endpoints import RESPONSES_API_ERROR, Endpoints
 from .errors import (BadRequest, ClientGone, MethodNotAllowed, ModelNotFound, NotFound, RouterError,
                      error_body)
+from .discovery import PREFILL_POOL, Membership
 from .health import HealthMonitor
+from .pools import PrefillPool, member_serving
 from .lanes.base import LaneContext
 from .lanes.express import ExpressLane, check_express_supported
 from .lanes.native import NativeLane
@@ -170,6 +172,11 @@ def create_app(config: RouterConfig, *, secrets: RouterSecrets | None = None,
     metrics = RouterMetrics(config, registry)
     reroutes = reroute_counter(config, metrics.registry)
     monitor = HealthMonitor(config, metrics, headers=secrets.upstream_headers, clock=clock)
+    membership = Membership(config, metrics.registry)  # pools' members: static + DNS (discovery.py)
+    membership.on_change(lambda pool, added, removed: _follow_members(monitor, pool, added, removed))
+    prefills = PrefillPool(config.prefill.affinity, lambda: membership.urls(PREFILL_POOL),
+                           lambda url: member_serving(monitor, url), registry=metrics.registry,
+                           retry_after_s=config.resilience.unavailable_retry_after_s)
     needs_tokenizer = any(isinstance(p, ExpressPool) for p in config.pools.values())
 
     @contextlib.asynccontextmanager
@@ -191,7 +198,7 @@ def create_app(config: RouterConfig, *, secrets: RouterSecrets | None = None,
             if oneshot is not None:
                 stack.push_async_callback(oneshot.aclose)
             ctx = LaneContext(config=config, client=client, metrics=metrics, clock=clock, health=monitor,
-                              headers=secrets.upstream_headers,
+                              headers=secrets.upstream_headers, prefills=prefills, membership=membership,
                               calls=oneshot if oneshot is not None else HttpxOneShot(client))
             native = NativeLane(ctx, {n: p for n, p in config.pools.items() if isinstance(p, NativePool)})
             express = ExpressLane(ctx, {n: p for n, p in config.pools.items() if isinstance(p, ExpressPool)},
@@ -205,7 +212,7 @@ def create_app(config: RouterConfig, *, secrets: RouterSecrets | None = None,
                 relay_check=lambda body, kind: check_express_supported(body, kind,
                                                                        tool_parser=config.tool_call_parser))
             app.state.endpoints = Endpoints(config, client, secrets, clock)
-            async with monitor.running(ctx.calls):
+            async with membership.running(), monitor.running(ctx.calls):
                 yield
             await ctx.drain(t.cancel_s + t.connect_s)  # cancels still in flight reach their nodes
             app.state.lanes = None
@@ -376,6 +383,15 @@ def create_app(config: RouterConfig, *, secrets: RouterSecrets | None = None,
     if fast_path:
         app.fast_path = CompletionsFastPath(serve, error_response, access_log=access_log)
     return app
+
+
+def _follow_members(monitor: HealthMonitor, pool: str, added: list[str], removed: list[str]) -> None:
+    """A pool's members changed (DNS): the health monitor probes the new ones and forgets the gone ones."""
+    lane = "prefill" if pool == PREFILL_POOL else "native"
+    for url in added:
+        monitor.track(lane, url, "vllm", pool)
+    for url in removed:
+        monitor.forget(url, pool)
 
 
 _SERVE_HEADERS = frozenset((b"authorization", b"content-length", b"x-lane"))

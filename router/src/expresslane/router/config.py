@@ -16,14 +16,18 @@ Schema (see compose/config/router.yaml for a commented example):
   limits:        {max_body_bytes, max_json_depth}: 413 / 400 beyond them (limits.py)
   capabilities:  {refresh_s, retry_s}: how long an express node's GET /capabilities answer is cached, and how
                  soon a failed fetch is tried again (capabilities.py)
-  prefill:       {url, model}            the stock vLLM prefill server and the model name it serves
+  prefill:       {url, model, nodes?, dns?, affinity?}   the stock vLLM prefill server(s) and the model name they
+                 serve. `url` alone = one prefill. A pool: `nodes` (static URLs) and/or `dns` ({name, port, scheme,
+                 refresh_s}: every A record of `name`, re-resolved every refresh_s, discovery.py); `url` then only
+                 takes the side calls (/v1/models, /tokenize, /version). `affinity` ({prefix_chars, max_imbalance}):
+                 how a member is chosen per request (pools.py)
   tokenizer_dir: model directory (tokenizer.json, generation_config.json); needed by express pools
   max_model_len: optional; default max_tokens on the express lane = max_model_len - prompt_tokens.
                  Unset = asked once from the prefill's /v1/models.
   tool_call_parser: the vLLM servers' --tool-call-parser (default hermes; null = off), see tools.py
   return_tokens_as_token_ids: the native decode servers' --return-tokens-as-token-ids (logprobs token names)
   timeouts:      {connect_s, prefill_s, decode_s, kv_wait_s, cancel_s, upstream_keepalive_s}
-  pools:         name -> native pool {kind: native, nodes: [url...], model?}
+  pools:         name -> native pool {kind: native, nodes: [url...], dns?: {name, port, ...}, model?}
                       | express pool {kind: expresslane|tilert, nodes: [{url, ctrl_host, ctrl_port}],
                                       queue: {max_waiting, max_wait_s, when_full, spill_to, retry_after_s},
                                       busy_retries}
@@ -49,7 +53,9 @@ from .outlier import OutlierConfig  # front-door: ejection by the request path's
 from .resilience import HealthConfig, ResilienceConfig  # router-path's sections (health.py, lanes/)
 
 __all__ = [
+    "Affinity",
     "ConfigError",
+    "DnsMembers",
     "ExpressNode",
     "ExpressPool",
     "Lane",
@@ -86,14 +92,46 @@ class Listen(_Strict):
     port: int = Field(8080, ge=0, le=65535)
 
 
+class DnsMembers(_Strict):
+    """A pool's members from DNS: every address `name` resolves to (a Kubernetes headless Service gives one A record
+    per ready pod), as `scheme://address:port`, re-resolved every `refresh_s` (discovery.py)."""
+
+    name: str = Field(min_length=1)
+    port: int = Field(ge=1, le=65535)
+    scheme: Literal["http", "https"] = "http"
+    refresh_s: float = Field(10.0, gt=0)
+
+
+class Affinity(_Strict):
+    """How the prefill pool picks a member (pools.py): a consistent hash of the prompt's first `prefix_chars`
+    characters names the preferred member (a conversation's next turn finds its prefix in that member's cache);
+    it is passed over for the least loaded one when it is down or has `max_imbalance` more prefills in flight."""
+
+    prefix_chars: int = Field(256, ge=1)
+    max_imbalance: int = Field(4, ge=0)
+
+
 class Prefill(_Strict):
     url: str
     model: str = Field(min_length=1)
+    nodes: list[str] = Field(default_factory=list)
+    dns: DnsMembers | None = None
+    affinity: Affinity = Affinity()
 
     @field_validator("url")
     @classmethod
     def _url(cls, v: str) -> str:
         return _strip_url(v)
+
+    @field_validator("nodes")
+    @classmethod
+    def _nodes(cls, v: list[str]) -> list[str]:
+        return [_strip_url(u) for u in v]
+
+    @property
+    def static_nodes(self) -> list[str]:
+        """The pool's fixed members: `nodes`, else `url` alone when no DNS name is given either."""
+        return list(self.nodes) if self.nodes or self.dns is not None else [self.url]
 
 
 class Timeouts(_Strict):
@@ -130,13 +168,20 @@ class QueueConfig(_Strict):
 
 class NativePool(_Strict):
     kind: Literal["native"]
-    nodes: list[str] = Field(min_length=1)
+    nodes: list[str] = Field(default_factory=list)
+    dns: DnsMembers | None = None  # members from DNS as well (discovery.py)
     model: str | None = None  # the name the decode nodes serve; default: prefill.model
 
     @field_validator("nodes")
     @classmethod
     def _nodes(cls, v: list[str]) -> list[str]:
         return [_strip_url(u) for u in v]
+
+    @model_validator(mode="after")
+    def _has_members(self) -> "NativePool":
+        if not self.nodes and self.dns is None:
+            raise ValueError("a native pool needs nodes (a list of URLs) or dns (a name to resolve), or both")
+        return self
 
     @property
     def lane(self) -> Lane:

@@ -125,8 +125,9 @@ class HealthMonitor:
         self._listeners: list[Callable[[], None]] = []
         self._wake: asyncio.Event | None = None
         self.upstreams: dict[str, Upstream] = {}
-        self.outliers: dict[str, OutlierDetector] = {}  # pool -> its detector ("prefill": the prefill server)
-        self._add("prefill", config.prefill.url, "vllm", "prefill")
+        self.outliers: dict[str, OutlierDetector] = {}  # pool -> its detector ("prefill": the prefill pool)
+        for url in config.prefill.static_nodes:  # members from DNS come and go through track / forget
+            self._add("prefill", url, "vllm", "prefill")
         for name, pool in config.pools.items():
             lane, auth = ("express", "express") if isinstance(pool, ExpressPool) else ("native", "vllm")
             for n in pool.nodes:
@@ -155,6 +156,25 @@ class HealthMonitor:
             d.set_nodes(urls)
         return d
 
+    # ---- pool membership (discovery.py) ---------------------------------------------------------
+    def track(self, lane: str, url: str, auth: str, pool: str) -> None:
+        """Start probing a pool member that appeared (it serves until a probe or a request says otherwise)."""
+        self._add(lane, url, auth, pool)
+        self._set_gauge(self.upstreams[url])
+
+    def forget(self, url: str, pool: str) -> None:
+        """Stop probing a member that left `pool` (and drop its gauge and its outlier state in that pool)."""
+        u = self.upstreams.get(url)
+        if u is None or pool not in u.pools:
+            return
+        u.pools.remove(pool)
+        if pool in self.outliers:
+            self.outliers[pool].set_nodes([n for n in self.outliers[pool].nodes if n != url])
+        with contextlib.suppress(KeyError):
+            self._metrics.upstream_healthy.remove(u.lane, pool, u.node)
+        if not u.pools:
+            del self.upstreams[url]
+
     # ---- queries -------------------------------------------------------------------------------
     def healthy(self, url: str) -> bool:
         """Whether the probes let `url` take traffic (outlier detection aside)."""
@@ -172,7 +192,7 @@ class HealthMonitor:
         self._listeners.append(callback)
 
     def readiness(self) -> tuple[bool, dict]:
-        """(ready, body): ready when the prefill and at least one decode node take traffic."""
+        """(ready, body): ready when a prefill member and at least one decode node take traffic."""
         ups = {u.url: {"lane": u.lane, "pools": u.pools, "state": u.breaker.state.value,
                        "healthy": u.breaker.allows_traffic(), **({"reason": u.breaker.reason}
                                                                  if u.breaker.reason else {}),
@@ -180,7 +200,7 @@ class HealthMonitor:
                                                           and not self.outliers[p].admits(u.url, self.healthy)])
                           else {})}
                for u in self.upstreams.values()}
-        prefill_up = all(v["healthy"] for v in ups.values() if v["lane"] == "prefill")
+        prefill_up = any(v["healthy"] for v in ups.values() if v["lane"] == "prefill")  # a pool: one member will do
         decode_up = any(v["healthy"] for v in ups.values() if v["lane"] != "prefill")
         ready = prefill_up and decode_up
         return ready, {"status": "ready" if ready else "not_ready", "upstreams": ups}

@@ -17,10 +17,12 @@ from starlette.types import Receive, Scope, Send
 from ..config import RouterConfig
 from ..errors import RouterError, UpstreamError
 from ..metrics import RequestRecord, RouterMetrics
+from ..pools import PrefillPool, member_serving
 from ..resilience import Deadline
 from ..upstream import HttpxOneShot, OneShotCalls
 
 if TYPE_CHECKING:
+    from ..discovery import Membership
     from ..health import HealthMonitor
 
 __all__ = ["EJECTING_KINDS", "LaneContext", "ManagedStream", "count_upstream_error", "shielded"]
@@ -38,11 +40,25 @@ class LaneContext:
     health: "HealthMonitor | None" = None
     headers: Callable[[str], dict[str, str]] = lambda kind: {}  # secrets.upstream_headers
     calls: OneShotCalls | None = None  # one-shot calls (the hot path); None = through `client` (HttpxOneShot)
+    # Pools (pools.py, discovery.py): None = the config's static members, unregistered metrics.
+    prefills: PrefillPool | None = None
+    membership: "Membership | None" = None
     _background: set[asyncio.Task] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         if self.calls is None:
             self.calls = HttpxOneShot(self.client)
+        if self.prefills is None:
+            static = self.config.prefill.static_nodes
+            self.prefills = PrefillPool(self.config.prefill.affinity, lambda: static,
+                                        lambda url: member_serving(self.health, url),
+                                        retry_after_s=self.config.resilience.unavailable_retry_after_s)
+
+    def native_nodes(self, pool: str) -> list[str]:
+        """The native pool's current members (static and DNS)."""
+        if self.membership is not None:
+            return self.membership.urls(pool)
+        return self.config.pools[pool].nodes  # type: ignore[union-attr]
 
     def timeout(self, read_s: float) -> httpx.Timeout:
         """httpx.Timeout(read_s, connect=timeouts.connect_s), set directly: its constructor's argument checks cost
@@ -60,8 +76,8 @@ class LaneContext:
         return self.health is None or self.health.healthy(url)
 
     def available(self, pool: str, url: str) -> bool:
-        """`url` takes traffic of `pool`: probes and outlier detection (health.HealthMonitor.available)."""
-        return self.health is None or self.health.available(pool, url)
+        """`url` takes traffic of `pool`: probes and outlier detection (pools.member_serving)."""
+        return member_serving(self.health, url, pool)
 
     def report_failure(self, url: str, kind: str, cause: str = "") -> None:
         if self.health is not None:

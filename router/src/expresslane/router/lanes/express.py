@@ -104,6 +104,14 @@ def _in_stream_error(e: UpstreamRejected, record: RequestRecord) -> Response:
     return ManagedStream(events(), on_close=nothing, record=record)
 
 
+class PrefillLost(NodeFailed):
+    """The prefill member died or hung during this request's prefill leg (after the request reached it)."""
+
+    def __init__(self, member: str, detail: str) -> None:
+        super().__init__("prefill_lost", detail)
+        self.member = member
+
+
 class ExpressLane:
     def __init__(self, ctx: LaneContext, pools: dict[str, ExpressPool], native: NativeLane,
                  model_text: ModelText | None):
@@ -144,6 +152,7 @@ class ExpressLane:
         deadline = self.ctx.deadline(record)
         gate, busy_retries = self.gates[pool], self.pools[pool].busy_retries
         busy = failed = 0
+        lost_on: tuple[str, ...] = ()  # prefill members this request lost a leg on: not tried again for it
         while True:
             try:
                 lease = await gate.acquire(max_waiting=queue.max_waiting,
@@ -154,7 +163,7 @@ class ExpressLane:
                 return await self._failover(req, pool, queue, e.reason, str(e), record)
             self.ctx.metrics.queue_wait.labels("express").observe(lease.waited_s)
             try:
-                return await self._serve(req, pool, lease, record, deadline)
+                return await self._serve(req, pool, lease, record, deadline, lost_on)
             except UpstreamRejected as e:
                 if req.stream and _checked_by_vllm_engine(e):
                     return _in_stream_error(e, record)
@@ -166,6 +175,12 @@ class ExpressLane:
                     return await self._when_full(req, pool, queue, "node_busy",
                                                  f"express nodes stayed busy after {busy} tries", record)
                 await asyncio.sleep(min(0.05 * busy, 0.5))
+            except PrefillLost as e:  # the node was released; a new attempt reserves it again for another member
+                lost_on += (e.member,)
+                log.warning("express request: %s (attempt %d)", e.detail, len(lost_on))
+                if self.ctx.prefills.available(lost_on):  # type: ignore[union-attr]
+                    continue
+                return await self._failover(req, pool, queue, e.reason, e.detail, record)
             except NodeFailed as e:
                 self.ctx.metrics.upstream_errors.labels("express", STAGE, e.reason).inc()
                 log.warning("express node %s cannot serve a request: %s (%s)", lease.node.url, e.reason, e.detail)
@@ -204,14 +219,14 @@ class ExpressLane:
 
     # ---- one attempt on one node ------------------------------------------------------------------
     async def _serve(self, req: ClientRequest, pool: str, lease: Lease[ExpressNode], record: RequestRecord,
-                     deadline: Deadline) -> Response:
+                     deadline: Deadline, lost_on: tuple[str, ...] = ()) -> Response:
         leg = Leg(node=lease.node, kind=self.pools[pool].kind, rid=uuid.uuid4().hex)
         stack = contextlib.AsyncExitStack()
         stack.push_async_callback(self._let_go, leg, lease)
         async with closing_on_error(stack):
             if leg.kind == "expresslane":
                 await self.nodes.reserve(leg, deadline)
-            await self._prefill(req, leg, deadline)
+            await self._prefill(req, leg, deadline, lost_on)
             res = self.ctx.config.resilience
             tokens: NodeTokens | None = None
             if not (req.stream and res.first_token_at_once and res.midstream_failover_for(req.alias)):
@@ -240,7 +255,7 @@ class ExpressLane:
         finally:
             lease.release()
 
-    async def _prefill(self, req: ClientRequest, leg: Leg, deadline: Deadline) -> None:
+    async def _prefill(self, req: ClientRequest, leg: Leg, deadline: Deadline, lost_on: tuple[str, ...] = ()) -> None:
         ctx, cfg = self.ctx, self.ctx.config
         node = leg.node
         if leg.kind == "tilert":
@@ -250,15 +265,24 @@ class ExpressLane:
                       "expresslane_rid": leg.rid}
         body = express_prefill_body(req.body, cfg.prefill.model, chat=req.kind == "chat", kv_transfer_params=marker)
         self.native.require_prefill_up()
-        try:
-            pre = await ctx.calls.post_json(cfg.prefill.url + req.path, body, stage="prefill",
-                                  headers=ctx.headers("vllm"),
-                                  timeout=ctx.timeout(deadline.timeout_for(cfg.timeouts.prefill_s, stage="prefill")))
-        except RouterError as e:
-            count_upstream_error(ctx, "express", e)
-            if isinstance(e, UpstreamError) and e.kind in EJECTING_KINDS:
-                ctx.report_failure(cfg.prefill.url, e.kind, e.message)
-            raise
+
+        async def attempt(url: str) -> dict[str, Any]:  # on one member of the prefill pool (pools.py)
+            try:
+                return await ctx.calls.post_json(url + req.path, body, stage="prefill", headers=ctx.headers("vllm"),
+                                                 timeout=ctx.timeout(deadline.timeout_for(cfg.timeouts.prefill_s,
+                                                                                          stage="prefill")))
+            except RouterError as e:
+                count_upstream_error(ctx, "express", e)
+                if isinstance(e, UpstreamError) and e.kind in EJECTING_KINDS:
+                    ctx.report_failure(url, e.kind, e.message)
+                    if e.kind != "connect":  # the member may have begun the handoff under this rid: start over
+                        raise PrefillLost(url, f"prefill {url} failed mid-leg: {e.message}") from None
+                raise
+
+        # A member that refused the connection never saw the rid: the next member prefills for the same reservation.
+        pre = await ctx.prefills.run(req.body, attempt,  # type: ignore[union-attr]
+                                     retry=lambda e: isinstance(e, UpstreamError) and e.kind == "connect",
+                                     exclude=lost_on)
         kvp = pre.get("kv_transfer_params")
         if leg.kind == "expresslane" and isinstance(kvp, dict) and kvp.get("expresslane_status") == "failed":
             err = str(kvp.get("expresslane_error") or "failed")

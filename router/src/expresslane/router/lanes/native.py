@@ -29,6 +29,7 @@ import asyncio
 import contextlib
 import json
 import logging
+from collections import defaultdict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -51,6 +52,12 @@ log = logging.getLogger("expresslane.router")
 
 # Failures before the first byte that another node may not have: retried there.
 RETRY_KINDS = ("connect", "http_503", "stall", "timeout", "transport", "truncated")
+
+
+def _member_failed(err: RouterError) -> bool:
+    """A native prefill leg that failed as a node fails (gone, hung, refusing) is run on another prefill member
+    (the lost leg's KV, if any, expires on the member that computed it)."""
+    return isinstance(err, UpstreamError) and err.kind in EJECTING_KINDS + ("http_503",)
 
 
 def decode_body(body: dict[str, Any], model: str, kv_transfer_params: dict[str, Any],
@@ -100,13 +107,13 @@ class NativeLane:
     def __init__(self, ctx: LaneContext, pools: dict[str, NativePool]):
         self.ctx = ctx
         self.pools = pools
-        self._outstanding: dict[tuple[str, str], int] = {
-            (name, url): 0 for name, p in pools.items() for url in p.nodes}
+        self._outstanding: defaultdict[tuple[str, str], int] = defaultdict(int)  # (pool, url): members may come and go
 
     # ---- node choice -------------------------------------------------------------------------
     def pick_node(self, pool: str, exclude: tuple[str, ...] = ()) -> str | None:
-        """The serving node with the fewest outstanding requests, or None when none is up."""
-        cands = [u for u in self.pools[pool].nodes if u not in exclude and self.ctx.available(pool, u)]
+        """The serving node (probes and outlier detection: LaneContext.available) with the fewest outstanding
+        requests, or None when none is up."""
+        cands = [u for u in self.ctx.native_nodes(pool) if u not in exclude and self.ctx.available(pool, u)]
         return min(cands, key=lambda url: self._outstanding[(pool, url)]) if cands else None
 
     def _track(self, pool: str, url: str, delta: int) -> None:
@@ -127,29 +134,32 @@ class NativeLane:
 
     # ---- the prefill leg ---------------------------------------------------------------------------
     def require_prefill_up(self) -> None:
-        """A prefill known down fails the request at once (typed 503 + Retry-After), on both lanes."""
-        cfg = self.ctx.config
-        if not self.ctx.healthy(cfg.prefill.url):
-            raise UpstreamUnavailable("the prefill server is down (health probes fail); retry later",
-                                      stage="prefill", kind="no_healthy_node",
-                                      headers={"retry-after": str(cfg.resilience.unavailable_retry_after_s)})
+        """No prefill member taking traffic fails the request at once (typed 503 + Retry-After), on both lanes."""
+        if not self.ctx.prefills.any_serving():  # type: ignore[union-attr]
+            raise self.ctx.prefills.unavailable("the prefill server is down (health probes fail)")  # type: ignore[union-attr]
 
     async def prefill(self, body: dict[str, Any], path: str, deadline: Deadline) -> tuple[dict[str, Any], int]:
-        """(kv_transfer_params, prompt tokens) of a native prefill leg for the client body `body`."""
+        """(kv_transfer_params, prompt tokens) of a native prefill leg for the client body `body`, on a member of the
+        prefill pool (pools.py); a member that fails as a node does (EJECTING_KINDS) is left for the next one."""
         ctx, cfg = self.ctx, self.ctx.config
         self.require_prefill_up()
-        try:
-            pre = await ctx.calls.post_json(cfg.prefill.url + path, native_prefill_body(body, cfg.prefill.model),
-                                  stage="prefill", headers=ctx.headers("vllm"),
-                                  timeout=ctx.timeout(deadline.timeout_for(cfg.timeouts.prefill_s, stage="prefill")))
-            kvp = pre.get("kv_transfer_params")
-            if not isinstance(kvp, dict):
-                raise UpstreamError("prefill reply has no kv_transfer_params: is the prefill server started "
-                                    "with a kv-transfer-config that includes NixlConnector?", stage="prefill")
-            return kvp, prompt_tokens(pre)
-        except RouterError as e:
-            self._failed(cfg.prefill.url, e)
-            raise
+        leg = native_prefill_body(body, cfg.prefill.model)
+
+        async def attempt(url: str) -> tuple[dict[str, Any], int]:
+            try:
+                pre = await ctx.calls.post_json(url + path, leg, stage="prefill", headers=ctx.headers("vllm"),
+                                                timeout=ctx.timeout(deadline.timeout_for(cfg.timeouts.prefill_s,
+                                                                                         stage="prefill")))
+                kvp = pre.get("kv_transfer_params")
+                if not isinstance(kvp, dict):
+                    raise UpstreamError("prefill reply has no kv_transfer_params: is the prefill server started "
+                                        "with a kv-transfer-config that includes NixlConnector?", stage="prefill")
+                return kvp, prompt_tokens(pre)
+            except RouterError as e:
+                self._failed(url, e)
+                raise
+
+        return await ctx.prefills.run(body, attempt, retry=_member_failed)  # type: ignore[union-attr]
 
     # ---- orchestration ---------------------------------------------------------------------------
     async def handle(self, req: ClientRequest, pool: str, record: RequestRecord) -> Response:

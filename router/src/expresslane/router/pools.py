@@ -1,0 +1,153 @@
+"""The prefill pool: which member runs a request's prefill leg, and the leg's failover across members.
+
+Every member is a stock vLLM prefill with the same MultiConnector (NixlConnector + ours) and the same destination
+allow-list, so any member can hand a request's KV to any decode node; the choice only decides whose prefix cache
+and whose queue the request meets. `PrefillPool.choose`:
+  1. the members that take traffic: `member_serving` (the health monitor's probes and the pool's outlier
+     detection: health.py, outlier.py);
+  2. the preferred member: a rendezvous (highest-random-weight) hash of the request's affinity key over them. The
+     key is the prompt's first `affinity.prefix_chars` characters (chat: each message's role and text, in order;
+     completions: the prompt text, or its token ids written out), so a conversation's next turn, which starts with
+     the previous turn's prompt, lands on the member whose vLLM prefix cache holds that prefix's KV blocks (the
+     idea of vllm-router's cache_aware policy and llm-d's prefix scorer, without their per-member block index).
+     Adding or removing a member moves only the keys that member wins or held;
+  3. unless the preferred member has `affinity.max_imbalance` or more prefills in flight than the least loaded
+     one: then the least loaded (ties in hash order). A request with no usable key goes to the least loaded.
+Prompts shorter than prefix_chars are keyed by their whole text: a first turn that short and its next turn may land
+on different members (the next turn then prefills in full: slower, never wrong).
+
+`run` posts the leg: on a failure the lane says may be retried (`retry(err)`) it tries the next member, each member
+at most once. Metrics: `expresslane_router_prefill_requests_total{member, choice}` (choice: affinity,
+least_loaded, retry) and `expresslane_router_prefill_inflight{member}`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import defaultdict
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from .config import Affinity
+from .discovery import PREFILL_POOL
+from .errors import RouterError, UpstreamUnavailable
+from .metrics import node_label
+
+if TYPE_CHECKING:
+    from .health import HealthMonitor
+
+__all__ = ["PrefillPool", "affinity_key", "member_serving"]
+
+T = TypeVar("T")
+CHOICES = ("affinity", "least_loaded", "retry")
+
+
+def member_serving(health: "HealthMonitor | None", url: str, pool: str = PREFILL_POOL) -> bool:
+    """Whether member `url` of `pool` (default: the prefill pool) takes traffic now. THE one seam for the pools'
+    ejection policy, used by the prefill pool's choice and the native lane's node choice (LaneContext.available):
+    the health monitor's circuit breaker (active probes) and the pool's outlier detection (outlier.py: a member
+    ejected for its request failures is skipped for its ejection time, never the pool's last serving one)."""
+    return health is None or health.available(pool, url)
+
+
+def _text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):  # OpenAI content parts: their text, in order
+        return "".join(p.get("text", "") for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+    return ""
+
+
+def affinity_key(body: dict[str, Any], prefix_chars: int) -> str:
+    """The first `prefix_chars` characters of the prompt as the prefill sees it, in order ("" when there is none)."""
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        parts = []
+        for m in messages:
+            if isinstance(m, dict):
+                parts.append(f"{m.get('role', '')}\x1f{_text(m.get('content'))}\x1e")
+                if sum(map(len, parts)) >= prefix_chars:
+                    break
+        return "".join(parts)[:prefix_chars]
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and not all(isinstance(t, int) for t in prompt):
+        prompt = prompt[0]  # a batch: its first prompt
+    if isinstance(prompt, str):
+        return prompt[:prefix_chars]
+    if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return ",".join(map(str, prompt))[:prefix_chars]
+    return ""
+
+
+def _weight(key: str, member: str) -> bytes:
+    return hashlib.blake2b(f"{member}\x00{key}".encode(), digest_size=8).digest()
+
+
+class PrefillPool:
+    """Member choice and in-flight counts for the prefill pool. `members()` gives the current member URLs
+    (discovery.Membership); `serving(url)` says whether one takes traffic (`member_serving`)."""
+
+    def __init__(self, affinity: Affinity, members: Callable[[], Sequence[str]], serving: Callable[[str], bool],
+                 *, registry: CollectorRegistry | None = None, retry_after_s: int = 2) -> None:
+        self.affinity = affinity
+        self.members = members
+        self.serving = serving
+        self.retry_after_s = retry_after_s
+        self.inflight: defaultdict[str, int] = defaultdict(int)
+        self.requests = Counter("expresslane_router_prefill_requests", "Prefill legs sent to a prefill pool member, "
+                                "by why it was chosen", ["member", "choice"], registry=registry)
+        self.inflight_gauge = Gauge("expresslane_router_prefill_inflight", "Prefill legs in flight on a member",
+                                    ["member"], registry=registry)
+        for url in members():
+            for choice in CHOICES:
+                self.requests.labels(node_label(url), choice)
+            self.inflight_gauge.labels(node_label(url)).set(0)
+
+    def available(self, exclude: Sequence[str] = ()) -> list[str]:
+        return [u for u in self.members() if u not in exclude and self.serving(u)]
+
+    def any_serving(self) -> bool:
+        return bool(self.available())
+
+    def unavailable(self, why: str) -> UpstreamUnavailable:
+        return UpstreamUnavailable(f"{why}; retry later", stage="prefill", kind="no_healthy_node",
+                                   headers={"retry-after": str(self.retry_after_s)})
+
+    def choose(self, key: str, exclude: Sequence[str] = ()) -> tuple[str, str]:
+        """(member URL, why: affinity | least_loaded) for a request keyed `key`; the typed 503 when none serves."""
+        cands = self.available(exclude)
+        if not cands:
+            raise self.unavailable("no prefill server takes traffic (health probes fail)" if not exclude
+                                   else "no other prefill server is left to try")
+        if key:
+            cands.sort(key=lambda u: _weight(key, u), reverse=True)  # the hash order: cands[0] is preferred
+        least = min(cands, key=lambda u: self.inflight[u])  # (min keeps the first of equals: hash order)
+        if key and self.inflight[cands[0]] - self.inflight[least] < self.affinity.max_imbalance:
+            return cands[0], "affinity"
+        return least, "least_loaded"
+
+    async def run(self, body: dict[str, Any], attempt: Callable[[str], Awaitable[T]],
+                  retry: Callable[[RouterError], bool], exclude: Sequence[str] = ()) -> T:
+        """`attempt(member_url)` on the chosen member; again on the next one while `retry(err)` says the failure
+        may be retried elsewhere (each member once; never the members in `exclude`, which this request already
+        lost). The last failure is raised."""
+        key = affinity_key(body, self.affinity.prefix_chars)
+        tried: list[str] = list(exclude)
+        while True:
+            url, why = self.choose(key, tried)
+            self.requests.labels(node_label(url), "retry" if tried else why).inc()
+            self._track(url, +1)
+            try:
+                return await attempt(url)
+            except RouterError as e:
+                tried.append(url)
+                if not retry(e) or not self.available(tried):
+                    raise
+            finally:
+                self._track(url, -1)
+
+    def _track(self, url: str, delta: int) -> None:
+        self.inflight[url] += delta
+        self.inflight_gauge.labels(node_label(url)).set(self.inflight[url])
