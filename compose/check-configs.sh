@@ -15,14 +15,14 @@ base=compose/compose.yaml
 prod=compose/overlays/production.yaml
 # name | compose args | expected services (space separated, sorted)
 combos=(
-  "default (root .env)|||decode-express decode-native grafana model-init prefill prometheus router"
-  "default + tools (smoke)||--profile tools|decode-express decode-native grafana model-init prefill prometheus router smoke"
-  "default + host metrics||--profile host-metrics|cadvisor decode-express decode-native grafana model-init node-exporter prefill prometheus router"
-  "base file explicitly|-f $base||decode-express decode-native grafana model-init prefill prometheus router"
-  "offline (no registry)|-f $base -f compose/overlays/offline.yaml||decode-express decode-native model-init prefill prometheus router"
-  "pools (2 prefills, 2 native decodes)|-f $base -f compose/overlays/pools.yaml||decode-express decode-native decode-native-2 grafana model-init prefill prefill-2 prometheus router"
-  "development (source mounted)|-f $base -f compose/overlays/dev.yaml||decode-express decode-native grafana model-init prefill prometheus router"
-  "one GPU (host checkpoint)|-f $base -f compose/overlays/gpu-single.yaml||dcgm-exporter decode-express decode-native grafana prefill prometheus router"
+  "default (root .env)|||decode-express decode-native grafana model-init prefill prometheus router secrets-init"
+  "default + tools (smoke)||--profile tools|decode-express decode-native grafana model-init prefill prometheus router secrets-init smoke"
+  "default + host metrics||--profile host-metrics|cadvisor decode-express decode-native grafana model-init node-exporter prefill prometheus router secrets-init"
+  "base file explicitly|-f $base||decode-express decode-native grafana model-init prefill prometheus router secrets-init"
+  "offline (no registry)|-f $base -f compose/overlays/offline.yaml||decode-express decode-native model-init prefill prometheus router secrets-init"
+  "pools (2 prefills, 2 native decodes)|-f $base -f compose/overlays/pools.yaml||decode-express decode-native decode-native-2 grafana model-init prefill prefill-2 prometheus router secrets-init"
+  "development (source mounted)|-f $base -f compose/overlays/dev.yaml||decode-express decode-native grafana model-init prefill prometheus router secrets-init"
+  "one GPU (host checkpoint)|-f $base -f compose/overlays/gpu-single.yaml||dcgm-exporter decode-express decode-native grafana prefill prometheus router secrets-init"
   "production, one host|-f $base -f $prod||dcgm-exporter decode-express decode-native grafana prefill prometheus router tilert-convert"
   "production, prefill node|-f $base -f $prod -f compose/roles/prefill-node.yaml||dcgm-exporter grafana prefill prometheus router"
   "production, native decode node|-f $base -f $prod -f compose/roles/decode-node.yaml||dcgm-exporter decode-native"
