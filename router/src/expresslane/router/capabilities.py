@@ -3,7 +3,7 @@
 Feature data, one source for the router's decisions and for docs/api.md's compatibility table:
 - native pools: everything the stock vLLM decode serves (`NATIVE`; only `n` > 1 is refused, by the router itself:
   a disaggregated request returns one choice);
-- `kind: expresslane` pools: the node's own `GET /capabilities` answer, its `features` map (docs/api.md, "The express node's HTTP API"),
+- `kind: expresslane` pools: the node's own `GET /capabilities` answer, its `features` map (docs/api.md),
   fetched with the node token, cached `capabilities.refresh_s` (a failed fetch is retried after `retry_s`).
   `EXPRESSLANE_ENGINE` is what our engine's node honours at this commit (a test checks it against the engine's
   sampler); it stands in, with a warning in the log, for a node that cannot be asked or sends no `features`
