@@ -18,25 +18,14 @@ IDLE_S = float(os.environ.get("IDLE_S", "2"))
 REPO = sys.argv[1]; N = int(sys.argv[2]); prof = sys.argv[3] if len(sys.argv) > 3 else None
 _o = int(os.environ.get("PORT_OFFSET", "0"))  # run two at once
 up_port, up2_port, rport = 41001 + _o, 41002 + _o, 41010 + _o
-cfg = f"""
-listen: {{host: 127.0.0.1, port: {rport}}}
-prefill: {{url: "http://127.0.0.1:{up_port}", model: "tiny-llama"}}
-tokenizer_dir: "{HERE.parents[2] / "var" / "models" / "tiny-llama"}"
-max_model_len: 4096
-timeouts: {{connect_s: 10, prefill_s: 900, decode_s: 900, kv_wait_s: 600, cancel_s: 1}}
-pools:
-  native: {{kind: native, nodes: ["http://127.0.0.1:{up2_port}"]}}
-  express:
-    kind: expresslane
-    nodes: [{{url: "http://127.0.0.1:{up2_port}", ctrl_host: "127.0.0.1", ctrl_port: {41003 + _o}}}]
-    busy_retries: 10
-    queue: {{max_waiting: 256, max_wait_s: 3600, when_full: reject, retry_after_s: 1}}
-aliases:
-  bench-native: {{pool: native}}
-  bench-express: {{pool: express}}
-lanes: {{native: native, express: express}}
-{"health: {enabled: false}" if os.environ.get("HEALTH_OFF") else ""}
-"""
+sys.path.insert(0, str(HERE.parents[2] / "scripts"))
+from bench_lib.servers import Endpoints, bench_router_yaml  # the bench's own router config (scripts/bench.py)
+_ep = Endpoints(router="", prefill=f"http://127.0.0.1:{up_port}", native=f"http://127.0.0.1:{up2_port}",
+                express=f"http://127.0.0.1:{up2_port}", connector_metrics=None, express_ctrl_host="127.0.0.1",
+                express_ctrl_port=41003 + _o, model_dir=HERE.parents[2] / "var" / "models" / "tiny-llama")
+cfg = bench_router_yaml(_ep, rport, 4096)
+if os.environ.get("HEALTH_OFF"):
+    cfg += "health: {enabled: false}\n"
 (TMP / "router.yaml").write_text(cfg)
 env = dict(os.environ, PYTHONPATH=f"{REPO}/engine/src:{REPO}/router/src")
 py = sys.executable
