@@ -56,8 +56,10 @@ def stack(report: dict, path) -> None:
     prompts = sorted({s["prompt_tokens"] for s in scen})
     concs = sorted({s["concurrency"] for s in scen})
     c1 = concs[0] if concs else 1
-    fig, axes = plt.subplots(2, 2, figsize=(12, 8.5))
-    (a_speed, a_ttft), (a_user_c, a_agg_c) = axes
+    by_conc = len(concs) > 1  # the concurrency row only when there is more than one concurrency
+    fig, axes = plt.subplots(2 if by_conc else 1, 2, figsize=(12, 8.5 if by_conc else 4.5), squeeze=False)
+    a_speed, a_ttft = axes[0]
+    a_user_c, a_agg_c = axes[1] if by_conc else (None, None)
     for ax in axes.flat:
         ax.set_xscale("log", base=2)
     for lane in LANES:
@@ -70,7 +72,7 @@ def stack(report: dict, path) -> None:
             xs, ys = zip(*pts)
             a_ttft.plot(xs, ys, "-o", color=COLORS[lane], label=f"{lane} p50")
             a_ttft.plot(xs, [p90.get(x, y) for x, y in pts], ":", color=COLORS[lane], label=f"{lane} p90")
-        for k, p in enumerate(prompts):
+        for k, p in enumerate(prompts if by_conc else []):
             style = ["-", "--", ":", "-."][k % 4]
             pts = _series(scen, lane, "concurrency", {"prompt_tokens": p}, _server_or_client_tok_s)
             if pts:
@@ -80,11 +82,13 @@ def stack(report: dict, path) -> None:
                 a_agg_c.plot(*zip(*pts), style, marker="o", color=COLORS[lane], label=f"{lane}, prompt {p}")
     _finish(a_speed, "prompt tokens", "per-user decode tok/s", f"Per-user decode speed, concurrency {c1}")
     _finish(a_ttft, "prompt tokens", "TTFT ms (client side)", f"Time to first token, concurrency {c1}")
+    a_speed.set_ylim(bottom=0)
     a_ttft.set_yscale("log")
-    for ax in (a_user_c, a_agg_c):
-        ax.set_xticks(concs, [str(c) for c in concs])
-    _finish(a_user_c, "concurrency (users)", "per-user decode tok/s", "Per-user decode speed by concurrency")
-    _finish(a_agg_c, "concurrency (users)", "aggregate tok/s (all users)", "Throughput by concurrency")
+    if by_conc:
+        for ax in (a_user_c, a_agg_c):
+            ax.set_xticks(concs, [str(c) for c in concs])
+        _finish(a_user_c, "concurrency (users)", "per-user decode tok/s", "Per-user decode speed by concurrency")
+        _finish(a_agg_c, "concurrency (users)", "aggregate tok/s (all users)", "Throughput by concurrency")
     for ax in (a_speed, a_ttft):
         ax.set_xticks(prompts, [str(p) for p in prompts])
     fig.suptitle(f"expresslane bench {report['started_at']} ({report['mode']}, {report['host']['cpus']} CPUs, "
