@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Benchmark the two decode lanes (and the single-server reference) through the router, plus the overheads
-of the connector and the router. Method, JSON keys and the latest numbers: docs/performance.md.
+of the connector and the router. Method, JSON keys and numbers: docs/performance.md.
 
     python scripts/bench.py --start-stack --port-base 30000 --out var/bench        # start a stack, bench, stop it
     python scripts/bench.py --port-base 0 --out var/bench                          # a running dev stack
