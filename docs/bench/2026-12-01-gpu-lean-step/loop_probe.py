@@ -1,5 +1,5 @@
 """gpu_loop_probe.py at 1k / 8k / 32k (max_seq_len 33,088, random K/V): engine.generate (best of 3) vs the lean
-graph's replay alone (docs/bench/2026-12-01-gpu-speed-3/run5).  PYTHONPATH=engine/src python3 docs/bench/2026-12-01-gpu-speed-3/loop_probe_run5.py OUT"""
+graph's replay alone (docs/bench/2026-12-01-gpu-lean-step/run5).  PYTHONPATH=engine/src python3 docs/bench/2026-12-01-gpu-lean-step/loop_probe.py OUT"""
 import json, os, sys, time, torch
 sys.argv = [sys.argv[0], "--out", sys.argv[1]]
 import importlib.util
