@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Benchmark the two decode lanes (and the single-server reference) through the router, plus the overheads
-of the connector and the router. Method, JSON keys and the latest numbers: docs/performance.md.
+of the connector and the router. Method, JSON keys and numbers: docs/performance.md.
 
     python scripts/bench.py --start-stack --port-base 30000 --out var/bench        # start a stack, bench, stop it
     python scripts/bench.py --port-base 0 --out var/bench                          # a running dev stack
@@ -13,6 +13,9 @@ the whole request. `--router URL --express-alias A --native-alias B` uses an exi
 (spill-overs are then reported per scenario).
 
 Artifacts in --out: bench.json (stable keys), bench.md (the tables, also printed), bench.png.
+
+    python scripts/bench.py --plot-from var/bench/bench.json --plot-out bench.png   # re-plot a report, no servers
+    python scripts/bench.py --plot-from decode.jsonl --plot-out engines.png         # decode-bench JSON lines (GPU)
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_lib import extract, overheads, report  # noqa: E402
+from bench_lib import extract, overheads, plots, report  # noqa: E402
 from bench_lib.client import completion_body, run_closed_loop, token_prompt  # noqa: E402
 from bench_lib.prom import Snapshot, scrape  # noqa: E402
 from bench_lib.servers import (EXPRESS_ALIAS, NATIVE_ALIAS, REPO, BenchRouter, DevStack, Endpoints,  # noqa: E402
@@ -155,6 +158,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--lanes", default="express,native,single")
     ap.add_argument("--skip-overheads", action="store_true")
     ap.add_argument("--seed", help="prompt nonce (default random: prompts never repeat across runs)")
+    ap.add_argument("--plot-from", type=Path, metavar="FILE",
+                    help="only render a plot from FILE (a bench.json, or the decode bench's --json lines), then exit")
+    ap.add_argument("--plot-out", type=Path, metavar="PNG", help="with --plot-from (default: FILE with .png)")
     return ap.parse_args(argv)
 
 
@@ -203,6 +209,14 @@ def _sigterm(signum, frame):
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.plot_from:
+        out = args.plot_out or args.plot_from.with_suffix(".png")
+        try:
+            kind = plots.from_file(args.plot_from, out)
+        except (OSError, ValueError, KeyError) as e:
+            raise SystemExit(f"cannot plot {args.plot_from}: {e}") from None
+        log(f"wrote {out} ({kind} plot)")
+        return 0
     preset = QUICK if args.quick else FULL
     concs = [int(x) for x in args.concurrency.split(",")] if args.concurrency else preset["concurrency"]
     prompts = [int(x) for x in args.prompts.split(",")] if args.prompts else preset["prompts"]

@@ -1,6 +1,6 @@
-"""Batch-1 GEMV block shapes on the GPU (docs/bench/2026-12-01-gpu-speed-3/run3): the fused kernels' GEMV loops
-(models/fused.py) over (rows, K-block, warps, stages), and cuBLAS (F.linear) on the same weights, Llama-1B / 8B
-shapes, bf16, triton.testing.do_bench medians (L2 flushed each call, launch included).
+"""Batch-1 GEMV block shapes on the GPU (docs/bench/2026-12-01-gpu-lean-step/run3-gemv-sweep.jsonl): the fused
+kernels' GEMV loops (models/fused.py) over (rows, K-block, warps, stages), and cuBLAS (F.linear) on the same
+weights, Llama-1B / 8B shapes, bf16, triton.testing.do_bench medians (L2 flushed each call, launch included).
 
     PYTHONPATH=engine/src python3 scripts/gpu_gemv_sweep.py OUTDIR     # writes OUTDIR/sweep.jsonl
 (The "TB/s" it prints is off by 1e3 in its units; the jsonl's times are right.)

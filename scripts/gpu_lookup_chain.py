@@ -96,7 +96,7 @@ SUMMARY: list[dict] = []
 
 
 def print_summary() -> None:
-    """One table of the lookup_chain rows (what docs/performance.md records)."""
+    """One table of the lookup_chain rows (what docs/bench/2026-12-02-greedy-chain-lookup/ records)."""
     print("| shape | context | case | chain tok/s | loop tok/s | speedup | spec off tok/s | acceptance | "
           "verify / plain steps | split | identical |")
     print("|---|---:|---|---:|---:|---:|---:|---:|---|---:|---|")

@@ -2,7 +2,7 @@
 """Train a small copy-capable Llama from the repo's own files, deterministically, in minutes of CPU, and
 measure the acceptance prompt lookup gets with it.
 
-    flock /tmp/expresslane-heavy.lock python scripts/make_copy_model.py OUTDIR [--steps 1500] [--threads 2]
+    python scripts/make_copy_model.py OUTDIR [--steps 1500] [--threads 2]
     python scripts/make_copy_model.py OUTDIR --measure-only      # acceptance of an existing OUTDIR
 
 No checkpoint can be downloaded here, and random weights never copy, so prompt-lookup acceptance on them is
@@ -19,7 +19,7 @@ prompt (a tool's JSON result, then the start of an answer quoting it), both abou
 257-token windows it was trained on), and the code-edit prompt over a whole 1.3k-token file. Prints
 acceptance, tokens per forward, wall time against plain decoding, whether the two decodes are identical.
 
-Measured 2026-12-01 (docs/bench/2026-12-01-copy-model/, 121 s of training on 2 shared CPUs): code-edit 2.33
+Measured 2026-12-01 (docs/bench/2026-12-01-gpu-speculation/, 121 s of training on 2 shared CPUs): code-edit 2.33
 drafts kept per verify step, 1.74 tokens per forward; agentic 2.03 and 2.48; the 1.3k-token prompt 0.58 and
 1.24 (past the trained length it does not copy). Greedy output identical with speculation on and off.
 """

@@ -2,7 +2,7 @@
 """Stream a long greedy generation through DecodeEngine and print the largest gaps between tokens, and how
 many torch.compile frames were compiled after warmup (must be 0: a mid-stream compile is a multi-second gap).
 
-    flock /tmp/expresslane-heavy.lock python scripts/stream_gap_probe.py MODEL_DIR [--tokens 1500] [--compile]
+    python scripts/stream_gap_probe.py MODEL_DIR [--tokens 1500] [--compile]
         [--spec-k 4] [--fixed-k] [--prompt-len 200] [--threads 1]
 
 The prompt repeats a short pattern, so prompt lookup drafts (and verify steps of several row counts run).

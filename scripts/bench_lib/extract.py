@@ -1,6 +1,6 @@
 """Server-side numbers of one scenario, from the difference of two scrapes of each server's /metrics.
 
-Sources (docs/performance.md, "Server-side numbers"):
+Sources (docs/performance.md, "Method": server numbers):
   router     expresslane_router_queue_wait_seconds{lane="express"}, _spillover_total, _rejected_total,
              _upstream_errors_total                                      (the bench router)
   express    expresslane_decode_handoff_bytes_total, _handoff_seconds, _phase_seconds{phase}  (express node)

@@ -1,9 +1,12 @@
-"""The bench report: goals, the Markdown tables, the plot. The JSON layout is documented key by key in
+"""The bench report: goals, the Markdown tables, the plot (bench_lib.plots). The JSON layout is documented key by key in
 docs/performance.md; SCHEMA changes whenever a documented key changes meaning or disappears."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+
+from .plots import LANES
+from .plots import stack as plot
 
 __all__ = ["SCHEMA", "TOP_KEYS", "SCENARIO_KEYS", "GOALS", "goals", "markdown", "plot", "scenario_record"]
 
@@ -13,7 +16,6 @@ TOP_KEYS = ("schema", "started_at", "finished_at", "complete", "command", "mode"
 SCENARIO_KEYS = ("lane", "concurrency", "prompt_tokens", "output_tokens", "requests", "ok", "errors",
                  "error_samples", "short_outputs", "completion_tokens", "wall_s", "ttft_ms", "itl_ms", "e2e_ms",
                  "tokens_per_chunk", "user_tok_s", "aggregate_tok_s", "loadavg", "server")
-LANES = ("express", "native", "single")
 
 # name -> (target text, comparison); the numbers are the project's goals (docs/performance.md)
 GOALS = {
@@ -214,61 +216,3 @@ def markdown(report: dict) -> str:
         for row in b["per_context"]:
             lines.append(f"| {row['context_tokens']} | {row['bytes_per_token'] / 1e6:.2f} MB | {_f(row['tok_s_bound'], 0)} |")
     return "\n".join(lines) + "\n"
-
-
-def _plot_speed(s: dict) -> float | None:
-    """The decoding server's own tok/s (burst delivery cannot distort it), else the client-side p50."""
-    v = _server_tok_s(s)
-    return v if v is not None else s["user_tok_s"]["p50"]
-
-
-def plot(report: dict, path) -> None:
-    """Per-user decode tok/s vs concurrency per lane and prompt length; TTFT CDF per lane at the lowest
-    concurrency (one curve per prompt length)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    scen = report["scenarios"]
-    colors = {"express": "tab:red", "native": "tab:blue", "single": "tab:gray"}
-    styles = ["-", "--", ":", "-."]
-    prompts = sorted({s["prompt_tokens"] for s in scen})
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for lane in LANES:
-        for k, p in enumerate(prompts):
-            pts = sorted((s["concurrency"], v) for s in scen
-                         if s["lane"] == lane and s["prompt_tokens"] == p and (v := _plot_speed(s)) is not None)
-            if pts:
-                a1.plot([c for c, _ in pts], [v for _, v in pts], styles[k % 4], marker="o",
-                        color=colors[lane], label=f"{lane}, prompt {p}")
-    concs = sorted({s["concurrency"] for s in scen})
-    a1.set_xscale("log", base=2)
-    a1.set_yscale("log")
-    a1.set_xticks(concs, [str(c) for c in concs])
-    a1.set_xlabel("concurrency (users)")
-    a1.set_ylabel("per-user decode tokens/s (server's own; else client p50)")
-    a1.set_title("Per-user decode speed")
-    a1.grid(True, alpha=0.3)
-    if a1.get_legend_handles_labels()[0]:
-        a1.legend(fontsize=7)
-    cdf = (report.get("samples") or {}).get("ttft_ms") or {}
-    c1 = min((s["concurrency"] for s in scen), default=1)
-    for lane in LANES:
-        for k, p in enumerate(prompts):
-            xs = sorted(cdf.get(f"{lane}/{c1}/{p}") or [])
-            if xs:
-                a2.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], styles[k % 4], where="post",
-                        color=colors[lane], label=f"{lane}, prompt {p}")
-    a2.set_xscale("log")
-    a2.set_xlabel(f"TTFT ms (client side, concurrency {c1})")
-    a2.set_ylabel("fraction of requests")
-    a2.set_title("TTFT CDF")
-    a2.grid(True, alpha=0.3)
-    if a2.get_legend_handles_labels()[0]:
-        a2.legend(fontsize=7)
-    fig.suptitle(f"expresslane bench {report['started_at']} ({report['mode']}, load avg "
-                 f"{report['host']['loadavg_start'][0]:.1f})", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)

@@ -11,9 +11,10 @@ EXPRESS_ADVERTISE_HOST="${EXPRESS_ADVERTISE_HOST:-127.0.0.1}"
 EXPRESS_THREADS="${EXPRESS_THREADS:-}"
 # CPUs the node is pinned to, taskset -c syntax (e.g. 1 or 2-3; empty or auto = inherit).
 EXPRESS_CPU_BIND="${EXPRESS_CPU_BIND:-}"
-# 1 = torch.compile the decode step: 1.6-2.1x decode speed in the 2-CPU stack (docs/performance.md); needs a C
-# compiler (the runtime image has g++), adds about 10 s to the start, and falls back to the plain step with a
-# warning if compiling fails. 0 = the plain step. On CUDA the step is replayed as one CUDA graph either way.
+# 1 = torch.compile the decode step: 1.6-2.1x decode speed in the 2-CPU stack
+# (docs/bench/2026-12-01-cpu-compiled-step/); needs a C compiler (the runtime image has g++), adds about 10 s to
+# the start, and falls back to the plain step with a warning if compiling fails. 0 = the plain step. On CUDA
+# the step is replayed as one CUDA graph either way.
 EXPRESS_COMPILE="${EXPRESS_COMPILE:-1}"
 # Attention kernel: live | split | masked (empty = the engine's default: split on cuda, live elsewhere).
 EXPRESS_ATTENTION="${EXPRESS_ATTENTION:-}"
@@ -22,8 +23,8 @@ EXPRESS_ATTENTION="${EXPRESS_ATTENTION:-}"
 # On by default: the compiled step no longer compiles mid-stream (every shape a stream takes is compiled at
 # warmup: tests/unit/engine/test_no_recompile.py; a 1,500-token compiled stream's largest gap was 9 ms), and the
 # adaptive k (decode/speculative.py AdaptiveDrafter) pauses drafting where drafts keep missing, so a model or a
-# prompt that does not repeat pays about one 2-row verify every 65 tokens. Numbers: docs/performance.md
-# ("No compile mid-stream, adaptive k").
+# prompt that does not repeat pays about one 2-row verify every 65 tokens. Numbers:
+# docs/bench/2026-12-01-gpu-adaptive-k-max-autotune/.
 EXPRESS_SPECULATION="${EXPRESS_SPECULATION:-on}"
 EXPRESS_SPEC_K="${EXPRESS_SPEC_K:-}"
 # Deadlines (seconds; every failure of a request surfaces within a bound). Empty = the node's default.

@@ -426,3 +426,27 @@ def test_bench_router_config_is_one_the_router_and_the_express_node_accept(tmp_p
                    express_ctrl_port=5, model_dir=tmp_path)
     cfg = parse_config(yaml.safe_load(bench_router_yaml(ep, 6, 4096)))
     assert 0 < cfg.timeouts.kv_wait_s <= ServerConfig(model="m").max_timeout_s
+
+
+def test_plot_from_renders_a_report_and_decode_bench_lines(tmp_path):
+    """`bench.py --plot-from` picks the plot by the file: a bench.json report, or the decode bench's JSON lines
+    (records of other engines carry an `engine` key); a file with neither is a clear error, not a traceback."""
+    pytest.importorskip("matplotlib")
+    import bench
+
+    rep = tmp_path / "bench.json"
+    rep.write_text(json.dumps(_fake_report()))
+    assert bench.main(["--plot-from", str(rep), "--plot-out", str(tmp_path / "a.png")]) == 0
+    assert (tmp_path / "a.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    lines = tmp_path / "decode.jsonl"
+    recs = [{"model": "m/llama-8b", "context": c, "mode": "plain", "tok_per_s": t, "bound_tok_per_s": 260.0}
+            for c, t in ((1024, 248.5), (8192, 234.5))]
+    recs += [{"model": "m/llama-8b", "context": 1024, "mode": "plain", "tok_per_s": 200.1, "engine": "vllm"},
+             {"kind": "env"}]
+    lines.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    assert bench.main(["--plot-from", str(lines)]) == 0
+    assert (tmp_path / "decode.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    empty = tmp_path / "other.jsonl"
+    empty.write_text('{"kind": "env"}\n')
+    with pytest.raises(SystemExit, match="no decode-bench records"):
+        bench.main(["--plot-from", str(empty)])

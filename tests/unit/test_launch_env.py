@@ -1,5 +1,5 @@
-"""scripts/launch/*.sh turn the contract's environment into vLLM's command line and environment (CONTRACTS.md,
-"Launch-script environment"). The scripts run for real with PYTHON pointing at a recorder that prints its argv
+"""scripts/launch/*.sh turn the contract's environment into vLLM's command line and environment (docs/deployment.md,
+"Variables and secrets"). The scripts run for real with PYTHON pointing at a recorder that prints its argv
 and the variables vLLM reads, instead of starting vLLM."""
 
 from __future__ import annotations

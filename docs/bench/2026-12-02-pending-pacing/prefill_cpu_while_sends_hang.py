@@ -1,7 +1,7 @@
 """CPU of the prefill's processes idle vs while 2 KV sends hang on a black-hole peer (pending push work)."""
-import os, sys, time, uuid, json
+import os, sys, tempfile, time, uuid, json
 from pathlib import Path
-REPO = Path("/work/main")
+REPO = Path(__file__).resolve().parents[3]
 sys.path[:0] = [str(REPO / "scripts"), str(REPO / "tests"), str(REPO / "tests/integration")]
 import httpx
 from dev_stack import DevStack
@@ -32,7 +32,7 @@ def cpu(pids):
 def sample(pids, s=10.0):
     c0, t0 = cpu(pids), time.monotonic(); time.sleep(s); return (cpu(pids) - c0) / (time.monotonic() - t0)
 
-stack = DevStack(model_dir=REPO / "var/models/tiny-llama", state_dir=Path("/tmp/s6/spin/state"), port_base=int(os.environ.get("PB", "23000")))
+stack = DevStack(model_dir=REPO / "var/models/tiny-llama", state_dir=Path(tempfile.mkdtemp()) / "state", port_base=int(os.environ.get("PB", "23000")))
 stack.start()
 try:
     pids = tree(stack.pid("prefill"))

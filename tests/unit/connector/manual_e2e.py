@@ -1,8 +1,8 @@
 """Manual end-to-end check of the express-lane connector against a live prefill (not collected by pytest).
 
-    MODEL_DIR=/tmp/el_tiny PYTHON=.venv/bin/python PREFILL_PORT=18700 PREFILL_NIXL_PORT=15700 \
+    MODEL_DIR=var/models/tiny-llama PYTHON=.venv/bin/python PREFILL_PORT=18700 PREFILL_NIXL_PORT=15700 \
         CONNECTOR_METRICS_PORT=19700 BIND_HOST=127.0.0.1 bash scripts/launch/prefill.sh &
-    .venv/bin/python tests/unit/connector/manual_e2e.py --model-dir /tmp/el_tiny --prefill http://127.0.0.1:18700 \
+    .venv/bin/python tests/unit/connector/manual_e2e.py --model-dir var/models/tiny-llama --prefill http://127.0.0.1:18700 \
         --metrics http://127.0.0.1:19700/metrics --ctrl-port 15756
 
 Runs a KVReceiver here, sends express requests (short, and longer than --max-num-batched-tokens so the

@@ -40,7 +40,7 @@ DTYPES = [torch.float32] + ([torch.bfloat16] if DEVICE == "cuda" else [])
 # float32: only summation order differs; bf16: one rounding of a projection output may differ by an ulp.
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 # A whole step in bf16 compounds those ulps over the layers: 0.021 seen on the H200 for this 2-layer model
-# (the 1B / 8B shapes: 0.027 / 0.052, docs/bench/2026-12-01-gpu-speed-3); a wrong kernel gives O(1).
+# (the 1B / 8B shapes: 0.027 / 0.052, docs/bench/2026-12-01-gpu-lean-step); a wrong kernel gives O(1).
 STEP_TOL = {torch.float32: 1e-5, torch.bfloat16: 5e-2}
 
 

@@ -1,4 +1,4 @@
-"""/pd/decode with structured_outputs and top_logprobs (CONTRACTS2.md "Node /pd/decode additions"), served by uvicorn
+"""/pd/decode with structured_outputs and top_logprobs (docs/api.md "The express node's HTTP API"), served by uvicorn
 over a real DecodeEngine of the tiny Llama (it has a tokenizer, so the node builds its xgrammar compiler)."""
 
 from __future__ import annotations

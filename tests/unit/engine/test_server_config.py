@@ -99,7 +99,7 @@ def test_cli_speculation_and_attention_flags() -> None:
 
 
 def test_lean_flag(capsys) -> None:
-    assert parse_args(["--model", "m"]).lean is None  # wherever it applies (the GPU tests ran it, session 4)
+    assert parse_args(["--model", "m"]).lean is None  # wherever it applies (docs/bench/2026-12-01-gpu-greedy-chain/)
     assert parse_args(["--model", "m", "--device", "cuda", "--lean", "off"]).lean is False
     assert parse_args(["--model", "m", "--device", "cuda", "--lean", "auto"]).lean is None
     assert parse_args(["--model", "m", "--device", "cuda:0", "--lean", "on"]).lean is True

@@ -1,6 +1,6 @@
 """The express node as a real process (python -m expresslane.engine.server, real control plane + NIXL agent) under
-real signals: what the next request gets, and how fast. Heavy (starts the node twice): run it under the lock,
-    flock /tmp/expresslane-heavy.lock .venv/bin/python -m pytest tests/unit/engine/test_server_process.py -q -s
+real signals: what the next request gets, and how fast. Heavy (starts the node twice): run it alone,
+    .venv/bin/python -m pytest tests/unit/engine/test_server_process.py -q -s
 The measured times are printed (-s); the assertions are the bounds each failure must surface within."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""logprobs / top_logprobs on the express lane against a fake prefill and a fake node sending the CONTRACTS2.md
-`lp` / `tp` arrays: the first token's entry from the prefill reply, the rest from the node, vLLM's chat and
-completions shapes, stream and non-stream."""
+"""logprobs / top_logprobs on the express lane against a fake prefill and a fake node sending the node's
+`lp` / `tp` arrays (docs/api.md): the first token's entry from the prefill reply, the rest from the node, vLLM's
+chat and completions shapes, stream and non-stream."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Structured outputs and tool calls on the express lane (fake prefill + fake node with the CONTRACTS2.md shapes):
+"""Structured outputs and tool calls on the express lane (fake prefill + fake node with the docs/api.md shapes):
 the node's `structured_outputs` as vLLM builds StructuredOutputsParams, the prefill leg keeping the client's fields,
 hermes tool calls turned into vLLM's `tool_calls` (non-stream and streamed), finish reasons per tool_choice."""
 

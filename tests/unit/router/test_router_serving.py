@@ -36,7 +36,7 @@ def test_an_exit_request_stops_the_server_and_an_idle_server_never_wakes():
     serving = Serving(server)  # on a thread: no signal handlers off the main thread
     r = httpx.get(f"http://127.0.0.1:{port}/", trust_env=False, timeout=10)
     assert r.status_code == 200 and r.text == "ok" and "date" in r.headers
-    time.sleep(1.5)  # uvicorn's own loop would tick 15 times here, session 3's once or twice
+    time.sleep(1.5)  # uvicorn's own loop would tick 15 times here, a 1 s tick once or twice
     assert server.ticks == 1  # the start only
     serving.stop()  # what uvicorn's SIGTERM handler calls; generous bound (CI is slower): without the wake-up
     assert not serving.thread.is_alive()  # this waits for the hour-long tick

@@ -1,7 +1,7 @@
 """The router's streaming upstream pool: one aiohttp ClientSession as an httpx transport (`handle_async_request`)
 under the router's httpx.AsyncClient, for everything but the one-shot calls (streams, the express node's control
 calls, the endpoints beside completions). The one-shot calls (prefill legs, the native lane's non-streaming decode
-leg, health probes) have their own client, h1_pool.H1Pool (docs/performance.md, "Router hot path (session 4)").
+leg, health probes) have their own client, h1_pool.H1Pool (docs/bench/2026-12-01-router-h1pool/).
 
 aiohttp's errors become the httpx exceptions of the same meaning (`httpx_error`), which
 `upstream.map_transport_error` maps. Timeouts: httpx's connect (aiohttp's includes the wait for a pool slot) and

@@ -3,13 +3,13 @@
 Feature data, one source for the router's decisions and for docs/api.md's compatibility table:
 - native pools: everything the stock vLLM decode serves (`NATIVE`; only `n` > 1 is refused, by the router itself:
   a disaggregated request returns one choice);
-- `kind: expresslane` pools: the node's own `GET /capabilities` answer, its `features` map (CONTRACTS.md),
+- `kind: expresslane` pools: the node's own `GET /capabilities` answer, its `features` map (docs/api.md),
   fetched with the node token, cached `capabilities.refresh_s` (a failed fetch is retried after `retry_s`).
   `EXPRESSLANE_ENGINE` is what our engine's node honours at this commit (a test checks it against the engine's
   sampler); it stands in, with a warning in the log, for a node that cannot be asked or sends no `features`
   (an older node);
 - `kind: tilert` pools: the static `TILERT` table (what the router drives through TileRT's /pd/decode contract,
-  /work/shared/TILERT.md: sampling {temperature, top_p, top_k, repetition_penalty, presence_penalty,
+  docs/api.md: sampling {temperature, top_p, top_k, repetition_penalty, presence_penalty,
   ignore_eos}; stop_token_ids enforced by the router).
 A feature also has to pass the express lane's own relay check (`lanes.express.check_express_supported`).
 
@@ -119,7 +119,7 @@ FEATURES: tuple[Feature, ...] = (
             "logprob_token_ids"),
 )
 _BY_NAME = {f.name: f for f in FEATURES}
-# A node's `features` key -> the router's feature names it covers (CONTRACTS.md "GET /capabilities").
+# A node's `features` key -> the router's feature names it covers (docs/api.md, the express node's `/capabilities`).
 _NODE_KEYS = {"logprobs": ("logprobs",), "top_logprobs": ("top_logprobs",), "prompt_logprobs": ("prompt_logprobs",),
               "echo": ("echo",), "structured_output": ("structured_output",), "tools": ("tools",), "n": ("n",),
               "logit_bias": ("logit_bias",), "min_p": ("min_p",), "stop_token_ids": ("stop_token_ids",),
@@ -152,7 +152,7 @@ def features_from_node(node_features: dict[str, Any]) -> dict[str, bool]:
     return out
 
 
-# What our engine's node announces at this commit (CONTRACTS2.md "Node /pd/decode additions").
+# What our engine's node announces at this commit (docs/api.md "The express node's HTTP API").
 EXPRESSLANE_ENGINE: dict[str, bool] = features_from_node(
     {"logprobs": True, "top_logprobs": True, "structured_output": True, "tools": False, "n": False,
      "echo": False, "prompt_logprobs": False, "logit_bias": True, "min_p": True, "allowed_token_ids": True,

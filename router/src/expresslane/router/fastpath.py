@@ -2,7 +2,7 @@
 plain ASGI call, every other request (and every other method on those two paths) through the Starlette app.
 
 Why: these two routes are the router's hot path, and on this project's small hosts the router's own CPU per request
-is the number that matters (docs/performance.md, "Router hot path (session 5)"). Through Starlette a request
+is the number that matters (docs/bench/2026-12-02-router-fast-path/). Through Starlette a request
 passes uvicorn's proxy-headers layer, then FastAPI, Starlette's error middleware, the request-id middleware,
 Starlette's exception middleware, FastAPI's exit-stack middleware, the router's route matching (a regex per route)
 and the route's request/response wrapper, each with its own coroutine frame and, for the reply, its own wrapped

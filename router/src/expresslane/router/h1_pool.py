@@ -2,10 +2,10 @@
 
 `H1Pool` is the `upstream.OneShotCalls` of a running router: the prefill legs, the native lane's non-streaming
 decode leg (`post_json`) and the health probes (`get_status`). aiohttp's client was about 40 % of the router's
-own CPU per request after session 3 (request/response objects, header multidicts, timers per read, its
-connector's bookkeeping); here a call is one write of the request's bytes, httptools' C parser over the reply,
-one timer, and the connection back in its pool. Streams and everything else stay on httpx over aiohttp
-(aiohttp_upstream.AiohttpTransport).
+own CPU per request before it (docs/bench/2026-12-01-router-h1pool/: request/response objects, header
+multidicts, timers per read, its connector's bookkeeping); here a call is one write of the request's bytes,
+httptools' C parser over the reply, one timer, and the connection back in its pool. Streams and everything
+else stay on httpx over aiohttp (aiohttp_upstream.AiohttpTransport).
 
 Failures are typed exactly as on the aiohttp path (tests/unit/router/test_router_upstream_json.py runs every
 case on every path, with real sockets):

@@ -3,9 +3,10 @@ to the socket in ONE write (status line, headers and body together).
 
 Why: uvicorn writes a reply's status line and headers in one `transport.write` and its body in another. On
 loopback TCP each write is a syscall that delivers the bytes to the client in the router's own context and wakes
-the client, which then often takes the router's core before the second write (docs/performance.md, "Router hot
-path (session 6)": the header write was ~9 % of the router's samples per request, as much as the whole upstream
-leg's write). The bytes on the wire are exactly uvicorn's; only how they are cut into writes changes.
+the client, which then often takes the router's core before the second write
+(docs/bench/2026-12-02-router-one-write/: the header write was ~9 % of the router's samples per request, as much
+as the whole upstream leg's write). The bytes on the wire are exactly uvicorn's; only how they are cut into
+writes changes.
 
 Everything else is uvicorn's `HttpToolsProtocol` and its request/response cycle, unchanged: keep-alive,
 pipelining, 100-continue, HEAD, HTTP/1.0, chunked request bodies, limits, timeouts, graceful shutdown,

@@ -1,7 +1,7 @@
 """Logprobs on the express lane in exactly vLLM 0.32's chat and completions shapes.
 
 Sources: the first token's entry comes from the prefill reply (the router asks the prefill for max(k, 1) top
-logprobs), every later token's from the node's NDJSON `lp` / `tp` arrays (CONTRACTS2.md). Per position vLLM keeps
+logprobs), every later token's from the node's NDJSON `lp` / `tp` arrays (docs/api.md). Per position vLLM keeps
 a dict in insertion order: the sampled token first, then the top-k by logprob (a sampled token that is also in
 the top-k keeps its first place: `append_logprobs_for_next_position`). From that dict:
 - chat (`_create_chat_logprobs`): `logprobs.content[i] = {token, logprob, bytes, top_logprobs}` with

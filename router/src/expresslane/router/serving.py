@@ -3,8 +3,8 @@ uvicorn's httptools protocol with one write per reply (http_protocol.py).
 
 uvicorn wakes its main loop ten times a second (to refresh the Date header once a second and to notice a
 shutdown request). On this project's small hosts a wake-up of an idle process costs far more than its few lines
-of Python (cold caches): session 3's once-a-second tick still cost about 0.34 ms of CPU a second on an idle
-router (perf stat, docs/performance.md "Router hot path (session 4)"), which the bench's router CPU per request
+of Python (cold caches): the once-a-second tick it had still cost about 0.34 ms of CPU a second on an idle
+router (perf stat, docs/bench/2026-12-01-router-h1pool/), which the bench's router CPU per request
 counts. So `RouterServer` has no tick at all:
 - the Date header: each HTTP request, before the app runs, refreshes the server's default headers in place
   when the second has changed (`refresh_date`); the request's response is built from that same list, so its

@@ -1,5 +1,5 @@
 """The express node's `structured_outputs`, built from a client body as vLLM 0.32's serving layer builds its
-StructuredOutputsParams (CONTRACTS2.md "Node /pd/decode additions"):
+StructuredOutputsParams (docs/api.md "The express node's HTTP API"):
 
 1. the request's own `structured_outputs` object (json / regex / choice / grammar / json_object /
    structural_tag, options disable_any_whitespace, disable_additional_properties, whitespace_pattern);
@@ -24,7 +24,7 @@ from .tools import SUPPORTED_PARSERS, structural_tag, tools_active
 
 __all__ = ["STRUCTURED_KEYS", "node_structured_outputs", "structured_unsupported"]
 
-# StructuredOutputsParams fields as the node takes them (CONTRACTS2.md).
+# StructuredOutputsParams fields as the node takes them (docs/api.md).
 STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag", "disable_any_whitespace",
                    "disable_additional_properties", "whitespace_pattern")
 

@@ -60,7 +60,7 @@ is read from the token buffer directly.
 With the lean step on a GPU (models/lean.py) the greedy step writes its token itself, with the step's number,
 into a ring of pinned host memory (StepRunner.start_greedy returns it): nothing is queued between two steps' graphs,
 and result() polls the ring slot of step n's number (yielding the GIL each poll, READ_TIMEOUT_S at most). The
-copy and the event cost 10 us a step on the H200 (docs/performance.md, session 5).
+copy and the event cost 10 us a step on the H200 (docs/bench/2026-12-02-gpu-pdl-argmax/).
 """
 
 from __future__ import annotations

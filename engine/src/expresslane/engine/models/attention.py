@@ -102,7 +102,7 @@ def _bmm_live_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 # K/V byte is read once per step, sequentially. PyTorch's kernels read the same bytes
 # per head, strided, in per-block GEMM calls (the bmm kernel above, SDPA): in the tiny model's step at 3800 rows (K/V of 4 layers plus the
 # weights, about 29 MB, do not stay in this host's L3) they took 1.1-2.3 ms per layer against 0.36 ms for
-# this kernel (torch.profiler, docs/performance.md "CPU stack (session 3)"). The C source is compiled once per
+# this kernel (torch.profiler, docs/bench/2026-12-01-cpu-attention-kernel/). The C source is compiled once per
 # machine by the host's C compiler (-O3 -march=native, reassociating sums but not -ffast-math: _NATIVE_FLAGS; the runtime image has g++) into a per-user
 # cache and called through ctypes. It reads only rows < L (rows past the length may hold anything); the
 # causal limit of each verify row is applied in its softmax. Without a compiler the PyTorch kernels run and

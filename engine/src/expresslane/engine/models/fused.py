@@ -19,7 +19,7 @@ The RMSNorm statistic is recomputed by every program from the whole input row (a
 lets the norm live inside the projection's kernel. Block shapes are picked per (kernel, N, K) by timing each
 candidate once on the device (`pick_config`); off a GPU (Triton's interpreter, the unit tests) the first
 candidate that fits is used. Two loops: the plain one (each iteration loads its tile, then multiplies; the norm
-statistic is a loop of its own first), measured on the H200 (docs/performance.md, "GPU lean step (session 3)"),
+statistic is a loop of its own first), measured on the H200 (docs/bench/2026-12-01-gpu-lean-step/),
 and a prefetching one (the next tile is loaded before this one's products; the first tile's load is issued
 before the norm statistic, which is one load of the row), added after that run and picked only where the
 device's timing finds it faster. Both compute the same sums in the same order.
@@ -38,12 +38,12 @@ from .pdl import pdl_wait, use_pdl
 # (rows per program, K per iteration, prefetch): 8,192 weights (16 KB of bf16) a program and iteration; with
 # prefetch (1) the next iteration's tile is loaded before this one's products, so two tiles of half the size
 # are in flight, and the RMSNorm statistic is one load of the whole row issued after the first tile's load.
-# Prefetch 0 is the loop measured on the H200 in docs/bench/2026-12-01-gpu-speed-3; the prefetch candidates
+# Prefetch 0 is the loop measured on the H200 in docs/bench/2026-12-01-gpu-lean-step; the prefetch candidates
 # were added after that run (not measured yet): the device's timing picks whichever is faster.
 # A fourth element is the program's warps (4 when absent): the 8-warp candidates keep twice the loads in
-# flight per program (added in session 4, after the session-3 profile found the 8B's QKV GEMV at 66 % and
-# its gate/up at 86 % of copy speed; the first session-4 run picked 8x256pw8 for the QKV of both shapes, 33 ->
-# 24 us for the 8B's; the last row of each list adds the neighbours of the picks of that run).
+# flight per program (docs/bench/2026-12-01-gpu-greedy-chain/: added after the lean step's first profile found the
+# 8B's QKV GEMV at 66 % and its gate/up at 86 % of copy speed; the first run with them picked 8x256pw8 for the QKV
+# of both shapes, 33 -> 24 us for the 8B's; the last row of each list adds the neighbours of the picks of that run).
 GEMV_CONFIGS = ((4, 2048, 0), (8, 1024, 0), (16, 512, 0), (32, 256, 0), (8, 512, 1), (16, 256, 1), (32, 128, 1),
                 (16, 512, 0, 8), (32, 256, 0, 8), (16, 256, 1, 8),
                 (4, 1024, 1), (8, 1024, 1), (4, 512, 1), (8, 512, 1, 8), (4, 1024, 1, 8))
@@ -514,7 +514,7 @@ def pick_config(name: str, n: int, k: int, candidates, launch, max_block_rows: i
     saved = restore.clone() if restore is not None else None
     times: dict[tuple[int, ...], float] = {}
     # Two rounds over the candidates, each one's best: one round once timed every candidate of the 8B's
-    # o_proj 60 % slow and picked a worse shape (docs/performance.md, session 5, run 7).
+    # o_proj 60 % slow and picked a worse shape (docs/bench/2026-12-02-gpu-pdl-argmax/, run 7).
     for _ in range(2):
         for cfg in fitting:
             t = triton.testing.do_bench(lambda: launch(cfg), warmup=5, rep=20, return_mode="median")
@@ -626,7 +626,7 @@ ARGMAX_KEY_EMPTY = -(2**63)
 def new_argmax_keys(n: int, device) -> torch.Tensor:
     """The int64 keys a greedy step's lm_head of n rows writes, one a program (norm_gemv(argmax_keys=...)):
     room for the most programs any block shape launches. Atomics on one key instead made the H200's lm_head
-    43 us slower (16k programs; docs/bench/2026-12-02-gpu-speed-5/run6-greedy-profile.jsonl)."""
+    43 us slower (16k programs; docs/bench/2026-12-02-gpu-pdl-argmax/run6-greedy-profile.jsonl)."""
     fewest_rows = min(c[0] for c in GEMV_CONFIGS)
     return torch.full((triton.cdiv(n, fewest_rows),), ARGMAX_KEY_EMPTY, dtype=torch.int64, device=device)
 

@@ -3,10 +3,10 @@
 A batch-1 decode step is a chain of ~100 short kernels, each of which depends on the one before it. Launched the
 ordinary way, kernel n + 1 starts only once kernel n has ended: every boundary costs the launch and the ramp of
 the next kernel's first memory loads (on the H200 the Llama-1B step spent 869 us in kernels for 593 us of
-bytes, docs/performance.md). With PDL (`launch_pdl=True`, Triton's `griddepcontrol` instructions) kernel
-n + 1 may start while kernel n's last programs still run: its programs load what does not depend on kernel n
-(their first tile of constant weights) and then wait (`gdc_wait`) until kernel n has finished and its writes
-are visible; only then do they read the activations. Each kernel lets the next one launch
+bytes: docs/bench/2026-12-01-gpu-greedy-chain/). With PDL (`launch_pdl=True`, Triton's `griddepcontrol`
+instructions) kernel n + 1 may start while kernel n's last programs still run: its programs load what does not
+depend on kernel n (their first tile of constant weights) and then wait (`gdc_wait`) until kernel n has
+finished and its writes are visible; only then do they read the activations. Each kernel lets the next one launch
 (`gdc_launch_dependents`) right after its own wait, so at most the next kernel is in flight early, and what it
 does before its wait touches only weights.
 
@@ -40,7 +40,7 @@ KINDS = ("gemv", "attn_partial", "attn_merge")
 # Not the attention's partial kernel: launched early, its programs (one wave, two a multiprocessor) are placed
 # while the QKV kernel still holds the multiprocessors, unevenly, and the long-context step got slower with it
 # (H200, Llama-1B shape at 32k: 1.334 ms a step with it, 1.096 without, 1.173 with no PDL at all;
-# docs/bench/2026-12-02-gpu-speed-5/run2-pdl-variants.jsonl).
+# docs/bench/2026-12-02-gpu-pdl-argmax/run2-pdl-variants.jsonl).
 DEFAULT_KINDS = frozenset({"gemv", "attn_merge"})
 
 

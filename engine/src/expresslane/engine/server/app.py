@@ -1,5 +1,5 @@
 """The express decode node's HTTP app: TileRT's decode-node contract plus reservations, health and auth
-(docs: /work/shared/TILERT.md, /work/coord/CONTRACTS.md "Express node HTTP").
+(docs/api.md, "The express node's HTTP API").
 
     POST /pd/reserve  {rid, ttl_s} -> {rid, reserved: true, ttl_s}            (429 busy, 503 not_ready)
     POST /pd/decode   {rid, first_token_id, max_tokens, sampling:{...}, stream, timeout_s, top_logprobs,

@@ -4,7 +4,7 @@ The production source is ``expresslane.engine.transfer.receiver.KVReceiver`` (co
 NIXL-registered receive buffer). ``LocalKVSource`` is an in-process source for tests and local runs: KV is
 handed to it with ``put`` (e.g. computed by a real DecodeEngine.prefill).
 
-The node uses exactly these calls of a KVSource (docs: /work/coord/CONTRACTS.md "Receiver API"):
+The node uses exactly these calls of a KVSource (docs/protocol.md, "What the decode node uses of it"):
   start() / stop()                      lifespan
   expect(rid, ttl_s)                    on /pd/reserve (ttl = the reservation's) and again when /pd/decode takes
                                         the reservation over (ttl = the KV wait): KV is admitted for rid until then;

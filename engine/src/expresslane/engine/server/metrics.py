@@ -14,7 +14,7 @@ from ..decode import SpecStats
 STATUSES = ("ok", "bad_request", "busy", "not_reserved", "not_ready", "cancelled", "kv_timeout", "kv_transfer_failed",
             "stalled", "deadline", "unsupported", "error")
 # taken: /pd/decode took the reservation over; refused: the KV receiver cannot take the rid.
-# kv_transfer_failures_total{reason}: the part of the receiver's reason before ':' (CONTRACTS.md Receiver API)
+# kv_transfer_failures_total{reason}: the part of the receiver's reason before ':' (docs/protocol.md, Receiver API)
 TRANSFER_FAILURE_REASONS = ("aborted", "sender_vanished", "checksum_mismatch", "no_notification", "incompatible_kv",
                             "transfer_failed", "receive_error")
 RESERVATION_OUTCOMES = ("reserved", "refreshed", "taken", "cancelled", "expired", "busy", "refused", "not_ready")

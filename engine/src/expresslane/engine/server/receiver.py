@@ -9,7 +9,7 @@ from .kv_source import KVSource
 
 def build_receiver(config: ServerConfig, engine: DecodeEngine) -> KVSource:
     """The control-plane TCP server on --ctrl-port + NIXL receive buffer, sized by the engine's geometry, with
-    the Receiver API's keyword args (CONTRACTS.md): peer authentication, connection cap, checksum check and the
+    the Receiver API's keyword args (docs/protocol.md): peer authentication, connection cap, checksum check and the
     model's fingerprint (same checkpoint directory as the prefill's, so both sides compute the same one)."""
     from expresslane.engine.protocol.layout import model_fingerprint  # noqa: I001 - NIXL only when serving for real
     from expresslane.engine.transfer.receiver import KVReceiver

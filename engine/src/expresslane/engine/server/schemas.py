@@ -8,7 +8,7 @@ absent = the node's setting. Greedy output is identical either way (the engine's
 `top_logprobs` (0..20; null = none) and `structured_outputs` (vLLM 0.32's StructuredOutputsParams fields:
 exactly one of json / regex / choice / grammar / json_object / structural_tag, plus the options
 disable_any_whitespace / disable_additional_properties / whitespace_pattern, which vLLM's xgrammar backend
-does not use per request; see decode/grammar.py): /work/coord/CONTRACTS2.md "Node /pd/decode additions".
+does not use per request; see decode/grammar.py): docs/api.md, "The express node's HTTP API".
 """
 
 from __future__ import annotations

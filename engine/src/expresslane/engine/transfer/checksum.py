@@ -153,7 +153,7 @@ def wsum16_kernel(device: torch.device) -> str:
     """Which row-sum kernel wsum16 uses on ``device``: ``EXPRESSLANE_WSUM16_KERNEL`` = auto (the default: triton
     on CUDA where triton imports, torch otherwise) | torch | triton (one pass, wsum16_kernel.py; CUDA, or CPU
     under TRITON_INTERPRET=1). Measured on one H200 (4 GiB VRAM slot): torch 30.4 ms, triton 2.57 ms, equal
-    values in all 18 comparisons (docs/performance.md, VRAM handoff)."""
+    values in all 18 comparisons (docs/bench/2026-12-01-vram-handoff/)."""
     name = os.environ.get("EXPRESSLANE_WSUM16_KERNEL", "auto")
     if name not in ("auto", "torch", "triton"):
         raise ValueError(f"EXPRESSLANE_WSUM16_KERNEL={name!r}: auto | torch | triton")

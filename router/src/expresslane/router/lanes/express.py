@@ -403,7 +403,7 @@ class ExpressLane:
             raise UpstreamError(f"express node {leg.node.name} sent no lp/tp arrays for its tokens (logprobs were "
                                 "asked for)", stage=STAGE, kind="no_logprobs")
         for j in range(dropped, len(ids)):
-            if lp[j] is None:  # the first token: its logprobs come from the prefill (CONTRACTS2.md)
+            if lp[j] is None:  # the first token: its logprobs come from the prefill (docs/api.md, the node's `lp`)
                 if leg.positions or ids[j] != leg.first_token_id:
                     raise UpstreamError(f"express node {leg.node.name} sent a null logprob for token {ids[j]}",
                                         stage=STAGE, kind="no_logprobs")

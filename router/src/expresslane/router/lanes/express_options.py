@@ -14,7 +14,7 @@ __all__ = ["SAMPLING_KEYS", "check_express_supported", "sampling_of"]
 # The /pd/decode `sampling` keys each node kind honours (our engine server: more than TileRT).
 SAMPLING_KEYS = {
     # min_p, logit_bias, allowed_token_ids: forwarded when the client sets them; capability routing sends such a
-    # request here only when the node's /capabilities features announce them (CONTRACTS2.md optional keys).
+    # request here only when the node's /capabilities features announce them (docs/api.md).
     "expresslane": ("temperature", "top_p", "top_k", "repetition_penalty", "presence_penalty", "frequency_penalty",
                     "ignore_eos", "seed", "stop_token_ids", "min_tokens", "min_p", "logit_bias", "allowed_token_ids"),
     # TileRT refuses per-request stop_token_ids (its loop uses the model's stop set): the router enforces them.
