@@ -99,7 +99,7 @@ def dry_run(shapes: list[str], args: argparse.Namespace) -> int:
         recorder.write_text(f"#!{sys.executable}\nimport shlex, sys\nprint(shlex.join(['python3', *sys.argv[1:]]))\n")
         recorder.chmod(0o755)
         for shape in shapes:
-            stack = ShapeStack(model_dir=args.models / shape, state_dir=Path(tmp) / shape,
+            stack = ShapeStack(model_dir=args.models / shape, state_dir=Path(tmp) / shape, port_base=args.port_base,
                                python=str(recorder), extra_env=stack_env(shape, args))
             env = stack.env()
             print(f"## {shape}: environment set by gpu_stack.py")
@@ -116,7 +116,7 @@ def dry_run(shapes: list[str], args: argparse.Namespace) -> int:
 
 
 def bench_cmd(shape: str, args: argparse.Namespace, out: Path) -> list[str]:
-    return [sys.executable, str(REPO / "scripts" / "bench.py"), "--port-base", "0", "--model-dir",
+    return [sys.executable, str(REPO / "scripts" / "bench.py"), "--port-base", str(args.port_base), "--model-dir",
             str(args.models / shape), "--served-model", shape, "--lanes", "express,native",
             "--concurrency", args.concurrency, "--prompts", args.prompts, "--output-tokens", str(args.output_tokens),
             "--skip-overheads", "--out", str(out)]
@@ -224,8 +224,9 @@ def run_shape(shape: str, args: argparse.Namespace, deadline: float, work: Path,
         subprocess.run([sys.executable, *make], check=True, timeout=max(30, deadline - time.monotonic() - 60))
         rec["checkpoint_s"] = round(time.monotonic() - t0, 1)
     stack = ShapeStack(model_dir=model_dir, state_dir=work / shape / "stack", python=sys.executable,
+                       port_base=args.port_base,
                        extra_env=stack_env(shape, args),
-                       start_timeout_s=max(60.0, min(420.0, deadline - time.monotonic() - 90)))
+                       start_timeout_s=max(60.0, min(args.start_timeout_s, deadline - time.monotonic() - 90)))
     rec["env"] = stack_env(shape, args)
     t0 = time.monotonic()
     try:
@@ -233,7 +234,8 @@ def run_shape(shape: str, args: argparse.Namespace, deadline: float, work: Path,
         stack.start()
         rec["stack_start_s"] = round(time.monotonic() - t0, 1)
         rec["gpu_memory_after_start"] = gpu_memory()
-        log(f"{shape}: stack up in {rec['stack_start_s']} s; {rec['gpu_memory_after_start']['gpu_mib']} MiB used")
+        log(f"{shape}: stack up in {rec['stack_start_s']} s; GPU memory used, total (MiB): "
+            f"{rec['gpu_memory_after_start'].get('gpu_mib')}")
         vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
         prompts = [int(x) for x in args.prompts.split(",")]
         try:
@@ -250,6 +252,10 @@ def run_shape(shape: str, args: argparse.Namespace, deadline: float, work: Path,
         proc = subprocess.Popen(cmd, start_new_session=True)
         try:
             rec["bench_rc"] = proc.wait(timeout=max(10.0, budget))
+        except KeyboardInterrupt:  # this script was stopped: so is the bench (it keeps its partial report)
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=20)
+            raise
         except subprocess.TimeoutExpired:
             log(f"{shape}: bench out of time: SIGTERM (it keeps its partial report)")
             os.killpg(proc.pid, signal.SIGTERM)
@@ -266,7 +272,7 @@ def run_shape(shape: str, args: argparse.Namespace, deadline: float, work: Path,
         if (out / "bench.md").exists():
             rec["bench_md"] = (out / "bench.md").read_text()
     except StackError as e:
-        rec["error"] = str(e)[-6000:]
+        rec["error"] = str(e)[:1500] + ("\n...\n" + str(e)[-4500:] if len(str(e)) > 6000 else str(e)[1500:])
         log(f"{shape}: the stack did not come up: {str(e)[-2000:]}")
     finally:
         stack.stop()
@@ -306,6 +312,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--out", type=Path, required=True, help="at most 8 files are written here")
     ap.add_argument("--work", type=Path, default=Path("/tmp/gpu-stack"), help="logs and bench artifacts")
     ap.add_argument("--deadline-s", type=float, default=560.0, help="all work ends by then (device call: 600 s)")
+    ap.add_argument("--deadline-epoch", type=float, help="all work ends by this Unix time (wins over --deadline-s)")
     ap.add_argument("--concurrency", default="1,2,4")
     ap.add_argument("--prompts", default="1024,8192")
     ap.add_argument("--output-tokens", type=int, default=256)
@@ -316,6 +323,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="off: the headline target is without speculation (random weights rarely repeat)")
     ap.add_argument("--no-express-compile", dest="express_compile", action="store_false")
     ap.add_argument("--ucx-tls", default="cuda_copy,cuda_ipc,sm,self,tcp", help="as compose/overlays/gpu-single.yaml")
+    ap.add_argument("--start-timeout-s", type=float, default=420.0, help="the services must be healthy by then")
+    ap.add_argument("--port-base", type=int, default=0, help="added to every default port (dev_stack.py)")
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
                     help="cpu: the CPU dev stack's settings with --shapes tiny (checks this script, not a GPU)")
     ap.add_argument("--dry-run", action="store_true", help="print the command lines; start nothing")
@@ -331,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
     shapes = args.shapes.split(",")
     if args.dry_run:
         return dry_run(shapes, args)
-    deadline = time.monotonic() + args.deadline_s
+    deadline = time.monotonic() + (args.deadline_epoch - time.time() if args.deadline_epoch else args.deadline_s)
     args.out.mkdir(parents=True, exist_ok=True)
     args.work.mkdir(parents=True, exist_ok=True)
     summary: dict = {"started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "shapes": {},
@@ -347,7 +356,9 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         write_outputs(args, args.work, summary)
         log(f"wrote {sorted(p.name for p in args.out.iterdir())}")
-    return 0 if all("error" not in r and "skipped" not in r for r in summary["shapes"].values()) else 1
+    ok = "interrupted" not in summary and all("error" not in r and "skipped" not in r and r.get("bench_rc") == 0
+                                              for r in summary["shapes"].values())
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

@@ -40,12 +40,14 @@ def test_parts_fit_the_budget_and_assemble_byte_exact(tmp_path, capsys) -> None:
     for i, part in enumerate(manifest["parts"], 1):  # one part per folder, the manifest beside each
         assert sorted(x.name for x in (carry / f"p{i}").iterdir()) == ["manifest.json", part["name"]]
     parts, site = tmp_path / "parts", tmp_path / "site"
-    assert gpu_carry.main(["--carry-dir", str(carry), "assemble", "--parts", str(parts), "--site", str(site)]) == 0
+    assemble = ["--carry-dir", str(carry), "assemble", "--parts", str(parts), "--site", str(site),
+                "--lock-sha256", "lock-1"]
+    assert gpu_carry.main(assemble) == 0
     for name, data in files.items():
         assert (site / name).read_bytes() == data
     # idempotent: a second call finds this build in place and touches nothing
     (site / "touched").write_text("x")
-    assert gpu_carry.main(["--carry-dir", str(carry), "assemble", "--parts", str(parts), "--site", str(site)]) == 0
+    assert gpu_carry.main(assemble) == 0
     assert "already holds this build" in capsys.readouterr().out and (site / "touched").exists()
 
 
@@ -59,7 +61,8 @@ def test_a_missing_or_damaged_part_is_named(tmp_path) -> None:
     empty = tmp_path / "no-carry"
     empty.mkdir()  # as on the machine when the earlier calls' /tmp was lost: only the copied part is there
     with pytest.raises(SystemExit) as e:
-        gpu_carry.main(["--carry-dir", str(empty), "assemble", "--parts", str(parts), "--site", str(tmp_path / "s")])
+        gpu_carry.main(["--carry-dir", str(empty), "assemble", "--parts", str(parts), "--site", str(tmp_path / "s"),
+                        "--lock-sha256", "lock-1"])
     assert f"{first} damaged" in str(e.value) and f"{second} missing" in str(e.value)
     assert not (tmp_path / "s").exists()
 
