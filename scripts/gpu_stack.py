@@ -203,9 +203,11 @@ def _compare(a: dict, b: dict) -> dict:
     out = {"verdict": "diverges", "first_divergence": i, "tokens": [len(ta), len(tb)],
            "a_token": ta[i] if i < len(ta) else None, "b_token": tb[i] if i < len(tb) else None}
     for side, rec in (("a", a), ("b", b)):
-        margins = rec.get("top2_margin")
-        if margins and i < len(margins):
+        margins, ids = rec.get("top2_margin"), rec.get("token_ids")
+        if margins and len(margins) == len(ids) and i < len(margins):  # one logprob entry per token, aligned
             out[f"{side}_top2_logprob_margin"] = margins[i]
+        elif margins:
+            out[f"{side}_top2_logprob_margin"] = f"{len(margins)} logprob entries for {len(ids)} tokens: not aligned"
     return out
 
 

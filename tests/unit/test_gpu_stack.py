@@ -39,4 +39,6 @@ def test_compare_names_the_first_divergence_and_both_margins() -> None:
     assert (out["a_token"], out["b_token"]) == (7, 9)
     assert (out["a_top2_logprob_margin"], out["b_top2_logprob_margin"]) == (0.01, 0.02)
     assert gpu_stack._compare({"token_ids": None}, b)["verdict"] == "missing"
+    short = gpu_stack._compare(a, {**b, "top2_margin": [3.1, 2.4]})  # a lane that drops the first token's entry
+    assert short["a_top2_logprob_margin"] == 0.01 and "not aligned" in short["b_top2_logprob_margin"]
     assert gpu_stack._margin({"t1": -0.1, "t2": -2.6}) == 2.5
