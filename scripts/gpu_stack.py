@@ -87,8 +87,8 @@ def stack_env(shape: str, args: argparse.Namespace) -> dict[str, str]:
         "EXPRESS_SPECULATION": args.express_speculation,
         "VLLM_TOOL_CALL_PARSER": "",            # the shape checkpoints have no tool-call tokens
         "VLLM_USE_FLASHINFER_SAMPLER": "0",     # flashinfer is not carried (scripts/gpu_carry.py)
-        "UCX_TLS": args.ucx_tls,
         "EXPRESS_KV_TIMEOUT_S": "120",
+        **({"UCX_TLS": args.ucx_tls} if args.ucx_tls else {}),
     }
 
 
@@ -324,7 +324,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--express-speculation", choices=["on", "off"], default="off",
                     help="off: the headline target is without speculation (random weights rarely repeat)")
     ap.add_argument("--no-express-compile", dest="express_compile", action="store_false")
-    ap.add_argument("--ucx-tls", default="cuda_copy,cuda_ipc,sm,self,tcp", help="as compose/overlays/gpu-single.yaml")
+    ap.add_argument("--ucx-tls", default="", help="UCX_TLS for every service (default: unset, UCX picks; "
+                    "scripts/gpu_handoff.py measured cuda_ipc VRAM -> VRAM that way on this GPU machine)")
     ap.add_argument("--start-timeout-s", type=float, default=420.0, help="the services must be healthy by then")
     ap.add_argument("--port-base", type=int, default=0, help="added to every default port (dev_stack.py)")
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
