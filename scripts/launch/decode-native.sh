@@ -13,5 +13,8 @@ export VLLM_NIXL_SIDE_CHANNEL_HOST="${DECODE_NATIVE_NIXL_HOST:-127.0.0.1}"
 # prefill member killed under load otherwise costs every request whose KV was in flight from it.
 KV_LOAD_FAILURE_POLICY="${KV_LOAD_FAILURE_POLICY:-recompute}"
 kv_config='{"kv_connector":"NixlConnector","kv_role":"kv_consumer","kv_buffer_device":"'"$KV_BUFFER_DEVICE"'","kv_load_failure_policy":"'"$KV_LOAD_FAILURE_POLICY"'"}'
+# More vLLM flags for this server (word-split), e.g. "--gpu-memory-utilization 0.25 --kv-cache-memory-bytes 10G".
+DECODE_NATIVE_EXTRA_ARGS="${DECODE_NATIVE_EXTRA_ARGS:-}"
 
-vllm_serve "$DECODE_NATIVE_PORT" "$kv_config" "$@"
+# shellcheck disable=SC2086
+vllm_serve "$DECODE_NATIVE_PORT" "$kv_config" $DECODE_NATIVE_EXTRA_ARGS "$@"
