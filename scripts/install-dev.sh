@@ -7,6 +7,7 @@ PY="${PYTHON_BOOTSTRAP:-python3}"
 if [[ ! -x .venv/bin/python ]]; then
   "$PY" -m venv .venv
 fi
+bash scripts/install-kubectl.sh  # the pinned kubectl of tests/unit/test_kubernetes.py (idempotent)
 stamp=.venv/.expresslane-deps
 want="$(cat requirements-dev.txt engine/pyproject.toml router/pyproject.toml | sha256sum | cut -c1-16)"
 if [[ -f "$stamp" && "$(cat "$stamp")" == "$want" ]]; then

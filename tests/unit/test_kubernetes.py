@@ -14,6 +14,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import kubernetes_validate
@@ -24,7 +25,9 @@ REPO = Path(__file__).resolve().parents[2]
 KUBE = REPO / "kubernetes"
 OVERLAYS = ("cpu-demo", "gpu", "tilert")
 K8S_VERSION = "1.37"
-KUBECTL = os.environ.get("KUBECTL", "kubectl")
+# $KUBECTL, else the pinned one scripts/install-kubectl.sh put beside the venv's python, else kubectl on PATH
+_VENV_KUBECTL = Path(sys.executable).parent / "kubectl"
+KUBECTL = os.environ.get("KUBECTL") or (str(_VENV_KUBECTL) if _VENV_KUBECTL.exists() else "kubectl")
 WORKLOADS = {("StatefulSet", "prefill"), ("StatefulSet", "decode-native"), ("StatefulSet", "decode-express"),
              ("Deployment", "router")}
 POOLS = ("prefill", "decode-native", "decode-express")
@@ -48,7 +51,8 @@ def _copy_tree(tmp: Path) -> Path:
 @pytest.fixture(scope="module")
 def rendered(tmp_path_factory) -> dict[str, list[dict]]:
     if shutil.which(KUBECTL) is None:
-        pytest.fail(f"{KUBECTL!r} is not installed: these checks need `kubectl kustomize` (set KUBECTL to its path)")
+        pytest.fail(f"{KUBECTL!r} is not installed: these checks need `kubectl kustomize` (scripts/install-dev.sh "
+                    "installs the pinned one into .venv/bin; or set KUBECTL to its path)")
     root = _copy_tree(tmp_path_factory.mktemp("kube"))
     out = {}
     for overlay in OVERLAYS:
