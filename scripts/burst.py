@@ -39,7 +39,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests" / "integration"))
 
 import httpx  # noqa: E402
-from fault_support import Outcome, metric, request, scrape  # noqa: E402
+from fault_support import Outcome, greedy_references, metric, request, scrape  # noqa: E402
 
 WORDS = (REPO / "scripts" / "tiny_model_corpus.txt").read_text().split()
 # the 503 messages of a pool without a node to take the request (lanes/native.py, gate.py)
@@ -121,25 +121,8 @@ async def references(prefill: str, model: str, served: list[Sent], parallel: int
                      headers: dict[str, str] | None = None) -> dict[str, str | None]:
     """The single server's greedy answer to every distinct served request (None: it could not answer);
     `headers`: vLLM's API key on a closed stack."""
-    todo = {s.ref_key(): s for s in served}
-    out: dict[str, str | None] = {}
-    sem = asyncio.Semaphore(parallel)
-    async with httpx.AsyncClient(timeout=300, trust_env=False, headers=headers) as client:
-        async def one(key: str, s: Sent) -> None:
-            async with sem:
-                try:
-                    r = await client.post(prefill + s.path, json=dict(s.body, model=model, stream=False))
-                except httpx.HTTPError:
-                    out[key] = None
-                    return
-            if r.status_code != 200:
-                out[key] = None
-                return
-            choice = r.json()["choices"][0]
-            out[key] = choice["text"] if s.kind == "completion" else choice["message"]["content"]
-
-        await asyncio.gather(*(one(k, s) for k, s in todo.items()))
-    return out
+    return await greedy_references(prefill, model, {s.ref_key(): (s.kind, s.body) for s in served},
+                                   parallel=parallel, timeout_s=300, headers=headers)
 
 
 async def burst_round(router: str, n: int, seed: int, *, aliases: tuple[str, str], bound_s: float) -> dict:

@@ -42,7 +42,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 sys.path.insert(0, str(REPO / "tests" / "integration"))  # the fault tests' client (fault_support.py)
 
 import httpx  # noqa: E402
-from fault_support import Outcome, metric, request, scrape, wait_until  # noqa: E402
+from fault_support import Outcome, greedy_references, metric, request, scrape, wait_until  # noqa: E402
 
 LOOPBACK = "127.0.0.1"
 WORDS = (REPO / "scripts" / "tiny_model_corpus.txt").read_text().split()
@@ -284,27 +284,8 @@ async def _references(ep: Endpoints, o: Options, served: list[Sent], parallel: i
     """The single server's greedy answer to every distinct served request: the prefill (a plain vLLM) asked
     directly, `parallel` at a time (vLLM batches them; one at a time took a minute or two for a CI soak).
     None for a request the reference could not answer (then that output counts as inexact)."""
-    todo = {_ref_key(s): s for s in served}
-    out: dict[str, str | None] = {}
-    sem = asyncio.Semaphore(parallel)
-    async with httpx.AsyncClient(timeout=120, trust_env=False, headers=ep.prefill_headers) as client:
-        async def one(key: str, s: Sent) -> None:
-            body = dict(s.body, model=o.model, stream=False)
-            path = "/v1/chat/completions" if s.kind == "chat" else "/v1/completions"
-            async with sem:
-                try:
-                    r = await client.post(ep.prefill + path, json=body)
-                except httpx.HTTPError:
-                    out[key] = None
-                    return
-            if r.status_code != 200:
-                out[key] = None
-                return
-            choice = r.json()["choices"][0]
-            out[key] = choice["text"] if s.kind == "completion" else choice["message"]["content"]
-
-        await asyncio.gather(*(one(k, s) for k, s in todo.items()))
-    return out
+    return await greedy_references(ep.prefill, o.model, {_ref_key(s): (s.kind, s.body) for s in served},
+                                   parallel=parallel, timeout_s=120, headers=ep.prefill_headers)
 
 
 def _prometheus_value(base: str, expr: str) -> float | None:

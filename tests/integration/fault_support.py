@@ -157,6 +157,32 @@ def run(coro):
     return asyncio.run(coro)
 
 
+async def greedy_references(prefill: str, model: str, todo: dict[str, tuple[str, dict]], *, parallel: int,
+                            timeout_s: float, headers: dict[str, str] | None = None) -> dict[str, str | None]:
+    """The single server's greedy answer to each request of `todo` (key -> (kind: completion | chat, body)), asked
+    of `prefill` (a plain vLLM) non-streaming, `parallel` at a time; None for one it could not answer (the soak's
+    and the burst's exactness references)."""
+    out: dict[str, str | None] = {}
+    sem = asyncio.Semaphore(parallel)
+    async with httpx.AsyncClient(timeout=timeout_s, trust_env=False, headers=headers) as client:
+        async def one(key: str, kind: str, body: dict) -> None:
+            path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
+            async with sem:
+                try:
+                    r = await client.post(prefill + path, json=dict(body, model=model, stream=False))
+                except httpx.HTTPError:
+                    out[key] = None
+                    return
+            if r.status_code != 200:
+                out[key] = None
+                return
+            choice = r.json()["choices"][0]
+            out[key] = choice["text"] if kind == "completion" else choice["message"]["content"]
+
+        await asyncio.gather(*(one(k, kind, body) for k, (kind, body) in todo.items()))
+    return out
+
+
 # ---- Prometheus text --------------------------------------------------------------------------------------
 _SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)')
 _LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
