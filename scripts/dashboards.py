@@ -498,6 +498,12 @@ def lanes_overview() -> Built:
             Z(or_zero(rate(R + "retries_total", ("lane", "pool", "reason"))), "retry {{lane}} {{pool}} {{reason}}")],
            "Streams resumed on another node after tokens had flowed (by outcome), and native retries on another "
            "node (by reason), per second (0 when none).", w=6),
+        ts("Outlier detection decisions/s", "reqps",
+           [Z(or_zero(rate(R + "outlier_decisions_total", ("pool", "node", "decision", "reason"))),
+              "{{pool}} {{node}} {{decision}} {{reason}}")],
+           "Outlier detection per pool (router outlier.py), per second: eject (the rule that tripped), keep (a rule "
+           "tripped but a guard refused: the pool's last serving node, max_ejection_percent), readmit (ejection "
+           "time over). 0 when none.", w=24),
         Row("Traffic and errors"),
         ts("Requests/s by lane and status", "reqps",
            [T(rate(R + "requests_total", ("lane", "status")), "{{lane}} {{status}}")],

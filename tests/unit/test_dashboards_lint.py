@@ -314,13 +314,24 @@ def test_verify_fails_without_a_prometheus_datasource(fake_grafana):
         dashboards.main(["verify"])
 
 
+class _ComposeLoader(yaml.SafeLoader):
+    """YAML with Compose's merge tags (`!reset`, `!override`: how a file's value replaces the one it extends); the
+    tagged value is read as written."""
+
+
+for _tag in ("!reset", "!override"):
+    _ComposeLoader.add_constructor(_tag, lambda loader, node: (
+        loader.construct_sequence(node) if isinstance(node, yaml.SequenceNode)
+        else loader.construct_mapping(node) if isinstance(node, yaml.MappingNode) else loader.construct_scalar(node)))
+
+
 def test_compose_mounts_match_provisioning():
     """compose/compose.yaml mounts what the provisioning files and prometheus.yml expect; Grafana is on by default
     (no profile) and takes its admin password from the environment (grafana/entrypoint.sh), never a default."""
     path = REPO / "compose" / "compose.yaml"
     if not path.exists():
         pytest.skip("no compose/compose.yaml yet")
-    services = yaml.safe_load(path.read_text())["services"]
+    services = yaml.load(path.read_text(), Loader=_ComposeLoader)["services"]
     prom_volumes = services["prometheus"]["volumes"]
     assert "./prometheus/prometheus.yml:/etc/prometheus/prometheus.yml:ro" in prom_volumes
     assert "./prometheus/rules:/etc/prometheus/rules:ro" in prom_volumes
