@@ -8,6 +8,9 @@ KV_BUFFER_DEVICE="${KV_BUFFER_DEVICE:-cpu}"
 export VLLM_CPU_OMP_THREADS_BIND="${DECODE_NATIVE_CPU_BIND:-auto}"
 export VLLM_NIXL_SIDE_CHANNEL_PORT="${DECODE_NATIVE_NIXL_PORT:-5601}"
 export VLLM_NIXL_SIDE_CHANNEL_HOST="${DECODE_NATIVE_NIXL_HOST:-127.0.0.1}"
+# More vLLM flags for this server (word-split), e.g. "--gpu-memory-utilization 0.25 --kv-cache-memory-bytes 10G".
+DECODE_NATIVE_EXTRA_ARGS="${DECODE_NATIVE_EXTRA_ARGS:-}"
 kv_config='{"kv_connector":"NixlConnector","kv_role":"kv_consumer","kv_buffer_device":"'"$KV_BUFFER_DEVICE"'"}'
 
-vllm_serve "$DECODE_NATIVE_PORT" "$kv_config" "$@"
+# shellcheck disable=SC2086
+vllm_serve "$DECODE_NATIVE_PORT" "$kv_config" $DECODE_NATIVE_EXTRA_ARGS "$@"

@@ -19,12 +19,22 @@ PREFILL_RESTORE_OMP_AFFINITY="${PREFILL_RESTORE_OMP_AFFINITY:-1}"
 export VLLM_NIXL_SIDE_CHANNEL_PORT="${PREFILL_NIXL_PORT:-5600}"
 export VLLM_NIXL_SIDE_CHANNEL_HOST="${PREFILL_NIXL_HOST:-127.0.0.1}"
 
+# Where our connector stages a request's KV before the send: empty = the connector's default (cpu: pinned host
+# memory when the KV cache is on CUDA), device = VRAM (VRAM -> VRAM to the express node's receive buffer).
+EXPRESS_STAGING_DEVICE="${EXPRESS_STAGING_DEVICE:-}"
+staging=""
+[[ -n "$EXPRESS_STAGING_DEVICE" ]] && staging=',"staging_device":"'"$EXPRESS_STAGING_DEVICE"'"'
+# More vLLM flags for this server (word-split), e.g. the GPU memory split of a one-GPU stack:
+# "--gpu-memory-utilization 0.25 --kv-cache-memory-bytes 10G" (scripts/gpu_stack.py).
+PREFILL_EXTRA_ARGS="${PREFILL_EXTRA_ARGS:-}"
+
 nixl='{"kv_connector":"NixlConnector","kv_role":"kv_producer","kv_buffer_device":"'"$KV_BUFFER_DEVICE"'"}'
-express='{"kv_connector":"ExpressLaneConnector","kv_connector_module_path":"expresslane.engine.connector","kv_role":"kv_producer","kv_connector_extra_config":{"metrics_port":'"$CONNECTOR_METRICS_PORT"',"metrics_host":"'"$CONNECTOR_METRICS_HOST"'","restore_omp_affinity":'"$restore"'}}'
+express='{"kv_connector":"ExpressLaneConnector","kv_connector_module_path":"expresslane.engine.connector","kv_role":"kv_producer","kv_connector_extra_config":{"metrics_port":'"$CONNECTOR_METRICS_PORT"',"metrics_host":"'"$CONNECTOR_METRICS_HOST"'","restore_omp_affinity":'"$restore$staging"'}}'
 if [[ "$EXPRESS_CONNECTOR" == "1" ]]; then children="$nixl,$express"; else children="$nixl"; fi
 # More MultiConnector children (comma-separated JSON objects), e.g. TileRT's connector in production.
 EXTRA_KV_CONNECTORS="${EXTRA_KV_CONNECTORS:-}"
 [[ -n "$EXTRA_KV_CONNECTORS" ]] && children="$children,$EXTRA_KV_CONNECTORS"
 kv_config='{"kv_connector":"MultiConnector","kv_role":"kv_producer","kv_connector_extra_config":{"connectors":['"$children"']}}'
 
-vllm_serve "$PREFILL_PORT" "$kv_config" "$@"
+# shellcheck disable=SC2086
+vllm_serve "$PREFILL_PORT" "$kv_config" $PREFILL_EXTRA_ARGS "$@"

@@ -74,3 +74,26 @@ def test_connector_metrics_listen_where_vllm_listens(tmp_path):
     cfg = json.loads(flag(argv, "--kv-transfer-config"))
     express = [c for c in cfg["kv_connector_extra_config"]["connectors"] if c["kv_connector"] == "ExpressLaneConnector"]
     assert express[0]["kv_connector_extra_config"]["metrics_host"] == "10.1.2.3"
+
+
+@pytest.mark.parametrize(("script", "var"), [("prefill.sh", "PREFILL_EXTRA_ARGS"),
+                                              ("decode-native.sh", "DECODE_NATIVE_EXTRA_ARGS")])
+def test_extra_vllm_args_are_word_split_and_off_by_default(script, var, tmp_path):
+    plain = launch(script, tmp_path)["argv"]
+    assert "--gpu-memory-utilization" not in plain
+    argv = launch(script, tmp_path, **{var: "--gpu-memory-utilization 0.25 --kv-cache-memory-bytes 10G"})["argv"]
+    assert flag(argv, "--gpu-memory-utilization") == "0.25" and flag(argv, "--kv-cache-memory-bytes") == "10G"
+    assert [a for a in argv if a not in ("--gpu-memory-utilization", "0.25", "--kv-cache-memory-bytes", "10G")] == plain
+
+
+def _express_extra(argv: list[str]) -> dict:
+    config = json.loads(flag(argv, "--kv-transfer-config"))
+    child = next(c for c in config["kv_connector_extra_config"]["connectors"]
+                 if c["kv_connector"] == "ExpressLaneConnector")
+    return child["kv_connector_extra_config"]
+
+
+def test_staging_device_only_when_asked(tmp_path):
+    assert "staging_device" not in _express_extra(launch("prefill.sh", tmp_path)["argv"])
+    extra = _express_extra(launch("prefill.sh", tmp_path, EXPRESS_STAGING_DEVICE="device")["argv"])
+    assert extra["staging_device"] == "device" and extra["restore_omp_affinity"] is True

@@ -61,7 +61,9 @@ def test_payload_reaches_vllm_prometheus_metrics_under_multiconnector(model_dir)
         MultiKVConnectorStats({"ExpressLaneConnector": rank1}))
     total = workers.aggregate(MultiKVConnectorStats({"ExpressLaneConnector": sched}))
     # the engine core -> API server hop (msgpack)
-    payload = msgspec.msgpack.decode(msgspec.msgpack.encode(total.to_dict()))
+    # (vLLM 0.32's scheduler sends to_dict(); 0.26's sends .data, whose stats objects msgpack encodes by field)
+    sent = total.to_dict() if hasattr(total, "to_dict") else total.data
+    payload = msgspec.msgpack.decode(msgspec.msgpack.encode(sent))
 
     # LoggingStatLogger's path: MultiConnector rebuilds our stats by class name (we registered it)
     logging_ = KVConnectorLogging(vc.kv_transfer_config)
