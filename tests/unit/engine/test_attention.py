@@ -149,6 +149,10 @@ def test_the_cpu_engine_decodes_on_the_native_kernel():
     assert attention_mod._native_fits(q, cache, cache)
     assert not attention_mod._native_fits(q.double(), cache.double(), cache.double())
     assert not attention_mod._native_fits(torch.zeros(1, 4, 24), torch.zeros(8, 2, 24), torch.zeros(8, 2, 24))
+    # the kernel dereferences every pointer on the host: a cache off the CPU (on a GPU: CUDA; here: meta) is
+    # refused even with q on the CPU (the H200 host's process died on a CUDA cache)
+    off = cache.to("meta")
+    assert not attention_mod._native_fits(q, off, off)
 
 
 @needs_cc
@@ -191,8 +195,8 @@ def test_live_attention_compiles_without_a_graph_break(t):
 
     hkv, g, d, n = 2, 2, 16, 40
     k, v, gen = _case(3, 64, hkv, g, d, torch.float32)
-    q = torch.randn(t, hkv * g, d, generator=gen)
-    ctx = StepContext(AttentionKind.LIVE, torch.tensor([n - t]), kv_len=n)
+    q = torch.randn(t, hkv * g, d, generator=gen).to(DEVICE)  # q on the caches' device (on a GPU: CUDA)
+    ctx = StepContext(AttentionKind.LIVE, torch.tensor([n - t], device=DEVICE), kv_len=n)
     torch._dynamo.reset()
     got = torch.compile(lambda q, k, v: attend(q, k, v, ctx, d ** -0.5), backend="eager", fullgraph=True)(q, k, v)
     ref = _reference(q, k, v, n - t, t)

@@ -15,8 +15,14 @@ from .test_grammar_fixtures import (PERSON, compiler, engine, hf, hf_reference, 
                                     spec_engine, tiny_dir, tokenizer)
 
 # 1e-4, absolute or relative: the engine's float32 forward and transformers' differ by ~1e-4 in the logits
-# (summation order), which the logprobs inherit (seen: 1.3e-4 at a logprob of -2.03).
+# (summation order), which the logprobs inherit (seen: 1.3e-4 at a logprob of -2.03). A float32 sum's error
+# grows with its terms: where the step's log-probs reach -166 (the tiny random model's logits span ~170) a
+# CUDA GEMM's order gave 1.007e-4 at a logprob of -0.99 (H200), so the bound is also 2e-6 of that span.
 TOL = 1e-4
+
+
+def tol(ref: torch.Tensor) -> float:
+    return max(TOL, 2e-6 * float(ref[torch.isfinite(ref)].abs().max()))
 
 
 def check_against(gen, ref_tokens, ref_lps, k):
@@ -25,7 +31,8 @@ def check_against(gen, ref_tokens, ref_lps, k):
     assert len(gen.logprobs) == len(gen.top_logprobs) == len(gen.token_ids)
     for i in range(1, len(gen.token_ids)):
         ref = ref_lps[i]
-        assert gen.logprobs[i] == pytest.approx(float(ref[gen.token_ids[i]]), abs=TOL, rel=TOL)
+        t = tol(ref)
+        assert gen.logprobs[i] == pytest.approx(float(ref[gen.token_ids[i]]), abs=t, rel=TOL)
         top = gen.top_logprobs[i]
         assert len(top) == k
         vals = [v for _, v in top]
@@ -33,7 +40,7 @@ def check_against(gen, ref_tokens, ref_lps, k):
         ref_v, ref_i = ref.topk(k)
         finite = torch.isfinite(ref_v)
         assert [t for (t, _), f in zip(top, finite) if f] == ref_i[finite].tolist()
-        assert vals == pytest.approx(ref_v.tolist(), abs=TOL, rel=TOL)
+        assert vals == pytest.approx(ref_v.tolist(), abs=t, rel=TOL)
 
 
 def test_logprobs_equal_a_transformers_float32_reference(engine, tokenizer, hf):

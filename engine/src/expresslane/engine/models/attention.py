@@ -251,9 +251,11 @@ def native_kernel():
 
 
 def _native_layout(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-    """Shapes and layouts the native kernel takes: float32 on CPU, a head size it is built for, unit inner
-    strides, K and V caches of one layout."""
-    return (q.device.type == "cpu" and q.dtype == k_cache.dtype == v_cache.dtype == torch.float32
+    """Shapes and layouts the native kernel takes: float32 on CPU (all three: it dereferences their pointers on
+    the host; a CUDA cache's pointer there is a segfault, seen on the H200 host), a head size it is built for,
+    unit inner strides, K and V caches of one layout."""
+    return (q.device.type == k_cache.device.type == v_cache.device.type == "cpu"
+            and q.dtype == k_cache.dtype == v_cache.dtype == torch.float32
             and q.shape[-1] in _NATIVE_HEAD_DIMS and q.stride(-1) == 1 and k_cache.stride() == v_cache.stride()
             and k_cache.stride(-1) == 1)
 
