@@ -14,7 +14,7 @@
 # pytest, httpx and aiohttp, and no network: `prepare`'s folder travels with the run (the device tool's carry).
 # Environment: SHAPES (llama-8b llama-1b), CONTEXTS (1024,8192,32768), TOKENS (256), ORACLE_K (1,2,3,4),
 # REPEATS (2), MAX_SEQ_LEN (33100), TEST_BUDGET_S (330: the tests' share of the run), TEST_WORKERS (4),
-# MODELS_DIR (/tmp/models).
+# MODELS_DIR (/tmp/models), EXPRESSLANE_COMMIT (the commit the tree is, for the table's title).
 # Output in OUTDIR: pytest.txt, bench.log, bench.jsonl, summary.txt (the table).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -80,7 +80,8 @@ run_bench() {
 summary() {  # one table: the tests' closing line, then one row per bench result
   local out="$1"
   {
-    echo "== GPU check $(date -u +%FT%TZ) commit $(git rev-parse --short HEAD 2>/dev/null || cat GIT_HEAD 2>/dev/null || echo ?)"
+    # the device's copy of the tree may carry an older .git: the caller names the commit it sent
+    echo "== GPU check $(date -u +%FT%TZ) commit ${EXPRESSLANE_COMMIT:-unknown (set EXPRESSLANE_COMMIT)}"
     echo "tests: $(grep -E "(passed|failed|error)" "$out/pytest.txt" 2>/dev/null | tail -1)"
     python3 - "$out/bench.jsonl" <<'EOF'
 import json, sys
