@@ -324,6 +324,73 @@ async def test_native_stall_mid_stream_is_bounded(make_client, upstreams):
     assert "stalled" in parse_sse(r.text)[-2]["error"]["message"]
 
 
+def _silent_for(seconds: float):
+    """A native stream: one chunk, `seconds` of silence (a busy server), one more chunk, [DONE]."""
+    async def handler(request, body):
+        async def gen():
+            yield sse_bytes(CHUNK)
+            await asyncio.sleep(seconds)
+            yield sse_bytes(CHUNK, "[DONE]")
+        return httpx.Response(200, content=gen())
+    return handler
+
+
+def _probing_config():
+    return make_config(resilience={"stall_timeout_s": 0.3}, health={"enabled": True, "interval_s": 0.05,
+                                                                     "timeout_s": 0.2})
+
+
+async def test_a_silent_stream_from_a_node_that_answers_its_probes_is_busy_not_stalled(make_client, upstreams):
+    """A stream silent past the stall timeout goes on while the node's health probes answer (a vLLM decode
+    server under a burst on 2 CPUs went silent for > 10 s on streams that then completed): the client gets the
+    whole answer, nothing is ejected."""
+    _prefill_native(upstreams, [])
+    for base in (PREFILL, NATIVE, EXPRESS):
+        upstreams.on(base, "/health", lambda request, body: httpx.Response(200))
+    upstreams.on(NATIVE, "/v1/completions", _silent_for(1.0))
+    async with make_client(_probing_config()) as (client, app):
+        await asyncio.sleep(0.2)  # the first probe rounds
+        r = await client.post("/v1/completions", json={"model": "tiny", "prompt": "x", "stream": True})
+        assert app.state.lanes.ctx.available("native", NATIVE)
+    events = parse_sse(r.text)
+    assert events[-1] == "[DONE]" and not any("error" in e for e in events[:-1] if isinstance(e, dict)), events
+    assert len(events) == 3
+
+
+async def test_a_silent_stream_from_a_node_that_stops_answering_its_probes_is_cut_as_stalled(make_client,
+                                                                                              upstreams):
+    """The same silence from a node whose probes stop answering (SIGSTOP, a partition) is a stall: cut within
+    two windows of the stall timeout after the probes stop, long before the silence ends."""
+    _prefill_native(upstreams, [])
+    stopped = asyncio.Event()
+
+    async def health(request, body):
+        if stopped.is_set():
+            await asyncio.sleep(1.0)  # a stopped process: the probe times out
+        return httpx.Response(200)
+
+    for base in (PREFILL, EXPRESS):
+        upstreams.on(base, "/health", lambda request, body: httpx.Response(200))
+    upstreams.on(NATIVE, "/health", health)
+
+    async def stops(request, body):
+        async def gen():
+            yield sse_bytes(CHUNK)
+            stopped.set()
+            await asyncio.sleep(5.0)
+            yield sse_bytes(CHUNK, "[DONE]")
+        return httpx.Response(200, content=gen())
+
+    upstreams.on(NATIVE, "/v1/completions", stops)
+    async with make_client(_probing_config()) as (client, app):
+        await asyncio.sleep(0.2)
+        t0 = time.monotonic()
+        r = await client.post("/v1/completions", json={"model": "tiny", "prompt": "x", "stream": True})
+        elapsed = time.monotonic() - t0
+    assert elapsed < 2.0, elapsed
+    assert "stalled" in parse_sse(r.text)[-2]["error"]["message"]
+
+
 async def test_request_deadline_bounds_a_slow_non_stream_native_request(make_client, upstreams):
     _prefill_native(upstreams, [])
 

@@ -108,6 +108,7 @@ class Upstream:
     auth: str  # "vllm" | "express": which upstream header set its calls carry
     pools: list[str] = field(default_factory=list)
     breaker: CircuitBreaker | None = None
+    answered_at: float | None = None  # the clock's time of the last probe that got 200
 
     @property
     def node(self) -> str:
@@ -180,6 +181,13 @@ class HealthMonitor:
         """Whether the probes let `url` take traffic (outlier detection aside)."""
         u = self.upstreams.get(url)
         return u is None or u.breaker.allows_traffic()
+
+    def answered_within(self, url: str, window_s: float) -> bool:
+        """Whether a probe of `url` got 200 within the last window_s seconds and the probes let it take traffic:
+        the process answers (a silent stream from it is slow, not dead: upstream.LineReader)."""
+        u = self.upstreams.get(url)
+        return (u is not None and u.answered_at is not None and self._clock() - u.answered_at <= window_s
+                and u.breaker.allows_traffic())
 
     def available(self, pool: str, url: str) -> bool:
         """Whether `url` takes traffic of `pool`: the probes let it, and outlier detection does (or panics)."""
@@ -278,6 +286,7 @@ class HealthMonitor:
             self._probe_failed(u, "probe_connect")
         else:
             if status == 200:
+                u.answered_at = self._clock()
                 if u.breaker.success():
                     log.warning("upstream %s (%s) re-admitted", u.url, u.lane)
                     self._changed(u)

@@ -14,7 +14,9 @@ Two sections of the router config (both optional; every value has a safe default
 
   resilience:  deadlines, retries and failover (lanes/)
     request_deadline_s: 600   whole request, arrival to last byte; past it: 504 / an error event
-    stall_timeout_s: 10       a stream that sends nothing for this long is dead (error event, cancel, release)
+    stall_timeout_s: 10       a stream that sends nothing for this long is dead (error event, cancel, release);
+                              a native decode node whose probes answered within that window is busy: its
+                              stream is waited on, window by window, up to the request deadline
                               and it is the decode leg's read timeout, so a partitioned node costs seconds
     first_token_timeout_s: 30 the same for the wait before a decode leg's first byte (KV wait included)
     reserve_ttl_s: 60         ttl of POST /pd/reserve (the node caps it): prefill + handoff must fit in it

@@ -75,6 +75,10 @@ class LaneContext:
     def healthy(self, url: str) -> bool:
         return self.health is None or self.health.healthy(url)
 
+    def answered_within(self, url: str, window_s: float) -> bool:
+        """`url`'s health probes answered within the last window_s seconds (False without probes)."""
+        return self.health is not None and self.health.answered_within(url, window_s)
+
     def available(self, pool: str, url: str) -> bool:
         """`url` takes traffic of `pool`: probes and outlier detection (pools.member_serving)."""
         return member_serving(self.health, url, pool)

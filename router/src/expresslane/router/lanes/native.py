@@ -19,8 +19,10 @@ Off the happy path:
   first node may have pulled and freed the blocks).
 - failures are reported with their message to outlier detection (health.py, outlier.py), which ejects a node
   only after several, and never the pool's last serving node.
-- a stream that sends nothing for `stall_timeout_s`, or ends without `[DONE]`, is an error event in vLLM's
-  streaming error format (then `[DONE]`), never a quiet success.
+- a stream that sends nothing for `stall_timeout_s` from a node whose health probes did not answer within that
+  window, or that ends without `[DONE]`, is an error event in vLLM's streaming error format (then `[DONE]`),
+  never a quiet success; a node whose probes answer is busy, and its stream is waited on up to the request
+  deadline (upstream.LineReader).
 """
 
 from __future__ import annotations
@@ -234,7 +236,7 @@ class NativeLane:
                     ctx.client, url + path, body, stage="decode", headers=ctx.headers("vllm"),
                     timeout=ctx.timeout(first_s)))
                 reader = LineReader(resp, stage="decode", url=url, first_s=first_s, next_s=res.stall_timeout_s,
-                                    deadline=deadline)
+                                    deadline=deadline, alive=lambda window_s: ctx.answered_within(url, window_s))
                 events = iter_sse_data(reader.__aiter__())
                 first = await anext(events, None)
                 if first is None:
