@@ -155,17 +155,23 @@ def test_gemv_residual_gate_up_and_head_match_the_step(dtype):
         assert _rel(h, ref_h) < TOL[dtype], c
 
 
-# CPU (CI): one case (the kernels' no-bias variants are covered above); the interpreter takes seconds per step.
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("bias,tied", [(True, True)] + ([(False, False)] if DEVICE == "cuda" else []))
-def test_lean_step_matches_the_transformer(dtype, bias, tied):
+def _lean_case(bias: bool, tied: bool, dtype, seed: int, s: int):
+    """(cfg, model, cos, sin, k, v): the test model, its RoPE tables for s positions and random K/V caches
+    [layers, s, kv heads, head_dim] in dtype."""
     cfg = _config(bias, tied)
-    model = _model(cfg, dtype, seed=3)
-    s = 48
+    model = _model(cfg, dtype, seed=seed)
     cos, sin = rope_tables(cfg.rope, cfg.head_dim, s, dtype, DEVICE)
     shape = (cfg.num_layers, s, cfg.num_kv_heads, cfg.head_dim)
     k = torch.randn(shape, device=DEVICE).to(dtype)
     v = torch.randn(shape, device=DEVICE).to(dtype)
+    return cfg, model, cos, sin, k, v
+
+
+# CPU (CI): one case (the kernels' no-bias variants are covered above); the interpreter takes seconds per step.
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bias,tied", [(True, True)] + ([(False, False)] if DEVICE == "cuda" else []))
+def test_lean_step_matches_the_transformer(dtype, bias, tied):
+    cfg, model, cos, sin, k, v = _lean_case(bias, tied, dtype, seed=3, s=48)
     k_ref, v_ref = k.clone(), v.clone()
     pos, token = 37, torch.tensor([11], device=DEVICE)
     start = torch.tensor([pos], device=DEVICE)
@@ -312,13 +318,7 @@ def test_the_greedy_steps_argmax_is_torchs_first_maximum(cfg_pick):
     must be torch.argmax of the same logits, ties included (bf16-rounded logits tie often over a large
     vocabulary): copies of the winning lm_head row before and after it, inside one program's rows and in
     other programs, must give the first copy."""
-    cfg = _config(bias=False, tied=False)
-    model = _model(cfg, torch.float32, seed=9)
-    s = 48
-    cos, sin = rope_tables(cfg.rope, cfg.head_dim, s, torch.float32, DEVICE)
-    shape = (cfg.num_layers, s, cfg.num_kv_heads, cfg.head_dim)
-    k = torch.randn(shape, device=DEVICE)
-    v = torch.randn(shape, device=DEVICE)
+    cfg, model, cos, sin, k, v = _lean_case(False, False, torch.float32, seed=9, s=48)
     lean = LeanStep(model, cos, sin, list(k.unbind(0)), list(v.unbind(0)))
     key = ("norm_gemv", cfg.vocab_size, cfg.hidden_size, 1, str(torch.device(DEVICE)),
            fused.use_pdl(torch.device(DEVICE)))
@@ -392,13 +392,7 @@ VERIFY_CASES = ([(torch.float32, 3, 37)] if DEVICE == "cpu" else
 @pytest.mark.parametrize("dtype,rows,pos", VERIFY_CASES)
 @pytest.mark.parametrize("bias,tied", [(True, True)] + ([(False, False)] if DEVICE == "cuda" else []))
 def test_each_verify_row_is_the_one_row_step_bit_for_bit(dtype, rows, pos, bias, tied):
-    cfg = _config(bias, tied)
-    model = _model(cfg, dtype, seed=11)
-    s = 160
-    cos, sin = rope_tables(cfg.rope, cfg.head_dim, s, dtype, DEVICE)
-    shape = (cfg.num_layers, s, cfg.num_kv_heads, cfg.head_dim)
-    k = torch.randn(shape, device=DEVICE).to(dtype)
-    v = torch.randn(shape, device=DEVICE).to(dtype)
+    cfg, model, cos, sin, k, v = _lean_case(bias, tied, dtype, seed=11, s=160)
     k1, v1 = k.clone(), v.clone()
     tokens = torch.tensor([11, 3, 90, 42, 7][:rows], device=DEVICE)
     with torch.no_grad():
