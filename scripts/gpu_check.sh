@@ -12,7 +12,8 @@
 #
 # The GPU machine (see docs/performance.md, "Method") has python3 3.12 with torch, triton, transformers,
 # pytest, httpx and aiohttp, and no network: `prepare`'s folder travels with the run (the device tool's carry).
-# Environment: SHAPES (llama-8b llama-1b), CONTEXTS (1024,8192,32768), TOKENS (256), ORACLE_K (1,2,3,4),
+# Environment: PLAIN_ENGINE (1: also bench an engine built without speculation),
+# SHAPES (llama-8b llama-1b), CONTEXTS (1024,8192,32768), TOKENS (256), ORACLE_K (1,2,3,4),
 # REPEATS (2), MAX_SEQ_LEN (33100), TEST_BUDGET_S (330: the tests' share of the run), TEST_WORKERS (4),
 # MODELS_DIR (/tmp/models), EXPRESSLANE_COMMIT (the commit the tree is, for the table's title).
 # Output in OUTDIR: pytest.txt, bench.log, bench.jsonl, summary.txt (the table).
@@ -74,6 +75,12 @@ run_bench() {
       --contexts "${CONTEXTS:-1024,8192,32768}" --max-seq-len "${MAX_SEQ_LEN:-33100}" --tokens "${TOKENS:-256}" \
       --oracle-k "${ORACLE_K:-1,2,3,4}" --lookup --repeats "${REPEATS:-2}" --json "$out/bench.jsonl" 2>&1 \
       | tee -a "$out/bench.log"
+    # a plain engine (no speculation: the CUDA-core GEMVs, models/lean.py) at the same contexts: the per-user
+    # speed of a node that never speculates, the reference for a speculating node's plain steps
+    [[ ${PLAIN_ENGINE:-1} == 1 ]] && python3 -m expresslane.engine.decode.bench --model "$models/$shape" \
+      --device cuda --dtype bfloat16 --contexts "${CONTEXTS:-1024,8192,32768}" --max-seq-len "${MAX_SEQ_LEN:-33100}" \
+      --tokens "${TOKENS:-256}" --speculation-k 0 --repeats "${REPEATS:-2}" --json "$out/bench.jsonl" 2>&1 \
+      | tee -a "$out/bench.log"
   done
 }
 
@@ -86,7 +93,7 @@ summary() {  # one table: the tests' closing line, then one row per bench result
     python3 - "$out/bench.jsonl" <<'EOF'
 import json, sys
 rows = [json.loads(line) for line in open(sys.argv[1]) if line.strip()]
-print(f"{'shape':10} {'ctx':>6} {'mode':10} {'tok/s':>8} {'of bound':>8} {'x plain':>7} {'accept':>6} {'exact':>5} "
+print(f"{'shape':10} {'gemv':11} {'ctx':>6} {'mode':10} {'tok/s':>8} {'of bound':>8} {'x plain':>7} {'accept':>6} {'exact':>5} "
       f"{'T=1 ms':>7} {'T=5/T=1':>7}")
 for r in rows:
     shape = r["model"].rstrip("/").rsplit("/", 1)[-1]
@@ -95,7 +102,8 @@ for r in rows:
     ratio = times[max(times)] / times[1] if len(times) > 1 else float("nan")
     ob = f"{100 * r['of_bound']:.1f}%" if r.get("of_bound") else "-"
     acc = f"{spec.get('mean_acceptance', 0):.2f}" if r["mode"] != "plain" else "-"
-    print(f"{shape:10} {r['context']:>6} {r['mode']:10} {r['tok_per_s']:>8.1f} {ob:>8} {r['speedup']:>6.2f}x {acc:>6} "
+    mode = r["mode"] if r.get("speculation_k", 1) else "plain-eng"  # an engine built without speculation
+    print(f"{shape:10} {str(r.get('gemv')):11} {r['context']:>6} {mode:10} {r['tok_per_s']:>8.1f} {ob:>8} {r['speedup']:>6.2f}x {acc:>6} "
           f"{str(r.get('matches_plain', '-')):>5} {times[1]:>7.3f} {ratio:>7.2f}")
 EOF
   } | tee "$out/summary.txt"

@@ -19,8 +19,8 @@ if DEVICE == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")  # read when the jit functions are decorated and run
 
 try:
-    from expresslane.engine.models import fused
-    from expresslane.engine.models.lean import LeanStep
+    from expresslane.engine.models import fused, fused_dot
+    from expresslane.engine.models.lean import LeanStep, gemv_family
 except ImportError:  # no triton on this host
     fused = None
 pytestmark = pytest.mark.skipif(fused is None, reason="needs triton")
@@ -155,6 +155,78 @@ def test_gemv_residual_gate_up_and_head_match_the_step(dtype):
         assert _rel(h, ref_h) < TOL[dtype], c
 
 
+# The tensor-core family's block shapes the tests run: (rows or pairs, K per iteration, stages, warps); K-blocks
+# smaller and larger than the test's K (64). CPU: two (the interpreter).
+DOT_SINGLE = [(16, 32, 2, 4), (16, 128, 3, 4)] + ([(32, 64, 3, 4), (64, 128, 5, 8)] if DEVICE == "cuda" else [])
+DOT_PAIRS = [(16, 16, 2, 4), (16, 128, 2, 4)] + ([(32, 64, 3, 4), (64, 64, 5, 8)] if DEVICE == "cuda" else [])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_tensor_core_kernels_match_the_step(dtype, bias):
+    """models/fused_dot.py: rms_rows + each projection against the model's own modules (one row and three rows:
+    the rows past R of the 16 a launch computes are never written), every block shape above."""
+    cfg = _config(bias, tied=False)
+    model = _model(cfg, dtype, seed=14)
+    layer = model.layers[0]
+    s, d, rows, pos = 40, cfg.head_dim, 3, 29
+    cos, sin = rope_tables(cfg.rope, d, s, dtype, DEVICE)
+    x = torch.randn(rows, cfg.hidden_size, device=DEVICE).to(dtype)
+    a = torch.randn(rows, cfg.q_size, device=DEVICE).to(dtype)
+    with torch.no_grad():
+        normed = layer.input_layernorm(x)
+        qkv = layer.self_attn.qkv_proj(normed).view(rows, cfg.num_heads + 2 * cfg.num_kv_heads, d)
+        qk = apply_rope(qkv[:, : cfg.num_heads + cfg.num_kv_heads], cos[pos:pos + rows], sin[pos:pos + rows])
+        ref_res = x + layer.self_attn.o_proj(a)
+        gate, up = layer.mlp.gate_up_proj(layer.post_attention_layernorm(x)).split(cfg.intermediate_size, dim=-1)
+        ref_h = torch.nn.functional.silu(gate) * up
+        ref_logits = model.lm_head(model.norm(x)).float()
+    xn = torch.empty_like(x)
+    fused_dot.rms_rows(x, layer.input_layernorm.weight, cfg.rms_norm_eps, xn)
+    assert _rel(xn, normed) < TOL[dtype]
+    for r in (1, rows):
+        for c in DOT_PAIRS if bias else DOT_SINGLE:
+            kc = torch.full((s, cfg.num_kv_heads, d), float("nan"), dtype=dtype, device=DEVICE)
+            vc = kc.clone()
+            q = torch.full((r, cfg.q_size), float("nan"), dtype=dtype, device=DEVICE)
+            fused_dot.qkv_rope(xn[:r], layer.self_attn.qkv_proj.weight, layer.self_attn.qkv_proj.bias, cos, sin,
+                               torch.tensor([pos], device=DEVICE), q, kc, vc, cfg.num_heads, cfg.num_kv_heads, d,
+                               config=c)
+            assert _rel(q.view(r, cfg.num_heads, d), qk[:r, : cfg.num_heads]) < TOL[dtype], c
+            assert _rel(kc[pos:pos + r], qk[:r, cfg.num_heads:]) < TOL[dtype], c
+            assert _rel(vc[pos:pos + r], qkv[:r, cfg.num_heads + cfg.num_kv_heads:]) < TOL[dtype], c
+            written = torch.zeros(s, dtype=torch.bool)
+            written[pos:pos + r] = True
+            assert torch.isnan(kc[~written]).all() and torch.isnan(vc[~written]).all()
+            h = torch.full((r, cfg.intermediate_size), float("nan"), dtype=dtype, device=DEVICE)
+            xn2 = torch.empty_like(x[:r])
+            fused_dot.rms_rows(x[:r], layer.post_attention_layernorm.weight, cfg.rms_norm_eps, xn2)
+            fused_dot.gate_up_silu(xn2, layer.mlp.gate_up_proj.weight, layer.mlp.gate_up_proj.bias, h, config=c)
+            assert _rel(h, ref_h[:r]) < TOL[dtype], c
+        for c in DOT_SINGLE if bias else DOT_PAIRS[:1]:
+            res = x[:r].clone()
+            fused_dot.gemv_residual(a[:r], layer.self_attn.o_proj.weight, layer.self_attn.o_proj.bias, res, config=c)
+            assert _rel(res, ref_res[:r]) < TOL[dtype], c
+            logits = torch.full((r, cfg.vocab_size), float("nan"), device=DEVICE)
+            xn3 = torch.empty_like(x[:r])
+            fused_dot.rms_rows(x[:r], model.norm.weight, cfg.rms_norm_eps, xn3)
+            fused_dot.gemv(xn3, model.lm_head.weight, logits, config=c)
+            assert _rel(logits, ref_logits[:r]) < TOL[dtype], c
+
+
+def test_the_gemv_family_is_the_engines_choice(monkeypatch):
+    """auto: the CUDA-core kernels for a plain step, the tensor-core ones where the step verifies; an explicit
+    choice wins; anything else is refused by name."""
+    monkeypatch.delenv("EXPRESSLANE_LEAN_GEMV", raising=False)
+    assert gemv_family(1) == "cuda-core" and gemv_family(5) == "tensor-core"
+    assert gemv_family(5, "cuda-core") == "cuda-core" and gemv_family(1, "tensor-core") == "tensor-core"
+    monkeypatch.setenv("EXPRESSLANE_LEAN_GEMV", "tensor-core")
+    assert gemv_family(1) == "tensor-core"
+    monkeypatch.setenv("EXPRESSLANE_LEAN_GEMV", "tensorcore")
+    with pytest.raises(ValueError, match="EXPRESSLANE_LEAN_GEMV='tensorcore'"):
+        gemv_family(2)
+
+
 def _lean_case(bias: bool, tied: bool, dtype, seed: int, s: int):
     """(cfg, model, cos, sin, k, v): the test model, its RoPE tables for s positions and random K/V caches
     [layers, s, kv heads, head_dim] in dtype."""
@@ -168,9 +240,10 @@ def _lean_case(bias: bool, tied: bool, dtype, seed: int, s: int):
 
 
 # CPU (CI): one case (the kernels' no-bias variants are covered above); the interpreter takes seconds per step.
+@pytest.mark.parametrize("gemv", ["cuda-core", "tensor-core"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("bias,tied", [(True, True)] + ([(False, False)] if DEVICE == "cuda" else []))
-def test_lean_step_matches_the_transformer(dtype, bias, tied):
+def test_lean_step_matches_the_transformer(dtype, bias, tied, gemv):
     cfg, model, cos, sin, k, v = _lean_case(bias, tied, dtype, seed=3, s=48)
     k_ref, v_ref = k.clone(), v.clone()
     pos, token = 37, torch.tensor([11], device=DEVICE)
@@ -179,8 +252,9 @@ def test_lean_step_matches_the_transformer(dtype, bias, tied):
         ctx = StepContext(AttentionKind.SPLIT_KV, start)
         ref = model(token, start, cos[pos:pos + 1], sin[pos:pos + 1], list(k_ref.unbind(0)), list(v_ref.unbind(0)),
                     ctx, num_logits=1)
-        lean = LeanStep(model, cos, sin, list(k.unbind(0)), list(v.unbind(0)))
+        lean = LeanStep(model, cos, sin, list(k.unbind(0)), list(v.unbind(0)), gemv=gemv)
         out = lean.forward(token, start)
+    assert lean.gemv == gemv
     assert out.shape == ref.shape == (1, cfg.vocab_size)
     assert _rel(out, ref) < STEP_TOL[dtype]
     assert _rel(k, k_ref) < STEP_TOL[dtype] and _rel(v, v_ref) < STEP_TOL[dtype]
@@ -311,17 +385,19 @@ def test_pdl_changes_no_bit_of_the_lean_graphs_tokens_or_logits():
 
 
 # CPU: one block shape (32 rows a program: the copies fall inside the winner's program and in others).
-@pytest.mark.parametrize("cfg_pick", [(32, 16, 1)] + ([(4, 2048, 0)] if DEVICE == "cuda" else []))
-def test_the_greedy_steps_argmax_is_torchs_first_maximum(cfg_pick):
+# The tensor-core family: 16 rows a program.
+@pytest.mark.parametrize("gemv,cfg_pick", [("cuda-core", (32, 16, 1)), ("tensor-core", (16, 16, 2, 4))]
+                         + ([("cuda-core", (4, 2048, 0)), ("tensor-core", (64, 128, 5, 8))] if DEVICE == "cuda" else []))
+def test_the_greedy_steps_argmax_is_torchs_first_maximum(gemv, cfg_pick):
     """LeanStep.forward(greedy=True): each lm_head program writes its best (value, first row) as one int64 key
     and greedy_advance writes the row of the largest as the next token and start + 1. It
     must be torch.argmax of the same logits, ties included (bf16-rounded logits tie often over a large
     vocabulary): copies of the winning lm_head row before and after it, inside one program's rows and in
     other programs, must give the first copy."""
     cfg, model, cos, sin, k, v = _lean_case(False, False, torch.float32, seed=9, s=48)
-    lean = LeanStep(model, cos, sin, list(k.unbind(0)), list(v.unbind(0)))
-    key = ("norm_gemv", cfg.vocab_size, cfg.hidden_size, 1, str(torch.device(DEVICE)),
-           fused.use_pdl(torch.device(DEVICE)))
+    lean = LeanStep(model, cos, sin, list(k.unbind(0)), list(v.unbind(0)), gemv=gemv)
+    key = ("norm_gemv" if gemv == "cuda-core" else "dot_gemv", cfg.vocab_size, cfg.hidden_size, 1,
+           str(torch.device(DEVICE)), fused.use_pdl(torch.device(DEVICE)))
     saved = fused._PICKED.get(key)
     fused._PICKED[key] = cfg_pick  # the block shape decides which rows share a program
     try:
@@ -389,18 +465,19 @@ VERIFY_CASES = ([(torch.float32, 3, 37)] if DEVICE == "cpu" else
                 [(dt, r, pos) for dt in DTYPES for r in range(2, fused.MAX_ROWS + 1) for pos in (37, 63, 64, 126)])
 
 
+@pytest.mark.parametrize("gemv", ["tensor-core", "cuda-core"])
 @pytest.mark.parametrize("dtype,rows,pos", VERIFY_CASES)
 @pytest.mark.parametrize("bias,tied", [(True, True)] + ([(False, False)] if DEVICE == "cuda" else []))
-def test_each_verify_row_is_the_one_row_step_bit_for_bit(dtype, rows, pos, bias, tied):
+def test_each_verify_row_is_the_one_row_step_bit_for_bit(dtype, rows, pos, bias, tied, gemv):
     cfg, model, cos, sin, k, v = _lean_case(bias, tied, dtype, seed=11, s=160)
     k1, v1 = k.clone(), v.clone()
     tokens = torch.tensor([11, 3, 90, 42, 7][:rows], device=DEVICE)
     with torch.no_grad():
-        lean = LeanStep(model, cos, sin, list(k.unbind(0)), list(v.unbind(0)), max_rows=fused.MAX_ROWS)
+        lean = LeanStep(model, cos, sin, list(k.unbind(0)), list(v.unbind(0)), max_rows=fused.MAX_ROWS, gemv=gemv)
         verify = lean.forward(tokens, torch.tensor([pos], device=DEVICE)).clone()
         # the one-row step of a lean step built for the same rows (the engine's: one block shape for every row
         # count), on a cache of its own
-        one = LeanStep(model, cos, sin, list(k1.unbind(0)), list(v1.unbind(0)), max_rows=fused.MAX_ROWS)
+        one = LeanStep(model, cos, sin, list(k1.unbind(0)), list(v1.unbind(0)), max_rows=fused.MAX_ROWS, gemv=gemv)
         steps = [one.forward(tokens[r:r + 1], torch.tensor([pos + r], device=DEVICE)).clone() for r in range(rows)]
     _sync()
     assert verify.shape == (rows, cfg.vocab_size)
@@ -433,7 +510,8 @@ def test_the_lean_steps_picks_for_a_verify_of_five_rows_do_not_spill():
     fused._PICKED.clear()  # picked afresh, not taken from an earlier test's step
     try:
         with torch.no_grad():
-            lean = LeanStep(model, cos, sin, list(kv[0].unbind(0)), list(kv[1].unbind(0)), max_rows=fused.MAX_ROWS)
+            lean = LeanStep(model, cos, sin, list(kv[0].unbind(0)), list(kv[1].unbind(0)), max_rows=fused.MAX_ROWS,
+                            gemv="cuda-core")
             lean.forward(torch.tensor([1], device=DEVICE), torch.tensor([3], device=DEVICE))
     finally:
         fused._PICKED.clear()

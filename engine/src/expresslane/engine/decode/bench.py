@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 
 import torch
@@ -157,6 +158,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--cuda-graph", choices=["auto", "on", "off"], default="auto")
     ap.add_argument("--lean", choices=["auto", "on", "off"], default="auto",
                     help="the lean T = 1 step (fused Triton kernels, CUDA graph; auto: wherever it applies)")
+    ap.add_argument("--lean-gemv", choices=["auto", "cuda-core", "tensor-core"], default=None,
+                    help="the lean step's GEMV kernels (models/lean.py; default: EXPRESSLANE_LEAN_GEMV or auto: "
+                         "cuda-core for a plain engine, tensor-core for a speculating one)")
     ap.add_argument("--speculation-k", type=int, default=4, help="most drafts per verify step (0: off)")
     ap.add_argument("--oracle-k", default="", help="acceptance sweep: comma-separated k for the oracle drafter")
     ap.add_argument("--lookup", action="store_true",
@@ -173,6 +177,8 @@ def main(argv: list[str] | None = None) -> None:
     max_seq_len = args.max_seq_len or max(contexts) + args.tokens + 64
     if max(oracle_ks, default=0) > args.speculation_k:
         ap.error("--oracle-k values must be <= --speculation-k")
+    if args.lean_gemv:
+        os.environ["EXPRESSLANE_LEAN_GEMV"] = args.lean_gemv  # read when the lean step is built
     t0 = time.perf_counter()
     try:
         engine = DecodeEngine.from_pretrained(
@@ -184,9 +190,10 @@ def main(argv: list[str] | None = None) -> None:
     except (OSError, ValueError) as e:  # missing checkpoint, unsupported model, bad option combination
         ap.error(str(e))
     load_s = time.perf_counter() - t0
+    gemv = engine.runner.lean_gemv
     bw = None if args.no_bound else copy_bandwidth(engine.device)
     print(f"model={args.model} type={engine.config.model_type} dtype={args.dtype} device={args.device} "
-          f"attention={engine.attention} step={engine.runner.mode.value} compile_mode={args.compile_mode} threads={torch.get_num_threads()} "
+          f"attention={engine.attention} step={engine.runner.mode.value} gemv={gemv} compile_mode={args.compile_mode} threads={torch.get_num_threads()} "
           f"max_seq_len={max_seq_len} load+warmup_s={load_s:.1f} weights={engine.weight_bytes() / 1e9:.3f}GB"
           + (f" copy_bandwidth={bw / 1e9:.0f}GB/s" if bw else ""), flush=True)
     for ctx in contexts:
@@ -206,7 +213,8 @@ def main(argv: list[str] | None = None) -> None:
             if args.json:
                 with open(args.json, "a") as f:
                     f.write(json.dumps({"model": args.model, "dtype": args.dtype, "attention": engine.attention,
-                                        "step": engine.runner.mode.value, **r}) + "\n")
+                                        "step": engine.runner.mode.value, "gemv": gemv,
+                                        "speculation_k": args.speculation_k, **r}) + "\n")
 
 
 if __name__ == "__main__":

@@ -117,6 +117,11 @@ class StepRunner:
         return self._lean is not None
 
     @property
+    def lean_gemv(self) -> str | None:
+        """The lean step's GEMV kernel family (models/lean.py), None without the lean step."""
+        return self._lean.gemv if self._lean is not None else None
+
+    @property
     def mode(self) -> StepMode:
         if self._lean is not None:
             return StepMode.LEAN_GRAPH

@@ -20,15 +20,38 @@ logits and K/V are bit-identical to the T = 1 step's at start + r, and greedy ou
 off on a GPU in bf16 (tests/unit/engine/test_fused_kernels.py). Every kernel is given the step's max_rows, so
 its block shape is one for all row counts and is picked among those whose max_rows-row kernel does not spill
 (fused.pick_config).
+
+Two kernel families for the GEMVs (`EXPRESSLANE_LEAN_GEMV`, read when a step is built): `cuda-core`
+(models/fused.py: the fastest one-row step; each further verify row costs about one more step of compute) and
+`tensor-core` (models/fused_dot.py: one tl.dot a projection and a separate RMSNorm kernel; a verify of five
+rows costs about what one row does, one row a little more than cuda-core's). `auto` (the default): cuda-core
+for a step of one row (a plain engine), tensor-core for one that verifies (max_rows > 1). An engine runs one
+family for all its steps, so its greedy tokens are the same with speculation on and off.
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
 
-from . import fused
+from . import fused, fused_dot
 from .transformer import Transformer
 from .triton_decode import split_kv_attention_rows
+
+
+GEMV_FAMILIES = ("auto", "cuda-core", "tensor-core")
+
+
+def gemv_family(max_rows: int, choice: str | None = None) -> str:
+    """The GEMV kernel family of a lean step of max_rows rows: `choice` or EXPRESSLANE_LEAN_GEMV (auto:
+    tensor-core where the step verifies)."""
+    choice = choice or os.environ.get("EXPRESSLANE_LEAN_GEMV", "auto")
+    if choice not in GEMV_FAMILIES:
+        raise ValueError(f"EXPRESSLANE_LEAN_GEMV={choice!r}: one of {', '.join(GEMV_FAMILIES)}")
+    if choice == "auto":
+        return "tensor-core" if max_rows > 1 else "cuda-core"
+    return choice
 
 
 class LeanStep:
@@ -36,7 +59,8 @@ class LeanStep:
     RING = 8
 
     def __init__(self, model: Transformer, cos: torch.Tensor, sin: torch.Tensor,
-                 k_layers: list[torch.Tensor], v_layers: list[torch.Tensor], max_rows: int = 1) -> None:
+                 k_layers: list[torch.Tensor], v_layers: list[torch.Tensor], max_rows: int = 1,
+                 gemv: str | None = None) -> None:
         why = self.unsupported_reason(model)
         if why:
             raise ValueError(f"the lean step does not cover this model: {why}")
@@ -47,6 +71,7 @@ class LeanStep:
         self.cos, self.sin = cos, sin
         self.k_layers, self.v_layers = k_layers, v_layers
         self.max_rows = max_rows
+        self.gemv = gemv_family(max_rows, gemv)
         p = next(model.parameters())
         dtype, device = p.dtype, p.device
         # Each row count's own buffers (a captured graph's output stays valid until that graph replays again).
@@ -57,6 +82,9 @@ class LeanStep:
                           torch.empty(r, cfg.vocab_size, dtype=torch.float32, device=device))
                       for r in range(1, max_rows + 1)}
         self.x, self.q, self.h, self.logits = self._bufs[1]
+        # tensor-core: each row count's normalised input (fused_dot.rms_rows's output, the projections' input)
+        self._normed = {r: torch.empty(r, cfg.hidden_size, dtype=dtype, device=device)
+                        for r in range(1, max_rows + 1)} if self.gemv == "tensor-core" else {}
         self.argmax_keys = fused.new_argmax_keys(cfg.vocab_size, device)
         # The greedy step's (step number, token) ring (fused.greedy_advance): pinned host memory on a GPU, which
         # the kernel writes over the bus, so the host reads the token with no copy in the stream; greedy_seq
@@ -90,6 +118,8 @@ class LeanStep:
             raise ValueError("the greedy step takes one row")
         x, q, h, logits = self._bufs[r]
         torch.index_select(m.embed_tokens.weight, 0, tokens, out=x)
+        if self.gemv == "tensor-core":
+            return self._forward_dot(tokens, start, greedy, x, q, h, logits, self._normed[r])
         q3 = q.view(r, cfg.num_heads, cfg.head_dim)
         for layer, kc, vc in zip(m.layers, self.k_layers, self.v_layers):
             att = layer.self_attn
@@ -105,6 +135,27 @@ class LeanStep:
             fused.gemv_residual(h, mlp.down_proj.weight, mlp.down_proj.bias, x, max_rows=self.max_rows)
         keys = fused.norm_gemv(x, m.norm.weight, m.norm.eps, m.lm_head.weight, logits,
                                argmax_keys=self.argmax_keys if greedy else None, max_rows=self.max_rows)
+        if greedy:
+            fused.greedy_advance(self.argmax_keys, keys, tokens, start, self.token_ring, self.greedy_seq)
+        return logits
+
+    def _forward_dot(self, tokens, start, greedy, x, q, h, logits, xn) -> torch.Tensor:
+        """forward's layers with the tensor-core family (models/fused_dot.py)."""
+        m, cfg = self.model, self.cfg
+        r = tokens.shape[0]
+        q3 = q.view(r, cfg.num_heads, cfg.head_dim)
+        for layer, kc, vc in zip(m.layers, self.k_layers, self.v_layers):
+            att, mlp = layer.self_attn, layer.mlp
+            fused_dot.rms_rows(x, layer.input_layernorm.weight, layer.input_layernorm.eps, xn)
+            fused_dot.qkv_rope(xn, att.qkv_proj.weight, att.qkv_proj.bias, self.cos, self.sin, start, q, kc, vc,
+                               cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+            out = split_kv_attention_rows(q3, kc, vc, start, att.scale)
+            fused_dot.gemv_residual(out.view(r, -1), att.o_proj.weight, att.o_proj.bias, x)
+            fused_dot.rms_rows(x, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps, xn)
+            fused_dot.gate_up_silu(xn, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, h)
+            fused_dot.gemv_residual(h, mlp.down_proj.weight, mlp.down_proj.bias, x)
+        fused_dot.rms_rows(x, m.norm.weight, m.norm.eps, xn)
+        keys = fused_dot.gemv(xn, m.lm_head.weight, logits, argmax_keys=self.argmax_keys if greedy else None)
         if greedy:
             fused.greedy_advance(self.argmax_keys, keys, tokens, start, self.token_ring, self.greedy_seq)
         return logits

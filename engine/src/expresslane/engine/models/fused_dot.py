@@ -1,0 +1,354 @@
+"""The lean step's GEMVs on the tensor cores: the kernel family of a speculating engine (models/lean.py).
+
+models/fused.py's kernels multiply on the CUDA cores, each weight element times each row's input in float32,
+which is the fastest one-row step there is but costs about one T = 1 step's compute again for every further row
+of a verify (H200, 8B shape: 4.0 ms for one row, 10.1 ms for five; docs/bench/2026-12-04-row-invariant-verify).
+Here every projection is one `tl.dot`, "swap AB": acc[BLOCK_N, 16] += W[BLOCK_N, BLOCK_K] @ X^T[BLOCK_K, 16], the
+R <= 16 input rows zero-padded to 16 (tl.dot's smallest N). The row count is a runtime argument (never
+specialised), so a T = 1 launch and a verify's launch run one binary, and a tensor-core product's output column
+depends on its own input row only: row r of a verify is the T = 1 step's bits at start + r by construction
+(tests/unit/engine/test_fused_kernels.py checks it with torch.equal; scripts/probe_verify_kernels.py on every
+block shape). Measured per 8B projection on the H200 (docs/bench/2026-12-04-tensor-core-verify/): five rows
+cost 1.01-1.36x one row, against 1.97-3.20x for the CUDA-core kernels; one row costs 1.03-1.23x the CUDA-core
+kernels' best. So a plain engine keeps models/fused.py and a speculating one runs this family for every step.
+
+The RMSNorm is its own kernel (`rms_rows`: one program a row, each row's statistic in one fixed order), whose
+model-dtype output the projections read: folded into a projection, every program first walked the whole input
+row for the statistic before its first weight tile arrived, about 10 us a layer at the 8B shape. Rounding
+follows models/fused.py (and so the PyTorch step) at every point: the norm's two roundings, each projection's
+output, RoPE's products and sum, silu before the product with up, the residual sum. float32 models run IEEE
+dots (no TF32), as the split-KV attention does.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.errors import OutOfResources
+
+from .fused import ARGMAX_KEY_EMPTY, MAX_ROWS, _argmax_key, _rounded, _rows, pick_config  # noqa: F401
+from .pdl import pdl_wait, use_pdl
+
+RP = 16  # input rows a launch computes: tl.dot's smallest N; the first R of them are real
+assert MAX_ROWS <= RP
+
+# (rows per program, K per iteration, pipeline stages, warps): the shapes the H200 probe found fastest for the
+# 8B and 1B projections (docs/bench/2026-12-04-tensor-core-verify/), then small ones that fit tiny models (the
+# tests: K = 64, head_dim 16).
+DOT_CONFIGS = ((64, 256, 5, 4), (64, 128, 5, 4), (64, 128, 5, 8), (32, 256, 5, 4), (32, 256, 3, 4),
+               (64, 128, 3, 8), (64, 256, 3, 4), (32, 128, 5, 4), (16, 256, 5, 4), (128, 128, 4, 8),
+               (16, 64, 2, 4), (16, 32, 2, 4), (16, 16, 2, 4))
+# (row pairs per program, K per iteration, stages, warps) for the kernels that own two row sets (2 x the rows).
+DOT_PAIR_CONFIGS = ((32, 256, 5, 4), (32, 128, 5, 8), (64, 128, 3, 8), (32, 256, 3, 4), (16, 256, 5, 4),
+                    (64, 128, 5, 8), (32, 128, 5, 4), (16, 128, 5, 4), (16, 64, 2, 4), (16, 32, 2, 4),
+                    (16, 16, 2, 4))
+
+
+def _label(cfg) -> str:
+    return f"dot{cfg[0]}x{cfg[1]}s{cfg[2]}w{cfg[3]}"
+
+
+@triton.jit(do_not_specialize=["R"])
+def _rms_rows_kernel(x_ptr, nw_ptr, out_ptr, R, K, eps, sx, so, K_POW2: tl.constexpr, PDL: tl.constexpr):
+    """out[r] = RMSNorm(x[r]) in the model dtype, rounded as models/fused.py's _input_chunk rounds; one program
+    a row, each row's statistic in the same order whatever R is."""
+    pdl_wait(PDL)
+    r = tl.program_id(0)
+    cols = tl.arange(0, K_POW2)
+    kmask = cols < K
+    xv = tl.load(x_ptr + r * sx + cols, mask=kmask, other=0.0)
+    dt = xv.dtype
+    xf = xv.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / K + eps)
+    xn = (xf * rstd).to(dt)
+    nw = tl.load(nw_ptr + cols, mask=kmask, other=0.0)
+    tl.store(out_ptr + r * so + cols, (xn.to(tl.float32) * nw.to(tl.float32)).to(dt), mask=kmask)
+
+
+@triton.jit
+def _dot_rows(w_ptr, rows, rmask, x_ptr, R, K, sx, acc, BLOCK_K: tl.constexpr, RP: tl.constexpr,
+              STAGES: tl.constexpr, IEEE: tl.constexpr):
+    """acc[BLOCK_N, RP] += w[rows, :] @ x[:RP, :]^T (x rows >= R read as zero), K in BLOCK_K steps."""
+    m = tl.arange(0, RP)
+    mmask = m < R
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+        kk = k0 + tl.arange(0, BLOCK_K)
+        kmask = kk < K
+        w = tl.load(w_ptr + rows[:, None] * K + kk[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+        xv = tl.load(x_ptr + m[:, None] * sx + kk[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
+        if IEEE:
+            acc = tl.dot(w, tl.trans(xv), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(w, tl.trans(xv), acc)
+    return acc
+
+
+@triton.jit
+def _dot_rows2(w_ptr, rows_a, rows_b, rmask, x_ptr, R, K, sx, acc_a, acc_b, BLOCK_K: tl.constexpr,
+               RP: tl.constexpr, STAGES: tl.constexpr, IEEE: tl.constexpr):
+    """_dot_rows for two row sets that share the input (RoPE pairs, gate and up rows)."""
+    m = tl.arange(0, RP)
+    mmask = m < R
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+        kk = k0 + tl.arange(0, BLOCK_K)
+        kmask = kk < K
+        wmask = rmask[:, None] & kmask[None, :]
+        wa = tl.load(w_ptr + rows_a[:, None] * K + kk[None, :], mask=wmask, other=0.0)
+        wb = tl.load(w_ptr + rows_b[:, None] * K + kk[None, :], mask=wmask, other=0.0)
+        xt = tl.trans(tl.load(x_ptr + m[:, None] * sx + kk[None, :], mask=mmask[:, None] & kmask[None, :],
+                              other=0.0))
+        if IEEE:
+            acc_a = tl.dot(wa, xt, acc_a, input_precision="ieee")
+            acc_b = tl.dot(wb, xt, acc_b, input_precision="ieee")
+        else:
+            acc_a = tl.dot(wa, xt, acc_a)
+            acc_b = tl.dot(wb, xt, acc_b)
+    return acc_a, acc_b
+
+
+@triton.jit(do_not_specialize=["R"])
+def _qkv_rope_kernel(x_ptr, w_ptr, b_ptr, cos_ptr, sin_ptr, start_ptr, q_ptr, kc_ptr, vc_ptr, R, K, sx, sq,
+                     stride_kc_s, stride_kc_h, stride_vc_s, stride_vc_h, NH: tl.constexpr, NKV: tl.constexpr,
+                     D: tl.constexpr, HAS_BIAS: tl.constexpr, BJ: tl.constexpr, BLOCK_K: tl.constexpr,
+                     RP: tl.constexpr, STAGES: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
+    """BJ row pairs (j, j + D/2) of the QKV projection (pairs numbered over all heads, so a program may span
+    heads), their RoPE at start + r for each input row r, q out or the K/V cache rows start + r."""
+    HALF: tl.constexpr = D // 2
+    PAIRS: tl.constexpr = (NH + 2 * NKV) * HALF
+    p = tl.program_id(0) * BJ + tl.arange(0, BJ)
+    ok = p < PAIRS
+    head = p // HALF
+    j = p % HALF
+    rows_a = head * D + j
+    rows_b = rows_a + HALF
+    pdl_wait(PDL)
+    a = tl.zeros([BJ, RP], tl.float32)
+    b = tl.zeros([BJ, RP], tl.float32)
+    a, b = _dot_rows2(w_ptr, rows_a, rows_b, ok, x_ptr, R, K, sx, a, b, BLOCK_K, RP, STAGES, IEEE)
+    if HAS_BIAS:
+        a += tl.load(b_ptr + rows_a, mask=ok, other=0.0).to(tl.float32)[:, None]
+        b += tl.load(b_ptr + rows_b, mask=ok, other=0.0).to(tl.float32)[:, None]
+    dt = q_ptr.dtype.element_ty
+    a = a.to(dt).to(tl.float32)
+    b = b.to(dt).to(tl.float32)
+    m = tl.arange(0, RP)
+    pos = tl.load(start_ptr) + m  # input row r is the token at start + r
+    live = ok[:, None] & (m < R)[None, :]
+    rot = live & (head < NH + NKV)[:, None]
+    cpos = pos[None, :] * D + j[:, None]
+    cos_a = tl.load(cos_ptr + cpos, mask=rot, other=0.0).to(tl.float32)
+    cos_b = tl.load(cos_ptr + cpos + HALF, mask=rot, other=0.0).to(tl.float32)
+    sin_a = tl.load(sin_ptr + cpos, mask=rot, other=0.0).to(tl.float32)
+    sin_b = tl.load(sin_ptr + cpos + HALF, mask=rot, other=0.0).to(tl.float32)
+    ra = (_rounded(a * cos_a, dt) + _rounded(b * sin_a, dt)).to(dt)
+    rb = (_rounded(b * cos_b, dt) + _rounded(a * sin_b, dt)).to(dt)
+    is_q = live & (head < NH)[:, None]
+    tl.store(q_ptr + m[None, :] * sq + rows_a[:, None], ra, mask=is_q)
+    tl.store(q_ptr + m[None, :] * sq + rows_b[:, None], rb, mask=is_q)
+    is_k = live & ((head >= NH) & (head < NH + NKV))[:, None]
+    kp = kc_ptr + pos[None, :] * stride_kc_s + (head - NH)[:, None] * stride_kc_h + j[:, None]
+    tl.store(kp, ra, mask=is_k)
+    tl.store(kp + HALF, rb, mask=is_k)
+    is_v = live & (head >= NH + NKV)[:, None]
+    vp = vc_ptr + pos[None, :] * stride_vc_s + (head - NH - NKV)[:, None] * stride_vc_h + j[:, None]
+    tl.store(vp, a.to(dt), mask=is_v)
+    tl.store(vp + HALF, b.to(dt), mask=is_v)
+
+
+@triton.jit(do_not_specialize=["R"])
+def _gemv_residual_kernel(a_ptr, w_ptr, b_ptr, res_ptr, R, N, K, sa, sres, HAS_BIAS: tl.constexpr,
+                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, RP: tl.constexpr, STAGES: tl.constexpr,
+                          IEEE: tl.constexpr, PDL: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rmask = rows < N
+    pdl_wait(PDL)
+    y = _dot_rows(w_ptr, rows, rmask, a_ptr, R, K, sa, tl.zeros([BLOCK_N, RP], tl.float32), BLOCK_K, RP, STAGES,
+                  IEEE)
+    if HAS_BIAS:
+        y += tl.load(b_ptr + rows, mask=rmask, other=0.0).to(tl.float32)[:, None]
+    m = tl.arange(0, RP)
+    live = rmask[:, None] & (m < R)[None, :]
+    ptrs = res_ptr + m[None, :] * sres + rows[:, None]
+    res = tl.load(ptrs, mask=live, other=0.0)
+    dt = res.dtype
+    tl.store(ptrs, (res.to(tl.float32) + y.to(dt).to(tl.float32)).to(dt), mask=live)
+
+
+@triton.jit(do_not_specialize=["R"])
+def _gate_up_silu_kernel(x_ptr, w_ptr, b_ptr, out_ptr, R, I, K, sx, so, HAS_BIAS: tl.constexpr, BJ: tl.constexpr,
+                         BLOCK_K: tl.constexpr, RP: tl.constexpr, STAGES: tl.constexpr, IEEE: tl.constexpr,
+                         PDL: tl.constexpr):
+    rows_g = tl.program_id(0) * BJ + tl.arange(0, BJ)
+    rows_u = rows_g + I
+    ok = rows_g < I
+    pdl_wait(PDL)
+    g = tl.zeros([BJ, RP], tl.float32)
+    u = tl.zeros([BJ, RP], tl.float32)
+    g, u = _dot_rows2(w_ptr, rows_g, rows_u, ok, x_ptr, R, K, sx, g, u, BLOCK_K, RP, STAGES, IEEE)
+    if HAS_BIAS:
+        g += tl.load(b_ptr + rows_g, mask=ok, other=0.0).to(tl.float32)[:, None]
+        u += tl.load(b_ptr + rows_u, mask=ok, other=0.0).to(tl.float32)[:, None]
+    dt = out_ptr.dtype.element_ty
+    gf = g.to(dt).to(tl.float32)
+    s = (gf / (1.0 + tl.exp(-gf))).to(dt)
+    out = (s.to(tl.float32) * u.to(dt).to(tl.float32)).to(dt)
+    m = tl.arange(0, RP)
+    tl.store(out_ptr + m[None, :] * so + rows_g[:, None], out, mask=ok[:, None] & (m < R)[None, :])
+
+
+@triton.jit(do_not_specialize=["R"])
+def _gemv_kernel(x_ptr, w_ptr, out_ptr, key_ptr, R, N, K, sx, so, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 RP: tl.constexpr, STAGES: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
+                 ARGMAX: tl.constexpr):
+    """The lm_head: float32 logits (rounded to the model dtype); ARGMAX: also row 0's best (value, first row) of
+    this program as one key (models/fused.py's greedy_advance takes the largest)."""
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rmask = rows < N
+    pdl_wait(PDL)
+    y = _dot_rows(w_ptr, rows, rmask, x_ptr, R, K, sx, tl.zeros([BLOCK_N, RP], tl.float32), BLOCK_K, RP, STAGES,
+                  IEEE)
+    dt = x_ptr.dtype.element_ty
+    logits = y.to(dt).to(tl.float32)
+    m = tl.arange(0, RP)
+    tl.store(out_ptr + m[None, :] * so + rows[:, None], logits, mask=rmask[:, None] & (m < R)[None, :])
+    if ARGMAX:  # row 0's logits of this program (a max over one real value and -inf: exact)
+        v = tl.max(tl.where((m == 0)[None, :] & rmask[:, None], logits, float("-inf")), axis=1)
+        best = tl.max(v, axis=0)
+        row = tl.min(tl.where(v == best, rows, N), axis=0)
+        tl.store(key_ptr + tl.program_id(0), _argmax_key(best, row))
+
+
+# ---------------------------------------------------------------------------------------------- launchers
+
+
+def _fits(cfg, k: int, max_block_rows: int | None) -> bool:
+    return (max_block_rows is None or cfg[0] <= max_block_rows) and cfg[1] <= max(16, triton.next_power_of_2(k))
+
+
+def _runnable(launch):
+    """pick_config's filter: a block shape whose kernel this device cannot run (shared memory for its stages)
+    is never timed (compiled, not run)."""
+    def runs(cfg) -> bool:
+        try:
+            launch(cfg, compile_only=True)._init_handles()
+        except OutOfResources:
+            return False
+        return True
+    return runs
+
+
+def _pick(name, n, k, cands, launch, device, config, max_block_rows=None, restore=None):
+    """One block shape for every row count (the row-invariant verify), timed on one row (the steps that do not
+    verify must be fast; five rows cost about what one does here)."""
+    if config is not None:
+        return config
+    fitting = [c for c in cands if _fits(c, k, max_block_rows)] or [min(cands)]
+    if device.type == "cuda" and not torch.cuda.is_current_stream_capturing():
+        runs = _runnable(launch)
+        fitting = [c for c in fitting if runs(c)] or fitting[-1:]
+    return pick_config("dot_" + name, n, k, fitting, lambda c: launch(c, rows=1), device=device, restore=restore)
+
+
+def _ieee(t: torch.Tensor) -> bool:
+    return t.dtype == torch.float32
+
+
+def rms_rows(x, norm_w, eps, out):
+    """out [R, K] = RMSNorm(x [R, K]) in the model dtype (x [K] / out [K]: one row)."""
+    rows, sx = _rows(x)
+    k = x.shape[-1]
+    so = out.stride(0) if out.dim() > 1 else 0
+    pdl = use_pdl(x.device)
+    _rms_rows_kernel[(rows,)](x, norm_w, out, rows, k, eps, sx, so, K_POW2=triton.next_power_of_2(k), PDL=pdl,
+                              num_warps=4 if k <= 4096 else 8, launch_pdl=pdl)
+
+
+def qkv_rope(xn, w, b, cos, sin, start, q_out, k_cache, v_cache, num_heads, num_kv_heads, head_dim, config=None):
+    """fused.norm_qkv_rope over an input normalised by rms_rows (xn [R, K] or [K])."""
+    k = xn.shape[-1]
+    rows, sx = _rows(xn)
+    sq = q_out.stride(0) if q_out.dim() > 1 else 0
+    pairs = (num_heads + 2 * num_kv_heads) * (head_dim // 2)
+    pdl = use_pdl(xn.device)
+
+    def launch(cfg, rows=rows, compile_only=False):
+        bj, bk, stages, warps = cfg
+        grid = (triton.cdiv(pairs, bj),)
+        args = (xn, w, b if b is not None else w, cos, sin, start, q_out, k_cache, v_cache, rows, k, sx, sq,
+                k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1))
+        kw = dict(NH=num_heads, NKV=num_kv_heads, D=head_dim, HAS_BIAS=b is not None, BJ=bj, BLOCK_K=bk, RP=RP,
+                  STAGES=stages, IEEE=_ieee(xn), PDL=pdl, num_warps=warps, launch_pdl=pdl)
+        if compile_only:
+            return _qkv_rope_kernel.warmup(*args, grid=grid, **kw)
+        return _qkv_rope_kernel[grid](*args, **kw)
+
+    launch(_pick("qkv_rope", pairs * 2, k, DOT_PAIR_CONFIGS, launch, xn.device, config))
+
+
+def gemv_residual(a, w, b, residual, config=None):
+    """fused.gemv_residual on the tensor cores."""
+    n, k = w.shape
+    rows, sa = _rows(a)
+    sres = residual.stride(0) if residual.dim() > 1 else 0
+    pdl = use_pdl(a.device)
+
+    def launch(cfg, rows=rows, compile_only=False):
+        bn, bk, stages, warps = cfg
+        grid = (triton.cdiv(n, bn),)
+        args = (a, w, b if b is not None else w, residual, rows, n, k, sa, sres)
+        kw = dict(HAS_BIAS=b is not None, BLOCK_N=bn, BLOCK_K=bk, RP=RP, STAGES=stages, IEEE=_ieee(a), PDL=pdl,
+                  num_warps=warps, launch_pdl=pdl)
+        if compile_only:
+            return _gemv_residual_kernel.warmup(*args, grid=grid, **kw)
+        return _gemv_residual_kernel[grid](*args, **kw)
+
+    restore = residual if residual.dim() == 1 else residual[0]
+    launch(_pick("gemv_residual", n, k, DOT_CONFIGS, launch, a.device, config, restore=restore))
+
+
+def gate_up_silu(xn, w, b, out, config=None):
+    """fused.norm_gate_up_silu over an input normalised by rms_rows."""
+    i2, k = w.shape
+    i = i2 // 2
+    rows, sx = _rows(xn)
+    so = out.stride(0) if out.dim() > 1 else 0
+    pdl = use_pdl(xn.device)
+
+    def launch(cfg, rows=rows, compile_only=False):
+        bj, bk, stages, warps = cfg
+        grid = (triton.cdiv(i, bj),)
+        args = (xn, w, b if b is not None else w, out, rows, i, k, sx, so)
+        kw = dict(HAS_BIAS=b is not None, BJ=bj, BLOCK_K=bk, RP=RP, STAGES=stages, IEEE=_ieee(xn), PDL=pdl,
+                  num_warps=warps, launch_pdl=pdl)
+        if compile_only:
+            return _gate_up_silu_kernel.warmup(*args, grid=grid, **kw)
+        return _gate_up_silu_kernel[grid](*args, **kw)
+
+    launch(_pick("gate_up_silu", i2, k, DOT_PAIR_CONFIGS, launch, xn.device, config))
+
+
+def gemv(xn, w, out, config=None, argmax_keys=None) -> int:
+    """fused.norm_gemv (the lm_head) over an input normalised by rms_rows; argmax_keys: row 0's per-program
+    (value, first row) keys (one row only). Returns the number of programs launched (the keys written)."""
+    n, k = w.shape
+    rows, sx = _rows(xn)
+    so = out.stride(0) if out.dim() > 1 else 0
+    if argmax_keys is not None and rows != 1:
+        raise ValueError("the folded argmax takes one row")
+    pdl = use_pdl(xn.device)
+
+    def launch(cfg, keys=None, rows=rows, compile_only=False):
+        bn, bk, stages, warps = cfg
+        grid = (triton.cdiv(n, bn),)
+        args = (xn, w, out, keys if keys is not None else out, rows, n, k, sx, so)
+        kw = dict(BLOCK_N=bn, BLOCK_K=bk, RP=RP, STAGES=stages, IEEE=_ieee(xn), PDL=pdl, ARGMAX=keys is not None,
+                  num_warps=warps, launch_pdl=pdl)
+        if compile_only:
+            return _gemv_kernel.warmup(*args, grid=grid, **kw)
+        return _gemv_kernel[grid](*args, **kw)
+
+    cfg = _pick("gemv", n, k, DOT_CONFIGS, lambda c, rows=rows, compile_only=False: launch(
+        c, None, rows, compile_only), xn.device, config)
+    launch(cfg, argmax_keys)
+    return triton.cdiv(n, cfg[0])
