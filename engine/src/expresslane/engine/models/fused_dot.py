@@ -34,15 +34,16 @@ RP = 16  # input rows a launch computes: tl.dot's smallest N; the first R of the
 assert MAX_ROWS <= RP
 
 # (rows per program, K per iteration, pipeline stages, warps): the shapes the H200 probe found fastest for the
-# 8B and 1B projections (docs/bench/2026-12-04-tensor-core-verify/), then small ones that fit tiny models (the
-# tests: K = 64, head_dim 16).
+# 8B and 1B projections (docs/bench/2026-12-04-tensor-core-verify/), deeper pipelines of those (added after that
+# run: its winners used the most stages offered), then small ones that fit tiny models (the tests: K = 64).
 DOT_CONFIGS = ((64, 256, 5, 4), (64, 128, 5, 4), (64, 128, 5, 8), (32, 256, 5, 4), (32, 256, 3, 4),
                (64, 128, 3, 8), (64, 256, 3, 4), (32, 128, 5, 4), (16, 256, 5, 4), (128, 128, 4, 8),
+               (64, 128, 7, 4), (64, 128, 7, 8), (32, 256, 6, 4),
                (16, 64, 2, 4), (16, 32, 2, 4), (16, 16, 2, 4))
 # (row pairs per program, K per iteration, stages, warps) for the kernels that own two row sets (2 x the rows).
 DOT_PAIR_CONFIGS = ((32, 256, 5, 4), (32, 128, 5, 8), (64, 128, 3, 8), (32, 256, 3, 4), (16, 256, 5, 4),
-                    (64, 128, 5, 8), (32, 128, 5, 4), (16, 128, 5, 4), (16, 64, 2, 4), (16, 32, 2, 4),
-                    (16, 16, 2, 4))
+                    (64, 128, 5, 8), (32, 128, 5, 4), (16, 128, 5, 4), (32, 128, 7, 8), (64, 128, 4, 8),
+                    (16, 64, 2, 4), (16, 32, 2, 4), (16, 16, 2, 4))
 
 
 def _label(cfg) -> str:
