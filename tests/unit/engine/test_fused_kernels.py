@@ -216,17 +216,13 @@ def test_tensor_core_kernels_match_the_step(dtype, bias):
             assert _rel(logits, ref_logits[:r]) < TOL[dtype], c
 
 
-def test_the_gemv_family_is_the_engines_choice(monkeypatch):
+def test_the_gemv_family_is_the_engines_choice():
     """auto: the CUDA-core kernels for a plain step, the tensor-core ones where the step verifies; an explicit
     choice wins; anything else is refused by name."""
-    monkeypatch.delenv("EXPRESSLANE_LEAN_GEMV", raising=False)
     assert gemv_family(1) == "cuda-core" and gemv_family(5) == "tensor-core"
     assert gemv_family(5, "cuda-core") == "cuda-core" and gemv_family(1, "tensor-core") == "tensor-core"
-    monkeypatch.setenv("EXPRESSLANE_LEAN_GEMV", "tensor-core")
-    assert gemv_family(1) == "tensor-core"
-    monkeypatch.setenv("EXPRESSLANE_LEAN_GEMV", "tensorcore")
-    with pytest.raises(ValueError, match="EXPRESSLANE_LEAN_GEMV='tensorcore'"):
-        gemv_family(2)
+    with pytest.raises(ValueError, match="lean_gemv 'tensorcore'"):
+        gemv_family(2, "tensorcore")
 
 
 def _lean_case(bias: bool, tied: bool, dtype, seed: int, s: int):

@@ -106,3 +106,13 @@ def test_lean_flag(capsys) -> None:
     with pytest.raises(SystemExit):
         parse_args(["--model", "m", "--lean", "on"])  # cpu
     assert "--lean on needs a cuda device" in capsys.readouterr().err
+
+
+def test_lean_gemv_flag(capsys) -> None:
+    """--lean-gemv picks the lean step's GEMV kernels (models/lean.py); auto by default; a typo is refused."""
+    assert parse_args(["--model", "m"]).lean_gemv == "auto"
+    assert parse_args(["--model", "m", "--lean-gemv", "cuda-core"]).lean_gemv == "cuda-core"
+    assert parse_args(["--model", "m", "--lean-gemv", "tensor-core"]).lean_gemv == "tensor-core"
+    with pytest.raises(SystemExit):
+        parse_args(["--model", "m", "--lean-gemv", "tensorcore"])
+    assert "invalid choice: 'tensorcore'" in capsys.readouterr().err

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 
 import torch
@@ -158,9 +157,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--cuda-graph", choices=["auto", "on", "off"], default="auto")
     ap.add_argument("--lean", choices=["auto", "on", "off"], default="auto",
                     help="the lean T = 1 step (fused Triton kernels, CUDA graph; auto: wherever it applies)")
-    ap.add_argument("--lean-gemv", choices=["auto", "cuda-core", "tensor-core"], default=None,
-                    help="the lean step's GEMV kernels (models/lean.py; default: EXPRESSLANE_LEAN_GEMV or auto: "
-                         "cuda-core for a plain engine, tensor-core for a speculating one)")
+    ap.add_argument("--lean-gemv", choices=["auto", "cuda-core", "tensor-core"], default="auto",
+                    help="the lean step's GEMV kernels (models/lean.py; auto: cuda-core for a plain engine, "
+                         "tensor-core for a speculating one)")
     ap.add_argument("--speculation-k", type=int, default=4, help="most drafts per verify step (0: off)")
     ap.add_argument("--oracle-k", default="", help="acceptance sweep: comma-separated k for the oracle drafter")
     ap.add_argument("--lookup", action="store_true",
@@ -177,14 +176,13 @@ def main(argv: list[str] | None = None) -> None:
     max_seq_len = args.max_seq_len or max(contexts) + args.tokens + 64
     if max(oracle_ks, default=0) > args.speculation_k:
         ap.error("--oracle-k values must be <= --speculation-k")
-    if args.lean_gemv:
-        os.environ["EXPRESSLANE_LEAN_GEMV"] = args.lean_gemv  # read when the lean step is built
     t0 = time.perf_counter()
     try:
         engine = DecodeEngine.from_pretrained(
             args.model, dtype=args.dtype, device=args.device, max_seq_len=max_seq_len, attention=args.attention,
             compile=args.compile or bool(args.compile_mode), compile_mode=args.compile_mode, cuda_graph=CUDA_GRAPH_CHOICES[args.cuda_graph],
-            speculation=SpeculationConfig(k=args.speculation_k) if args.speculation_k else None)
+            speculation=SpeculationConfig(k=args.speculation_k) if args.speculation_k else None,
+            lean_gemv=args.lean_gemv)
         engine.runner.set_lean(CUDA_GRAPH_CHOICES[args.lean])
         engine.warmup()
     except (OSError, ValueError) as e:  # missing checkpoint, unsupported model, bad option combination

@@ -117,7 +117,7 @@ class DecodeEngine:
     def __init__(self, model: Transformer, config: ModelConfig, *, dtype: torch.dtype, device: torch.device,
                  max_seq_len: int, attention: str | AttentionKind = "live", compile: bool = False,
                  cuda_graph: bool | None = None, speculation: SpeculationConfig | None = SpeculationConfig(),
-                 compile_mode: str | None = None, lean: bool | None = None) -> None:
+                 compile_mode: str | None = None, lean: bool | None = None, lean_gemv: str = "auto") -> None:
         kind = parse_attention(attention)
         cuda_graph = resolve_cuda_graph(cuda_graph, device.type, kind)
         self.model = model
@@ -139,7 +139,7 @@ class DecodeEngine:
         self._drafter_factory = speculation.drafter if speculation else None
         self.runner = StepRunner(model, self.cache, self.cos, self.sin, attention=kind, compile=compile,
                                  cuda_graph=cuda_graph, max_rows=1 + (speculation.k if speculation else 0),
-                                 compile_mode=compile_mode, lean=lean)
+                                 compile_mode=compile_mode, lean=lean, lean_gemv=lean_gemv)
         # Plain greedy requests run as a GreedyChain (decode/chain.py): the device one step ahead of the host
         # on every step without drafts, speculating or not. False runs them through the per-token loop (A/B
         # and tests).
@@ -151,9 +151,11 @@ class DecodeEngine:
                         device: str | torch.device = "cpu", max_seq_len: int = 4096, attention: str | None = None,
                         compile: bool = False, cuda_graph: bool | None = None,
                         speculation: SpeculationConfig | None = SpeculationConfig(),
-                        compile_mode: str | None = None, lean: bool | None = None) -> "DecodeEngine":
+                        compile_mode: str | None = None, lean: bool | None = None,
+                        lean_gemv: str = "auto") -> "DecodeEngine":
         """lean: the fused T = 1 step on CUDA (decode/runner.py). None (the default) wherever it applies,
-        True or ValueError, False the PyTorch step."""
+        True or ValueError, False the PyTorch step. lean_gemv: its GEMV kernels (models/lean.py: auto,
+        cuda-core, tensor-core)."""
         config = ModelConfig.from_model_dir(model_dir)
         if dtype == "auto":  # the checkpoint's own dtype, like vLLM's --dtype auto for these dtypes
             dtype = config.checkpoint_dtype or "float32"
@@ -166,7 +168,7 @@ class DecodeEngine:
         model = load_model(model_dir, config, torch_dtype, device)
         return cls(model, config, dtype=torch_dtype, device=device, max_seq_len=max_seq_len,
                    attention=attention, compile=compile, cuda_graph=cuda_graph, speculation=speculation,
-                   compile_mode=compile_mode, lean=lean)
+                   compile_mode=compile_mode, lean=lean, lean_gemv=lean_gemv)
 
     @property
     def compile(self) -> bool:

@@ -56,7 +56,7 @@ class StepMode(str, enum.Enum):
 class StepRunner:
     def __init__(self, model: Transformer, cache: StaticKVCache, cos: torch.Tensor, sin: torch.Tensor, *,
                  attention: AttentionKind, compile: bool, cuda_graph: bool, max_rows: int,
-                 compile_mode: str | None = None, lean: bool | None = None) -> None:
+                 compile_mode: str | None = None, lean: bool | None = None, lean_gemv: str = "auto") -> None:
         if cuda_graph and attention is AttentionKind.LIVE:
             raise ValueError("a CUDA graph needs fixed-shape attention (masked or split), not live")
         self.model, self.cache, self.cos, self.sin = model, cache, cos, sin
@@ -65,6 +65,7 @@ class StepRunner:
         self.compile_mode = compile_mode  # torch.compile mode, e.g. "max-autotune-no-cudagraphs" (Triton GEMVs)
         self.cuda_graph = cuda_graph
         self.max_rows = max_rows  # the largest T (1 + the most drafts a step verifies)
+        self.lean_gemv_choice = lean_gemv  # the lean step's GEMV family (models/lean.py: auto, cuda-core, ...)
         device = cache.geometry.device
         self.device = device
         # Made in inference mode, like every tensor a step sees: the compiled step's guards see one kind.
@@ -108,6 +109,7 @@ class StepRunner:
             from ..models.lean import LeanStep
 
             self._lean = LeanStep(self.model, self.cos, self.sin, self.cache.k_layers, self.cache.v_layers,
+                                  gemv=self.lean_gemv_choice,
                                   max_rows=self.max_rows)
         else:
             self._lean = None

@@ -21,7 +21,7 @@ off on a GPU in bf16 (tests/unit/engine/test_fused_kernels.py). Every kernel is 
 its block shape is one for all row counts and is picked among those whose max_rows-row kernel does not spill
 (fused.pick_config).
 
-Two kernel families for the GEMVs (`EXPRESSLANE_LEAN_GEMV`, read when a step is built): `cuda-core`
+Two kernel families for the GEMVs (the engine's `lean_gemv`, the node's --lean-gemv): `cuda-core`
 (models/fused.py: the fastest one-row step; each further verify row costs about one more step of compute) and
 `tensor-core` (models/fused_dot.py: one tl.dot a projection and a separate RMSNorm kernel; a verify of five
 rows costs about what one row does, one row a little more than cuda-core's). `auto` (the default): cuda-core
@@ -30,8 +30,6 @@ family for all its steps, so its greedy tokens are the same with speculation on 
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 
@@ -43,12 +41,10 @@ from .triton_decode import split_kv_attention_rows
 GEMV_FAMILIES = ("auto", "cuda-core", "tensor-core")
 
 
-def gemv_family(max_rows: int, choice: str | None = None) -> str:
-    """The GEMV kernel family of a lean step of max_rows rows: `choice` or EXPRESSLANE_LEAN_GEMV (auto:
-    tensor-core where the step verifies)."""
-    choice = choice or os.environ.get("EXPRESSLANE_LEAN_GEMV", "auto")
+def gemv_family(max_rows: int, choice: str = "auto") -> str:
+    """The GEMV kernel family of a lean step of max_rows rows (auto: tensor-core where the step verifies)."""
     if choice not in GEMV_FAMILIES:
-        raise ValueError(f"EXPRESSLANE_LEAN_GEMV={choice!r}: one of {', '.join(GEMV_FAMILIES)}")
+        raise ValueError(f"lean_gemv {choice!r}: one of {', '.join(GEMV_FAMILIES)}")
     if choice == "auto":
         return "tensor-core" if max_rows > 1 else "cuda-core"
     return choice
@@ -60,7 +56,7 @@ class LeanStep:
 
     def __init__(self, model: Transformer, cos: torch.Tensor, sin: torch.Tensor,
                  k_layers: list[torch.Tensor], v_layers: list[torch.Tensor], max_rows: int = 1,
-                 gemv: str | None = None) -> None:
+                 gemv: str = "auto") -> None:
         why = self.unsupported_reason(model)
         if why:
             raise ValueError(f"the lean step does not cover this model: {why}")

@@ -42,6 +42,7 @@ def build_engine(config: ServerConfig) -> DecodeEngine:
     engine = DecodeEngine.from_pretrained(config.model, dtype=config.dtype, device=config.device,
                                           max_seq_len=config.max_seq_len, attention=config.attention,
                                           compile=config.compile, cuda_graph=config.cuda_graph, lean=config.lean,
+                                          lean_gemv=config.lean_gemv,
                                           speculation=SpeculationConfig(k=config.spec_k) if config.speculation
                                           else None)
     if config.warmup:
@@ -55,10 +56,10 @@ def build_engine(config: ServerConfig) -> DecodeEngine:
             engine.disable_compile()
             engine.warmup()
     log.info("engine ready in %.1fs: %s %s on %s, max_seq_len=%d, %.1f MB of weights, attention=%s, compile=%s, "
-             "cuda_graph=%s, lean=%s, speculation=%s",
+             "cuda_graph=%s, lean=%s (gemv %s), speculation=%s",
              time.perf_counter() - t0, engine.config.model_type, config.dtype, config.device, config.max_seq_len,
              engine.weight_bytes() / 1e6, engine.attention, engine.compile, engine.cuda_graph,
-             engine.runner.lean, f"k={config.spec_k}" if config.speculation else "off")
+             engine.runner.lean, engine.runner.lean_gemv, f"k={config.spec_k}" if config.speculation else "off")
     return engine
 
 

@@ -41,6 +41,7 @@ class ServerConfig:
     compile: bool = False
     cuda_graph: bool | None = None  # None: on for cuda with masked attention (the engine's default)
     lean: bool | None = None  # the fused T = 1 CUDA step: False off, None where it applies, True or fail
+    lean_gemv: str = "auto"  # its GEMV kernels (models/lean.py): auto, cuda-core, tensor-core
     threads: int | None = None  # torch intra-op threads on CPU; None = one per bound CPU, else torch default
     cpu_bind: tuple[int, ...] | None = None  # pin the whole process to these CPUs; None = inherit
     warmup: bool = True
@@ -120,6 +121,10 @@ def parse_args(argv: list[str] | None = None, env: Mapping[str, str] | None = No
                     help="the fused T = 1 decode step on CUDA (6 Triton kernels a layer; needs --cuda-graph and split "
                          "attention): auto = wherever it applies (the default), on = or fail at start, off = the "
                          "PyTorch step")
+    ap.add_argument("--lean-gemv", choices=["auto", "cuda-core", "tensor-core"], default="auto",
+                    help="the lean step's GEMV kernels: cuda-core (the fastest one-token step; each further row of "
+                         "a speculative verify costs about one more step) or tensor-core (a verify of 5 rows costs "
+                         "about one row; one row ~4 %% slower at 8B); auto = tensor-core when speculating")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch CPU threads (default: one per --cpu-bind CPU, else torch's default)")
     ap.add_argument("--cpu-bind", default=None, metavar="LIST",
@@ -167,6 +172,7 @@ def parse_args(argv: list[str] | None = None, env: Mapping[str, str] | None = No
         health_interval_s=a.health_interval_s, health_probe_timeout_s=a.health_probe_timeout_s,
         max_connections=a.max_connections, verify_checksum=a.verify_checksum, node_token=node_token,
         peer_secret=peer_secret.encode() if peer_secret else None, attention=a.attention, compile=a.compile, cuda_graph=cuda_graph, lean=lean,
+        lean_gemv=a.lean_gemv,
         speculation=a.speculation == "on", spec_k=a.spec_k,
         threads=a.threads,
         cpu_bind=cpu_bind, warmup=a.warmup, log_level=a.log_level,
