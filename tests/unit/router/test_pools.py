@@ -9,9 +9,11 @@ import string
 
 import httpx
 import pytest
+from prometheus_client import CollectorRegistry
 
 from expresslane.router.config import Affinity, ConfigError, parse_config
 from expresslane.router.errors import UpstreamError, UpstreamUnavailable
+from expresslane.router.metrics import RouterMetrics
 from expresslane.router.pools import PrefillPool, affinity_key
 
 from ._kit import EXPRESS, NATIVE, config_dict, make_config
@@ -22,7 +24,8 @@ P1, P2, P3 = "http://prefill-a:8000", "http://prefill-b:8000", "http://prefill-c
 
 
 def pool(members, *, serving=lambda url: True, prefix_chars=64, max_imbalance=2) -> PrefillPool:
-    return PrefillPool(Affinity(prefix_chars=prefix_chars, max_imbalance=max_imbalance), lambda: members, serving)
+    return PrefillPool(Affinity(prefix_chars=prefix_chars, max_imbalance=max_imbalance), lambda: members, serving,
+                       RouterMetrics(make_config(), CollectorRegistry()))
 
 
 def words(n: int, seed: int) -> str:
@@ -109,11 +112,11 @@ async def test_run_fails_over_on_a_retryable_error_each_member_once():
 
 
 def test_prefill_pool_config():
-    cfg = make_config(prefill={"url": P1, "model": "m", "nodes": [P1 + "/", P2],
+    cfg = make_config(prefill={"model": "m", "nodes": [P1 + "/", P2],
                                "affinity": {"prefix_chars": 32, "max_imbalance": 0}})
     assert cfg.prefill.static_nodes == [P1, P2] and cfg.prefill.affinity.prefix_chars == 32
     assert make_config().prefill.static_nodes == [make_config().prefill.url]
-    dns_only = make_config(prefill={"url": P1, "model": "m", "dns": {"name": "prefill", "port": 8000}})
+    dns_only = make_config(prefill={"model": "m", "dns": {"name": "prefill", "port": 8000}})
     assert dns_only.prefill.static_nodes == [] and dns_only.prefill.dns.refresh_s == 10
     with pytest.raises(ConfigError, match="prefill.affinity.prefix_chars"):
         make_config(prefill={"url": P1, "model": "m", "affinity": {"prefix_chars": 0}})
@@ -124,7 +127,7 @@ def test_prefill_pool_config():
 # ---- in the app: both lanes through the pool ---------------------------------------------------------------------
 
 def two_prefills(**over):
-    return make_config(prefill={"url": P1, "model": "served", "nodes": [P1, P2],
+    return make_config(prefill={"model": "served", "nodes": [P1, P2],
                                 "affinity": {"prefix_chars": 64, "max_imbalance": 4}}, **over)
 
 
