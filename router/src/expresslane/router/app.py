@@ -8,7 +8,7 @@
 the headers for upstream calls. None = no secrets (auth off; dev / tests).
 Keyword arguments for tests: `transport` (an httpx transport for every upstream call, e.g.
 httpx.MockTransport), `registry` (a prometheus CollectorRegistry), `model_text` (a ready tokenizer
-bundle instead of loading `tokenizer_dir`), `clock`.
+bundle instead of loading `tokenizer_dir`), `clock`, `resolver` (the pools' DNS lookups: discovery.Resolver).
 
 Per request (serve): API key (401 / 429 per key) -> body read within limits.max_body_bytes (413) -> parsed
 within limits.max_json_depth (400) -> lane: the alias's pool, or an `X-Lane: native|express` header overrides
@@ -44,7 +44,7 @@ from .detokenizer import ModelText, load_model_text
 from .endpoints import RESPONSES_API_ERROR, Endpoints
 from .errors import (BadRequest, ClientGone, MethodNotAllowed, ModelNotFound, NotFound, RouterError,
                      error_body)
-from .discovery import PREFILL_POOL, Membership
+from .discovery import PREFILL_POOL, Membership, Resolver, resolve_addresses
 from .health import HealthMonitor
 from .pools import PrefillPool, member_serving
 from .lanes.base import LaneContext
@@ -166,13 +166,13 @@ def create_app(config: RouterConfig, *, secrets: RouterSecrets | None = None,
                transport: httpx.AsyncBaseTransport | None = None,
                registry: CollectorRegistry | None = None, model_text: ModelText | None = None,
                clock: Callable[[], float] = time.monotonic, access_log: bool = False,
-               fast_path: bool = True) -> FastAPI:
+               fast_path: bool = True, resolver: Resolver = resolve_addresses) -> FastAPI:
     secrets = secrets if secrets is not None else RouterSecrets()
     keys = ApiKeys.from_text(secrets.api_keys_text, clock)  # AuthConfigError names the bad line, never a key
     metrics = RouterMetrics(config, registry)
     reroutes = reroute_counter(config, metrics.registry)
     monitor = HealthMonitor(config, metrics, headers=secrets.upstream_headers, clock=clock)
-    membership = Membership(config, metrics)  # pools' members: static + DNS (discovery.py)
+    membership = Membership(config, metrics, resolver=resolver)  # pools' members: static + DNS (discovery.py)
     membership.on_change(lambda pool, added, removed: _follow_members(config, monitor, metrics, pool, added, removed))
     prefills = PrefillPool(config.prefill.affinity, lambda: membership.urls(PREFILL_POOL),
                            lambda url: member_serving(monitor, url), metrics,
