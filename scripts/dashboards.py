@@ -504,6 +504,23 @@ def lanes_overview() -> Built:
            "Outlier detection per pool (router outlier.py), per second: eject (the rule that tripped), keep (a rule "
            "tripped but a guard refused: the pool's last serving node, max_ejection_percent), readmit (ejection "
            "time over). 0 when none.", w=24),
+        Row("Pools"),
+        stat("Pool members", "short", [T(f"max by (pool) ({R}pool_members)", "{{pool}}")],
+             "Current members of each pool (prefill, native and express pools): static nodes plus the addresses "
+             "their DNS name resolves to (router discovery.py).", w=6, h=8),
+        ts("Prefill legs/s by member", "reqps",
+           [T(rate(R + "prefill_requests_total", ("member", "choice")), "{{member}} {{choice}}")],
+           "Prefill legs sent to each prefill pool member per second, by why it was chosen: affinity (the prompt's "
+           "prefix hash), least_loaded (the preferred member was busy or down), retry (another member failed).",
+           w=8),
+        ts("Prefill legs in flight by member", "short",
+           [Z(f"max by (member) ({R}prefill_inflight)", "{{member}}")],
+           "Prefill legs in flight on each prefill pool member (the balance the least-loaded fallback reads).",
+           w=5),
+        ts("Pool DNS failures/s", "reqps",
+           [Z(or_zero(rate(R + "pool_dns_failures_total", ("pool",))), "{{pool}}")],
+           "Failed DNS resolutions of a pool's name per second (the pool kept its last answer); 0 when none.",
+           w=5),
         Row("Traffic and errors"),
         ts("Requests/s by lane and status", "reqps",
            [T(rate(R + "requests_total", ("lane", "status")), "{{lane}} {{status}}")],

@@ -284,3 +284,18 @@ async def test_no_prefill_member_serving_is_a_503_before_any_work(make_client, v
         assert "prefill" in r.json()["error"]["message"]
         assert (await client.get("/ready")).status_code == 503
     assert not any(p == "/v1/completions" for (_, p, _) in vllm_pair.calls)
+
+
+def test_pool_metrics_are_in_the_routers_one_registry():
+    """The pools' series belong to RouterMetrics (the registry the app serves on /metrics and the dashboards'
+    contract is read from), zero-valued for every configured member and pool before any traffic."""
+    reg = CollectorRegistry()
+    RouterMetrics(make_config(prefill={"model": "m", "nodes": [P1, P2]}), reg)
+    for member in ("prefill-a:8000", "prefill-b:8000"):
+        for choice in ("affinity", "least_loaded", "retry"):
+            assert reg.get_sample_value("expresslane_router_prefill_requests_total",
+                                        {"member": member, "choice": choice}) == 0
+        assert reg.get_sample_value("expresslane_router_prefill_inflight", {"member": member}) == 0
+    for pool_name in ("prefill", "native", "express"):
+        assert reg.get_sample_value("expresslane_router_pool_members", {"pool": pool_name}) == 0
+        assert reg.get_sample_value("expresslane_router_pool_dns_failures_total", {"pool": pool_name}) == 0
