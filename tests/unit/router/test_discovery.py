@@ -143,3 +143,47 @@ async def test_members_leaving_are_forgotten_by_the_health_monitor(make_client, 
         await members.refresh()
         assert "http://127.0.0.1:8000" not in monitor.upstreams and PREFILL in monitor.upstreams
         assert members.urls() == [PREFILL]
+
+
+async def test_a_member_that_leaves_mid_request_finishes_it_and_leaves_no_series(make_client, upstreams):
+    """A prefill member and a native member each leave the pool while a request is on them: the request completes,
+    and neither member's per-member series is left on /metrics (a late in-flight update must not bring it back)."""
+    release = {"prefill": asyncio.Event(), "native": asyncio.Event()}
+    started = {"prefill": asyncio.Event(), "native": asyncio.Event()}
+
+    def held(kind, reply):
+        async def handler(request, body):
+            started[kind].set()
+            await release[kind].wait()
+            return reply(request, body)
+        return handler
+
+    upstreams.on("http://10.0.0.1:8000", "/v1/completions", held("prefill", prefill_reply))
+    upstreams.on("http://10.0.0.2:8000", "/v1/completions", prefill_reply)
+    upstreams.on("http://10.0.0.3:8100", "/v1/completions", held("native", decode_reply))
+    upstreams.on("http://10.0.0.4:8100", "/v1/completions", decode_reply)
+    prefill_dns, native_dns = FakeDns(["10.0.0.1"]), FakeDns(["10.0.0.3"])
+
+    async def resolver(host, port):
+        return await (prefill_dns if host == "prefill.svc" else native_dns)(host, port)
+
+    cfg = make_config(prefill={"model": "served", "dns": {"name": "prefill.svc", "port": 8000}},
+                      pools={"native": {"kind": "native", "dns": {"name": "native.svc", "port": 8100}}},
+                      aliases={"tiny": {"pool": "native"}})
+    async with make_client(cfg, resolver=resolver) as (client, app):
+        ms = app.state.lanes.ctx.membership
+        req = asyncio.ensure_future(client.post("/v1/completions", json={"model": "tiny", "prompt": "hi",
+                                                                          "max_tokens": 3}))
+        await asyncio.wait_for(started["prefill"].wait(), 5)
+        prefill_dns.answer = ["10.0.0.2"]
+        await ms.pools[PREFILL_POOL].refresh()
+        release["prefill"].set()
+        await asyncio.wait_for(started["native"].wait(), 5)
+        native_dns.answer = ["10.0.0.4"]
+        await ms.pools["native"].refresh()
+        release["native"].set()
+        r = await req
+        metrics = (await client.get("/metrics")).text
+    assert r.status_code == 200, r.text
+    assert "10.0.0.1:8000" not in metrics and "10.0.0.3:8100" not in metrics
+    assert 'member="10.0.0.2:8000"' in metrics and 'node="10.0.0.4:8100"' in metrics

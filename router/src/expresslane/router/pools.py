@@ -149,5 +149,8 @@ class PrefillPool:
 
     def _track(self, url: str, delta: int) -> None:
         self.inflight[url] += delta
+        if not self.inflight[url] and url not in self.members():  # the last leg of a member that left the pool
+            del self.inflight[url]  # (its series went with it: RouterMetrics.member_left)
+            return
         m = self.metrics
         m.child(m.prefill_inflight, node_label(url)).set(self.inflight[url])

@@ -116,6 +116,9 @@ class NativeLane:
     def _track(self, pool: str, url: str, delta: int) -> None:
         key = (pool, url)
         self._outstanding[key] += delta
+        if not self._outstanding[key] and url not in self.ctx.native_nodes(pool):  # a member that left the pool:
+            del self._outstanding[key]  # its last request ended (its series went with it: RouterMetrics.member_left)
+            return
         m = self.ctx.metrics
         m.child(m.inflight, pool, node_label(url)).set(self._outstanding[key])
 
