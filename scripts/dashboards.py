@@ -71,11 +71,12 @@ def _target(value: str) -> tuple[str, str, str]:
     return u.scheme, u.netloc, (path if path.endswith("/metrics") else path + "/metrics")
 
 
-def prometheus_config(targets: dict[str, str], scrape_interval: str = "5s",
+def prometheus_config(targets: dict[str, str | list[str]], scrape_interval: str = "5s",
                       rule_files: tuple[str, ...] = (), extra_jobs: dict[str, list[str]] | None = None) -> dict:
-    """The scrape config as a dict. `targets` maps job name -> 'host:port' or a base URL; `rule_files` are
-    alert/recording rule globs (compose: the mounted compose/prometheus/rules/); `extra_jobs` are exporters outside
-    the metric contract (DCGM in the GPU overlays): job name -> host:port targets."""
+    """The scrape config as a dict. `targets` maps job name -> 'host:port' or a base URL, or a list of them (a
+    pool: every member one target of the job; one scheme and path for all); `rule_files` are alert/recording rule
+    globs (compose: the mounted compose/prometheus/rules/); `extra_jobs` are exporters outside the metric contract
+    (DCGM in the GPU overlays): job name -> host:port targets."""
     unknown = set(targets) - set(JOB_NAMES)
     if unknown:
         raise ValueError(f"unknown jobs {sorted(unknown)}; jobs are {list(JOB_NAMES)}")
@@ -83,13 +84,17 @@ def prometheus_config(targets: dict[str, str], scrape_interval: str = "5s",
     for job in JOBS:
         if job.name not in targets:
             continue
-        scheme, hostport, path = _target(targets[job.name])
+        value = targets[job.name]
+        parsed = [_target(v) for v in ([value] if isinstance(value, str) else value)]
+        if len({(scheme, path) for scheme, _, path in parsed}) != 1:
+            raise ValueError(f"job {job.name}: every target needs the same scheme and metrics path: {value}")
+        scheme, _, path = parsed[0]
         cfg = {"job_name": job.name}
         if scheme != "http":
             cfg["scheme"] = scheme
         if path != "/metrics":
             cfg["metrics_path"] = path
-        cfg["static_configs"] = [{"targets": [hostport]}]
+        cfg["static_configs"] = [{"targets": [hostport for _, hostport, _ in parsed]}]
         scrape_configs.append(cfg)
     config = {
         "global": {"scrape_interval": scrape_interval, "evaluation_interval": scrape_interval,
@@ -103,7 +108,7 @@ def prometheus_config(targets: dict[str, str], scrape_interval: str = "5s",
     return config
 
 
-def render_prometheus(targets: dict[str, str], scrape_interval: str = "5s", header: str = "",
+def render_prometheus(targets: dict[str, str | list[str]], scrape_interval: str = "5s", header: str = "",
                       rule_files: tuple[str, ...] = (), extra_jobs: dict[str, list[str]] | None = None) -> str:
     import yaml
 
@@ -114,6 +119,21 @@ def render_prometheus(targets: dict[str, str], scrape_interval: str = "5s", head
 
 def compose_targets() -> dict[str, str]:
     return {j.name: j.compose_target for j in JOBS}
+
+
+# compose/overlays/pools.yaml: the pool members beside the base stack's, one service each (a member added there is
+# added here, and `write` regenerates compose/prometheus/prometheus-pools.yml, which that overlay mounts).
+PROMETHEUS_POOLS_YML = REPO / "compose" / "prometheus" / "prometheus-pools.yml"
+COMPOSE_POOL_MEMBERS: dict[str, tuple[str, ...]] = {"prefill": ("prefill-2:8000",),
+                                                    "decode-native": ("decode-native-2:8100",)}
+
+
+def compose_pool_targets() -> dict[str, str | list[str]]:
+    """The compose targets with every pool member of compose/overlays/pools.yaml a target of its job."""
+    targets: dict[str, str | list[str]] = dict(compose_targets())
+    for job, members in COMPOSE_POOL_MEMBERS.items():
+        targets[job] = [compose_targets()[job], *members]
+    return targets
 
 
 def dev_targets(port_base: int = 0, host: str = "127.0.0.1") -> dict[str, str]:
@@ -504,6 +524,23 @@ def lanes_overview() -> Built:
            "Outlier detection per pool (router outlier.py), per second: eject (the rule that tripped), keep (a rule "
            "tripped but a guard refused: the pool's last serving node, max_ejection_percent), readmit (ejection "
            "time over). 0 when none.", w=24),
+        Row("Pools"),
+        stat("Pool members", "short", [T(f"max by (pool) ({R}pool_members)", "{{pool}}")],
+             "Current members of each pool (prefill, native and express pools): static nodes plus the addresses "
+             "their DNS name resolves to (router discovery.py).", w=6, h=8),
+        ts("Prefill legs/s by member", "reqps",
+           [T(rate(R + "prefill_requests_total", ("member", "choice")), "{{member}} {{choice}}")],
+           "Prefill legs sent to each prefill pool member per second, by why it was chosen: affinity (the prompt's "
+           "prefix hash), least_loaded (the preferred member was busy or down), retry (another member failed).",
+           w=8),
+        ts("Prefill legs in flight by member", "short",
+           [Z(f"max by (member) ({R}prefill_inflight)", "{{member}}")],
+           "Prefill legs in flight on each prefill pool member (the balance the least-loaded fallback reads).",
+           w=5),
+        ts("Pool DNS failures/s", "reqps",
+           [Z(or_zero(rate(R + "pool_dns_failures_total", ("pool",))), "{{pool}}")],
+           "Failed DNS resolutions of a pool's name per second (the pool kept its last answer); 0 when none.",
+           w=5),
         Row("Traffic and errors"),
         ts("Requests/s by lane and status", "reqps",
            [T(rate(R + "requests_total", ("lane", "status")), "{{lane}} {{status}}")],
@@ -989,6 +1026,7 @@ def generated_files() -> dict[Path, str]:
                                                   DCGM_JOBS_PRODUCTION)
     files[PROMETHEUS_GPU_SINGLE_YML] = render_prometheus(compose_targets(), "5s", COMPOSE_HEADER, COMPOSE_RULE_FILES,
                                                          DCGM_JOBS_SINGLE)
+    files[PROMETHEUS_POOLS_YML] = render_prometheus(compose_pool_targets(), "5s", COMPOSE_HEADER, COMPOSE_RULE_FILES)
     if DOCS.exists():
         files[DOCS] = render_docs(DOCS.read_text(), dashboards)
     return files

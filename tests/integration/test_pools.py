@@ -119,6 +119,24 @@ def test_both_lanes_exact_through_either_prefill(pool_stack, http):
     assert sorted(router.values()) == [6.0, 6.0]
 
 
+def test_side_calls_are_answered_through_the_pool(pool_stack, http):
+    """/tokenize, /v1/models/{id} and /version through the router (compose/config/router.yaml has no single prefill
+    URL, only the pool): answered by a serving member, the same answer as that member's own, not counted as legs."""
+    s = pool_stack
+    before = router_per_member(http, s)
+    for prompt in prompts_for_each_member(s, 2, 40):
+        text = " ".join(map(str, prompt))  # a text prompt keyed as the prefill sees it
+        member = preferred(s, {"prompt": text})
+        r = http.post(f"{s.router_url}/tokenize", json={"model": NATIVE_ALIAS, "prompt": text})
+        direct = http.post(f"{member}/tokenize", json={"model": "tiny-llama", "prompt": text})
+        assert r.status_code == 200 and r.json()["tokens"] == direct.json()["tokens"], r.text
+    card = http.get(f"{s.router_url}/v1/models/{NATIVE_ALIAS}")
+    version = http.get(f"{s.router_url}/version")
+    assert card.status_code == 200 and isinstance(card.json()["max_model_len"], int), card.text
+    assert version.status_code == 200 and version.json()["version"], version.text
+    assert router_per_member(http, s) == before  # side calls are not prefill legs
+
+
 def test_concurrent_native_traffic_uses_both_decode_members(pool_stack, http):
     s = pool_stack
     natives = s.member_urls("decode-native")

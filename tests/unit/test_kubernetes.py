@@ -356,6 +356,22 @@ def test_router_pools_point_at_the_headless_services(rendered, overlay):
     assert {"name": "ROUTER_CONFIG", "value": "/etc/expresslane/router.yaml"} in router["env"]
 
 
+@pytest.mark.parametrize("overlay", ("cpu-demo", "gpu"))
+def test_the_express_dns_alternative_the_config_offers_matches_the_decode_express_service(rendered, overlay):
+    """The router config's commented `dns:` line for express nodes with stable addresses is a valid express pool
+    whose ports are the headless Service decode-express's (http: /pd/*, ctrl: the control plane)."""
+    from expresslane.router.config import interpolate, parse_config
+    text = configmap(rendered, overlay, "router-config")["data"]["router.yaml"]
+    lines = [ln.split("#", 1)[1].strip() for ln in text.splitlines() if ln.strip().startswith("#   dns:")]
+    assert len(lines) == 1, lines
+    cfg = router_config(rendered, overlay)
+    cfg["pools"]["express"] = {"kind": "expresslane",
+                               **yaml.safe_load(interpolate(lines[0], _env(rendered, overlay)))}
+    dns = parse_config(cfg, source=f"{overlay} router-config, express from DNS").pools["express"].dns
+    ports = {p["name"]: p["port"] for p in one(rendered, overlay, "Service", "decode-express")["spec"]["ports"]}
+    assert dns.name == "decode-express" and (dns.port, dns.ctrl_port) == (ports["http"], ports["ctrl"])
+
+
 def test_dashboards_configmap_for_grafanas_sidecar(rendered):
     cm = configmap(rendered, "cpu-demo", "expresslane-dashboards")
     assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"

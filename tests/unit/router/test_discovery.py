@@ -10,6 +10,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from expresslane.router.config import DnsMembers
+from expresslane.router.metrics import RouterMetrics
 from expresslane.router.discovery import (PREFILL_POOL, DnsState, Membership, PoolMembers, member_url,
                                           resolve_addresses)
 
@@ -78,9 +79,9 @@ async def test_a_resolver_failure_keeps_the_last_answer_and_counts():
 
 async def test_membership_re_resolves_in_the_background():
     dns = FakeDns(["10.0.0.1"])
-    cfg = make_config(prefill={"url": PREFILL, "model": "served",
+    cfg = make_config(prefill={"model": "served",
                                "dns": {"name": "prefill.svc", "port": 8000, "refresh_s": 0.05}})
-    ms = Membership(cfg, CollectorRegistry(), resolver=dns)
+    ms = Membership(cfg, RouterMetrics(cfg, CollectorRegistry()), resolver=dns)
     seen = []
     ms.on_change(lambda pool, added, removed: seen.append((pool, added, removed)))
     async with ms.running():
@@ -106,7 +107,7 @@ def vllm_local(upstreams):
 async def test_the_app_serves_dns_pools_and_probes_their_members(make_client, vllm_local):
     """Both pools from DNS only (localhost's A record): the router routes to the resolved addresses and its health
     monitor lists them."""
-    cfg = make_config(prefill={"url": PREFILL, "model": "served", "dns": {"name": "localhost", "port": 8000}},
+    cfg = make_config(prefill={"model": "served", "dns": {"name": "localhost", "port": 8000}},
                       pools={"native": {"kind": "native", "dns": {"name": "localhost", "port": 8100}}},
                       aliases={"tiny": {"pool": "native"}})
     async with make_client(cfg) as (client, app):
@@ -123,7 +124,7 @@ async def test_the_app_serves_dns_pools_and_probes_their_members(make_client, vl
 
 
 async def test_an_empty_dns_pool_is_not_ready_and_answers_503(make_client, vllm_local):
-    cfg = make_config(prefill={"url": PREFILL, "model": "served",
+    cfg = make_config(prefill={"model": "served",
                                "dns": {"name": "no-such-host.invalid", "port": 8000}})
     async with make_client(cfg) as (client, app):
         assert (await client.get("/ready")).status_code == 503
@@ -132,7 +133,7 @@ async def test_an_empty_dns_pool_is_not_ready_and_answers_503(make_client, vllm_
 
 
 async def test_members_leaving_are_forgotten_by_the_health_monitor(make_client, vllm_local):
-    cfg = make_config(prefill={"url": PREFILL, "model": "served", "nodes": [PREFILL],
+    cfg = make_config(prefill={"model": "served", "nodes": [PREFILL],
                                "dns": {"name": "localhost", "port": 8000}})
     async with make_client(cfg) as (client, app):
         monitor = app.state.health
@@ -142,3 +143,47 @@ async def test_members_leaving_are_forgotten_by_the_health_monitor(make_client, 
         await members.refresh()
         assert "http://127.0.0.1:8000" not in monitor.upstreams and PREFILL in monitor.upstreams
         assert members.urls() == [PREFILL]
+
+
+async def test_a_member_that_leaves_mid_request_finishes_it_and_leaves_no_series(make_client, upstreams):
+    """A prefill member and a native member each leave the pool while a request is on them: the request completes,
+    and neither member's per-member series is left on /metrics (a late in-flight update must not bring it back)."""
+    release = {"prefill": asyncio.Event(), "native": asyncio.Event()}
+    started = {"prefill": asyncio.Event(), "native": asyncio.Event()}
+
+    def held(kind, reply):
+        async def handler(request, body):
+            started[kind].set()
+            await release[kind].wait()
+            return reply(request, body)
+        return handler
+
+    upstreams.on("http://10.0.0.1:8000", "/v1/completions", held("prefill", prefill_reply))
+    upstreams.on("http://10.0.0.2:8000", "/v1/completions", prefill_reply)
+    upstreams.on("http://10.0.0.3:8100", "/v1/completions", held("native", decode_reply))
+    upstreams.on("http://10.0.0.4:8100", "/v1/completions", decode_reply)
+    prefill_dns, native_dns = FakeDns(["10.0.0.1"]), FakeDns(["10.0.0.3"])
+
+    async def resolver(host, port):
+        return await (prefill_dns if host == "prefill.svc" else native_dns)(host, port)
+
+    cfg = make_config(prefill={"model": "served", "dns": {"name": "prefill.svc", "port": 8000}},
+                      pools={"native": {"kind": "native", "dns": {"name": "native.svc", "port": 8100}}},
+                      aliases={"tiny": {"pool": "native"}})
+    async with make_client(cfg, resolver=resolver) as (client, app):
+        ms = app.state.lanes.ctx.membership
+        req = asyncio.ensure_future(client.post("/v1/completions", json={"model": "tiny", "prompt": "hi",
+                                                                          "max_tokens": 3}))
+        await asyncio.wait_for(started["prefill"].wait(), 5)
+        prefill_dns.answer = ["10.0.0.2"]
+        await ms.pools[PREFILL_POOL].refresh()
+        release["prefill"].set()
+        await asyncio.wait_for(started["native"].wait(), 5)
+        native_dns.answer = ["10.0.0.4"]
+        await ms.pools["native"].refresh()
+        release["native"].set()
+        r = await req
+        metrics = (await client.get("/metrics")).text
+    assert r.status_code == 200, r.text
+    assert "10.0.0.1:8000" not in metrics and "10.0.0.3:8100" not in metrics
+    assert 'member="10.0.0.2:8000"' in metrics and 'node="10.0.0.4:8100"' in metrics

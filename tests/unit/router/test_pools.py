@@ -9,9 +9,11 @@ import string
 
 import httpx
 import pytest
+from prometheus_client import CollectorRegistry
 
 from expresslane.router.config import Affinity, ConfigError, parse_config
 from expresslane.router.errors import UpstreamError, UpstreamUnavailable
+from expresslane.router.metrics import RouterMetrics
 from expresslane.router.pools import PrefillPool, affinity_key
 
 from ._kit import EXPRESS, NATIVE, config_dict, make_config
@@ -22,7 +24,8 @@ P1, P2, P3 = "http://prefill-a:8000", "http://prefill-b:8000", "http://prefill-c
 
 
 def pool(members, *, serving=lambda url: True, prefix_chars=64, max_imbalance=2) -> PrefillPool:
-    return PrefillPool(Affinity(prefix_chars=prefix_chars, max_imbalance=max_imbalance), lambda: members, serving)
+    return PrefillPool(Affinity(prefix_chars=prefix_chars, max_imbalance=max_imbalance), lambda: members, serving,
+                       RouterMetrics(make_config(), CollectorRegistry()))
 
 
 def words(n: int, seed: int) -> str:
@@ -109,11 +112,11 @@ async def test_run_fails_over_on_a_retryable_error_each_member_once():
 
 
 def test_prefill_pool_config():
-    cfg = make_config(prefill={"url": P1, "model": "m", "nodes": [P1 + "/", P2],
+    cfg = make_config(prefill={"model": "m", "nodes": [P1 + "/", P2],
                                "affinity": {"prefix_chars": 32, "max_imbalance": 0}})
     assert cfg.prefill.static_nodes == [P1, P2] and cfg.prefill.affinity.prefix_chars == 32
     assert make_config().prefill.static_nodes == [make_config().prefill.url]
-    dns_only = make_config(prefill={"url": P1, "model": "m", "dns": {"name": "prefill", "port": 8000}})
+    dns_only = make_config(prefill={"model": "m", "dns": {"name": "prefill", "port": 8000}})
     assert dns_only.prefill.static_nodes == [] and dns_only.prefill.dns.refresh_s == 10
     with pytest.raises(ConfigError, match="prefill.affinity.prefix_chars"):
         make_config(prefill={"url": P1, "model": "m", "affinity": {"prefix_chars": 0}})
@@ -124,7 +127,7 @@ def test_prefill_pool_config():
 # ---- in the app: both lanes through the pool ---------------------------------------------------------------------
 
 def two_prefills(**over):
-    return make_config(prefill={"url": P1, "model": "served", "nodes": [P1, P2],
+    return make_config(prefill={"model": "served", "nodes": [P1, P2],
                                 "affinity": {"prefix_chars": 64, "max_imbalance": 4}}, **over)
 
 
@@ -281,3 +284,18 @@ async def test_no_prefill_member_serving_is_a_503_before_any_work(make_client, v
         assert "prefill" in r.json()["error"]["message"]
         assert (await client.get("/ready")).status_code == 503
     assert not any(p == "/v1/completions" for (_, p, _) in vllm_pair.calls)
+
+
+def test_pool_metrics_are_in_the_routers_one_registry():
+    """The pools' series belong to RouterMetrics (the registry the app serves on /metrics and the dashboards'
+    contract is read from), zero-valued for every configured member and pool before any traffic."""
+    reg = CollectorRegistry()
+    RouterMetrics(make_config(prefill={"model": "m", "nodes": [P1, P2]}), reg)
+    for member in ("prefill-a:8000", "prefill-b:8000"):
+        for choice in ("affinity", "least_loaded", "retry"):
+            assert reg.get_sample_value("expresslane_router_prefill_requests_total",
+                                        {"member": member, "choice": choice}) == 0
+        assert reg.get_sample_value("expresslane_router_prefill_inflight", {"member": member}) == 0
+    for pool_name in ("prefill", "native", "express"):
+        assert reg.get_sample_value("expresslane_router_pool_members", {"pool": pool_name}) == 0
+        assert reg.get_sample_value("expresslane_router_pool_dns_failures_total", {"pool": pool_name}) == 0

@@ -41,7 +41,7 @@ def test_interpolating_an_unset_variable_without_default_fails_loudly():
 def test_shipped_router_yaml_loads_with_defaults_and_types():
     cfg = load_config(SHIPPED, {})
     assert cfg.listen.port == 8080 and isinstance(cfg.listen.port, int)
-    assert cfg.prefill.url == "http://127.0.0.1:8000"
+    assert cfg.prefill.url is None and cfg.prefill.static_nodes == ["http://127.0.0.1:8000"]
     assert cfg.pools["native"].nodes == ["http://127.0.0.1:8100"]
     express = cfg.pools["express"]
     assert isinstance(express, ExpressPool) and express.kind == "expresslane"
@@ -61,7 +61,7 @@ def test_shipped_router_yaml_takes_the_environment():
            "MAX_MODEL_LEN": "2048", "MODEL_DIR": "/m", "ROUTER_MAX_BODY_BYTES": "4096"}
     cfg = load_config(SHIPPED, env)
     assert cfg.listen.port == 9999
-    assert cfg.prefill.url == "http://prefill:8000" and cfg.prefill.model == "glm"
+    assert cfg.prefill.static_nodes == ["http://prefill:8000"] and cfg.prefill.model == "glm"
     node = cfg.pools["express"].nodes[0]
     assert (node.ctrl_host, node.ctrl_port) == ("10.1.2.3", 7000)
     assert cfg.max_model_len == 2048 and cfg.tokenizer_dir == "/m" and cfg.limits.max_body_bytes == 4096

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import httpx
 
 from expresslane.router.secrets import RouterSecrets
@@ -13,7 +15,7 @@ VLLM_KEY = "vllm-secret-key-1"
 SERVED = {"id": "served", "object": "model", "owned_by": "vllm", "root": "/models/tiny", "max_model_len": 4096}
 
 
-def vllm_side(upstreams, seen_auth: list):
+def vllm_side(upstreams, seen_auth: list, base: str = PREFILL):
     def models(rq, body):
         seen_auth.append(rq.headers.get("authorization"))
         return httpx.Response(200, json={"object": "list", "data": [{"id": "other", "max_model_len": 1}, SERVED]})
@@ -36,10 +38,10 @@ def vllm_side(upstreams, seen_auth: list):
         seen_auth.append(rq.headers.get("authorization"))
         return httpx.Response(200, json={"version": "0.32.0"})
 
-    upstreams.on(PREFILL, "/v1/models", models)
-    upstreams.on(PREFILL, "/tokenize", tokenize)
-    upstreams.on(PREFILL, "/detokenize", detokenize)
-    upstreams.on(PREFILL, "/version", version)
+    upstreams.on(base, "/v1/models", models)
+    upstreams.on(base, "/tokenize", tokenize)
+    upstreams.on(base, "/detokenize", detokenize)
+    upstreams.on(base, "/version", version)
 
 
 SECRETS = RouterSecrets(vllm_api_key=VLLM_KEY)
@@ -120,6 +122,58 @@ async def test_upstream_down_is_a_typed_503(make_client, upstreams):
     async with make_client() as (c, _):
         r = await c.post("/tokenize", json={"prompt": "x"})
     assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable"
+
+
+# ---- with a prefill pool: a serving member, chosen and failed over as for prefill legs -----------------------------
+
+P1, P2 = "http://prefill-a:8000", "http://prefill-b:8000"
+SIDE_PATHS = ("/v1/models", "/tokenize", "/detokenize", "/version")
+
+
+def refuse(rq, b):
+    raise httpx.ConnectError("refused", request=rq)
+
+
+async def test_side_calls_go_to_a_serving_pool_member_and_fail_over(make_client, upstreams):
+    vllm_side(upstreams, [], base=P2)
+    for path in SIDE_PATHS:
+        upstreams.on(P1, path, refuse)  # member a is gone
+    cfg = make_config(prefill={"model": "served", "nodes": [P1, P2]})
+    async with make_client(cfg) as (c, app):
+        toks = [await c.post("/tokenize", json={"model": "tiny", "prompt": f"prompt number {i}"}) for i in range(8)]
+        card = await c.get("/v1/models/tiny")
+        version = await c.get("/version")
+        detok = await c.post("/detokenize", json={"tokens": [7, 8]})
+        legs = app.state.metrics.registry.get_sample_value("expresslane_router_prefill_requests_total",
+                                                           {"member": "prefill-b:8000", "choice": "affinity"})
+    assert [t.status_code for t in toks] == [200] * 8, toks[0].text
+    assert card.status_code == 200 and card.json()["max_model_len"] == 4096
+    assert version.json()["version"] == "0.32.0" and detok.json()["prompt"] == "hi"
+    assert len(upstreams.bodies(P2, "/tokenize")) == 8
+    assert upstreams.bodies(P1, "/tokenize")  # some keys preferred a, were refused there and went on to b
+    assert legs == 0  # side calls are not prefill legs
+
+
+async def test_side_calls_with_no_serving_member_are_a_typed_503(make_client, upstreams):
+    for base in (P1, P2):
+        vllm_side(upstreams, [], base=base)
+        upstreams.on(base, "/health", lambda rq, b: httpx.Response(503, json={"status": "down"}))
+    upstreams.on("http://native:8100", "/health", lambda rq, b: httpx.Response(200, json={}))
+    upstreams.on("http://express:5557", "/health", lambda rq, b: httpx.Response(200, json={}))
+    cfg = make_config(prefill={"model": "served", "nodes": [P1, P2]},
+                      health={"enabled": True, "interval_s": 0.02, "timeout_s": 0.5, "unhealthy_threshold": 1,
+                              "open_s": 60})
+    async with make_client(cfg) as (c, app):
+        for _ in range(200):
+            if not any(app.state.health.healthy(u) for u in (P1, P2)):
+                break
+            await asyncio.sleep(0.01)
+        answers = [await c.post("/tokenize", json={"prompt": "x"}), await c.post("/detokenize", json={"tokens": [1]}),
+                   await c.get("/v1/models/tiny"), await c.get("/version")]
+    for r in answers:
+        assert r.status_code == 503 and r.headers["retry-after"], r.text
+        assert r.json()["error"]["type"] == "service_unavailable" and "prefill" in r.json()["error"]["message"]
+    assert not any(p in SIDE_PATHS for _, p, _ in upstreams.calls)  # nothing was sent to a member known down
 
 
 async def test_responses_api_is_a_clear_openai_error(make_client, upstreams):

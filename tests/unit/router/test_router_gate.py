@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from expresslane.router.gate import NodeGate, QueueFull, QueueTimeout
+from expresslane.router.gate import NodeGate, NoHealthyNode, QueueFull, QueueTimeout
 
 
 async def test_one_request_per_node_then_waiters_queue():
@@ -122,3 +122,60 @@ async def test_gauge_callback_sees_depth_and_busy():
     lease.release()
     (await w).release()
     assert (1, 1) in seen and seen[-1] == (0, 0)
+
+
+# ---- membership (an express pool from DNS): nodes join and are drained -------------------------------------------
+
+async def test_a_removed_node_is_drained_never_handed_out_again():
+    gone: list[str] = []
+    gate = NodeGate(["a", "b"], on_gone=gone.append)
+    la = await gate.acquire(max_waiting=4, max_wait_s=1)
+    lb = await gate.acquire(max_waiting=4, max_wait_s=1)
+    waiter = asyncio.ensure_future(gate.acquire(max_waiting=4, max_wait_s=1))
+    await asyncio.sleep(0.01)
+    gate.remove(la.node)  # busy: its request keeps it to the end
+    assert gate.nodes == [lb.node] and gate.draining == [la.node] and gone == []
+    la.release()  # the drained node goes, and is NOT given to the waiter
+    await asyncio.sleep(0.01)
+    assert not waiter.done() and gone == [la.node] and gate.draining == [] and not gate.is_busy(la.node)
+    lb.release()
+    assert (await waiter).node == lb.node
+
+
+async def test_removing_the_last_node_fails_the_waiters_at_once_and_an_empty_gate_refuses():
+    gate = NodeGate(["a"])
+    lease = await gate.acquire(max_waiting=4, max_wait_s=5)
+    waiter = asyncio.ensure_future(gate.acquire(max_waiting=4, max_wait_s=5))
+    await asyncio.sleep(0.01)
+    gate.remove("a")
+    with pytest.raises(NoHealthyNode, match="no node"):
+        await asyncio.wait_for(waiter, 1)
+    lease.release()
+    with pytest.raises(NoHealthyNode, match="no node"):
+        await gate.acquire(max_waiting=4, max_wait_s=5)
+    assert NodeGate([]).nodes == []
+
+
+async def test_a_node_that_joins_serves_the_waiters_and_only_when_available():
+    up = {"a": True, "b": False}
+    gate = NodeGate(["a"], available=lambda n: up[n])
+    lease = await gate.acquire(max_waiting=4, max_wait_s=1)
+    waiter = asyncio.ensure_future(gate.acquire(max_waiting=4, max_wait_s=1))
+    await asyncio.sleep(0.01)
+    gate.add("b")  # not available yet (not probed): nobody gets it
+    await asyncio.sleep(0.01)
+    assert not waiter.done() and gate.nodes == ["a", "b"]
+    up["b"] = True
+    gate.poke()  # the health monitor's change: the waiter gets the new node
+    assert (await waiter).node == "b"
+    lease.release()
+
+
+async def test_a_draining_node_that_comes_back_stays_held_by_its_request():
+    gate = NodeGate(["a"])
+    lease = await gate.acquire(max_waiting=4, max_wait_s=1)
+    gate.remove("a")
+    gate.add("a")  # back in DNS before its request ended: no second request on it meanwhile
+    assert gate.nodes == ["a"] and gate.draining == [] and gate.is_busy("a") and gate.try_acquire() is None
+    lease.release()
+    assert gate.try_acquire() is not None

@@ -8,7 +8,7 @@
 the headers for upstream calls. None = no secrets (auth off; dev / tests).
 Keyword arguments for tests: `transport` (an httpx transport for every upstream call, e.g.
 httpx.MockTransport), `registry` (a prometheus CollectorRegistry), `model_text` (a ready tokenizer
-bundle instead of loading `tokenizer_dir`), `clock`.
+bundle instead of loading `tokenizer_dir`), `clock`, `resolver` (the pools' DNS lookups: discovery.Resolver).
 
 Per request (serve): API key (401 / 429 per key) -> body read within limits.max_body_bytes (413) -> parsed
 within limits.max_json_depth (400) -> lane: the alias's pool, or an `X-Lane: native|express` header overrides
@@ -44,7 +44,7 @@ from .detokenizer import ModelText, load_model_text
 from .endpoints import RESPONSES_API_ERROR, Endpoints
 from .errors import (BadRequest, ClientGone, MethodNotAllowed, ModelNotFound, NotFound, RouterError,
                      error_body)
-from .discovery import PREFILL_POOL, Membership
+from .discovery import PREFILL_POOL, Membership, Resolver, resolve_addresses
 from .health import HealthMonitor
 from .pools import PrefillPool, member_serving
 from .lanes.base import LaneContext
@@ -166,16 +166,16 @@ def create_app(config: RouterConfig, *, secrets: RouterSecrets | None = None,
                transport: httpx.AsyncBaseTransport | None = None,
                registry: CollectorRegistry | None = None, model_text: ModelText | None = None,
                clock: Callable[[], float] = time.monotonic, access_log: bool = False,
-               fast_path: bool = True) -> FastAPI:
+               fast_path: bool = True, resolver: Resolver = resolve_addresses) -> FastAPI:
     secrets = secrets if secrets is not None else RouterSecrets()
     keys = ApiKeys.from_text(secrets.api_keys_text, clock)  # AuthConfigError names the bad line, never a key
     metrics = RouterMetrics(config, registry)
     reroutes = reroute_counter(config, metrics.registry)
     monitor = HealthMonitor(config, metrics, headers=secrets.upstream_headers, clock=clock)
-    membership = Membership(config, metrics.registry)  # pools' members: static + DNS (discovery.py)
-    membership.on_change(lambda pool, added, removed: _follow_members(monitor, pool, added, removed))
+    membership = Membership(config, metrics, resolver=resolver)  # pools' members: static + DNS (discovery.py)
+    membership.on_change(lambda pool, added, removed: _follow_members(config, monitor, metrics, pool, added, removed))
     prefills = PrefillPool(config.prefill.affinity, lambda: membership.urls(PREFILL_POOL),
-                           lambda url: member_serving(monitor, url), registry=metrics.registry,
+                           lambda url: member_serving(monitor, url), metrics,
                            retry_after_s=config.resilience.unavailable_retry_after_s)
     needs_tokenizer = any(isinstance(p, ExpressPool) for p in config.pools.values())
 
@@ -210,8 +210,10 @@ def create_app(config: RouterConfig, *, secrets: RouterSecrets | None = None,
             app.state.capabilities = CapabilityRouter(
                 config, client, secrets, reroutes, clock,
                 relay_check=lambda body, kind: check_express_supported(body, kind,
-                                                                       tool_parser=config.tool_call_parser))
-            app.state.endpoints = Endpoints(config, client, secrets, clock)
+                                                                       tool_parser=config.tool_call_parser),
+                pool_nodes=lambda pool: express.gates[pool].nodes)
+            app.state.endpoints = Endpoints(config, client, secrets, prefills, clock,
+                                            report_failure=monitor.report_failure)
             async with membership.running(), monitor.running(ctx.calls):
                 yield
             await ctx.drain(t.cancel_s + t.connect_s)  # cancels still in flight reach their nodes
@@ -385,13 +387,19 @@ def create_app(config: RouterConfig, *, secrets: RouterSecrets | None = None,
     return app
 
 
-def _follow_members(monitor: HealthMonitor, pool: str, added: list[str], removed: list[str]) -> None:
-    """A pool's members changed (DNS): the health monitor probes the new ones and forgets the gone ones."""
-    lane = "prefill" if pool == PREFILL_POOL else "native"
+def _follow_members(config: RouterConfig, monitor: HealthMonitor, metrics: RouterMetrics, pool: str,
+                    added: list[str], removed: list[str]) -> None:
+    """A pool's members changed (DNS): the health monitor probes the new ones and forgets the gone ones. A new
+    express node takes traffic only once a probe found it healthy (its /health covers engine, control plane and
+    NIXL agent); a new vLLM member serves until a probe or a request says otherwise. (The express lane's gate
+    adds and drains its nodes itself: lanes/express.py.)"""
+    lane = "prefill" if pool == PREFILL_POOL else config.pools[pool].lane
     for url in added:
-        monitor.track(lane, url, "vllm", pool)
+        monitor.track(lane, url, "express" if lane == "express" else "vllm", pool, proven=lane != "express")
+        metrics.member_joined(pool, url)
     for url in removed:
         monitor.forget(url, pool)
+        metrics.member_left(pool, url)
 
 
 _SERVE_HEADERS = frozenset((b"authorization", b"content-length", b"x-lane"))

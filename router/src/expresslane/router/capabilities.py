@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -186,8 +186,11 @@ class CapabilityRouter:
     """Per-node capability cache plus the routing decision; one per app (built in the lifespan)."""
 
     def __init__(self, config: RouterConfig, client: httpx.AsyncClient, secrets: RouterSecrets, reroutes: Counter,
-                 clock: Callable[[], float], relay_check: Callable[[dict, str], None] | None = None):
+                 clock: Callable[[], float], relay_check: Callable[[dict, str], None] | None = None,
+                 pool_nodes: Callable[[str], Sequence[ExpressNode]] | None = None):
         self.config = config
+        # an express pool's current nodes (its gate's: static and DNS members); default: the configured ones
+        self.pool_nodes = pool_nodes or (lambda pool: self.config.pools[pool].nodes)
         self.client = client
         self.secrets = secrets
         self.reroutes = reroutes  # reroute_counter(): built with the app's registry, in the factory
@@ -243,7 +246,7 @@ class CapabilityRouter:
         if p.kind == "tilert":
             return dict(TILERT)
         out = {f.name: True for f in FEATURES}
-        for node in p.nodes:  # any node may serve the request: a feature needs all of them
+        for node in self.pool_nodes(pool):  # any node may serve the request: a feature needs all of them
             feats = await self.node_features(node) or EXPRESSLANE_ENGINE
             for name in out:
                 out[name] = out[name] and feats.get(name, False)

@@ -16,11 +16,12 @@ Schema (see compose/config/router.yaml for a commented example):
   limits:        {max_body_bytes, max_json_depth}: 413 / 400 beyond them (limits.py)
   capabilities:  {refresh_s, retry_s}: how long an express node's GET /capabilities answer is cached, and how
                  soon a failed fetch is tried again (capabilities.py)
-  prefill:       {url, model, nodes?, dns?, affinity?}   the stock vLLM prefill server(s) and the model name they
-                 serve. `url` alone = one prefill. A pool: `nodes` (static URLs) and/or `dns` ({name, port, scheme,
-                 refresh_s}: every A record of `name`, re-resolved every refresh_s, discovery.py); `url` then only
-                 takes the side calls (/v1/models, /tokenize, /version). `affinity` ({prefix_chars, max_imbalance}):
-                 how a member is chosen per request (pools.py)
+  prefill:       {url | nodes? dns?, model, affinity?}   the stock vLLM prefill server(s) and the model name they
+                 serve. `url` alone = one prefill. A pool (instead of url): `nodes` (static URLs) and/or `dns`
+                 ({name, port, scheme, refresh_s}: every A record of `name`, re-resolved every refresh_s,
+                 discovery.py). Side calls (/v1/models, /tokenize, /version) go to a serving member, chosen as for
+                 requests (endpoints.py). `affinity` ({prefix_chars, max_imbalance}): how a member is chosen per
+                 request (pools.py)
   tokenizer_dir: model directory (tokenizer.json, generation_config.json); needed by express pools
   max_model_len: optional; default max_tokens on the express lane = max_model_len - prompt_tokens.
                  Unset = asked once from the prefill's /v1/models.
@@ -29,6 +30,8 @@ Schema (see compose/config/router.yaml for a commented example):
   timeouts:      {connect_s, prefill_s, decode_s, kv_wait_s, cancel_s, upstream_keepalive_s}
   pools:         name -> native pool {kind: native, nodes: [url...], dns?: {name, port, ...}, model?}
                       | express pool {kind: expresslane|tilert, nodes: [{url, ctrl_host, ctrl_port}],
+                                      dns?: {name, port, ctrl_port, scheme, refresh_s} (each address one node:
+                                      /pd/* at address:port, control plane at address:ctrl_port),
                                       queue: {max_waiting, max_wait_s, when_full, spill_to, retry_after_s},
                                       busy_retries}
   aliases:       alias -> {pool, queue?, unsupported?}   (the alias is the `model` clients send; `queue`
@@ -45,6 +48,7 @@ import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Literal, Union
+from urllib.parse import urlsplit
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -56,6 +60,7 @@ __all__ = [
     "Affinity",
     "ConfigError",
     "DnsMembers",
+    "ExpressDns",
     "ExpressNode",
     "ExpressPool",
     "Lane",
@@ -112,7 +117,7 @@ class Affinity(_Strict):
 
 
 class Prefill(_Strict):
-    url: str
+    url: str | None = None
     model: str = Field(min_length=1)
     nodes: list[str] = Field(default_factory=list)
     dns: DnsMembers | None = None
@@ -120,8 +125,19 @@ class Prefill(_Strict):
 
     @field_validator("url")
     @classmethod
-    def _url(cls, v: str) -> str:
-        return _strip_url(v)
+    def _url(cls, v: str | None) -> str | None:
+        return None if v is None else _strip_url(v)
+
+    @model_validator(mode="after")
+    def _has_members(self) -> "Prefill":
+        pool = bool(self.nodes) or self.dns is not None
+        if self.url is None and not pool:
+            raise ValueError("prefill needs url (one server), nodes (a list of URLs) or dns (a name to resolve)")
+        if self.url is not None and pool:
+            raise ValueError("prefill: url is the one prefill server; a pool (nodes and/or dns) lists every member "
+                             "there instead (side calls such as /v1/models go to a serving member): remove url, "
+                             "or put it under nodes")
+        return self
 
     @field_validator("nodes")
     @classmethod
@@ -131,7 +147,10 @@ class Prefill(_Strict):
     @property
     def static_nodes(self) -> list[str]:
         """The pool's fixed members: `nodes`, else `url` alone when no DNS name is given either."""
-        return list(self.nodes) if self.nodes or self.dns is not None else [self.url]
+        if self.nodes or self.dns is not None:
+            return list(self.nodes)
+        assert self.url is not None
+        return [self.url]
 
 
 class Timeouts(_Strict):
@@ -203,15 +222,37 @@ class ExpressNode(_Strict):
         return self.url.split("://", 1)[1]
 
 
+class ExpressDns(DnsMembers):
+    """An express pool's nodes from DNS: every address `name` resolves to is one node, its /pd/* contract at
+    `scheme://address:port` and its control plane at `address:ctrl_port` (what the router tells the prefill)."""
+
+    ctrl_port: int = Field(ge=1, le=65535)
+
+
 class ExpressPool(_Strict):
     kind: Literal["expresslane", "tilert"]
-    nodes: list[ExpressNode] = Field(min_length=1)
+    nodes: list[ExpressNode] = Field(default_factory=list)
+    dns: ExpressDns | None = None  # nodes from DNS as well (discovery.py); each A record is one node
     queue: QueueConfig = QueueConfig()
     busy_retries: int = Field(3, ge=0)  # node answered 429: requeue at most this many times
+
+    @model_validator(mode="after")
+    def _has_members(self) -> "ExpressPool":
+        if not self.nodes and self.dns is None:
+            raise ValueError("an express pool needs nodes (url, ctrl_host, ctrl_port each) or dns (a name to "
+                             "resolve, with port and ctrl_port), or both")
+        return self
 
     @property
     def lane(self) -> Lane:
         return "express"
+
+    def dns_node(self, url: str) -> ExpressNode:
+        """The node behind a DNS member URL (`scheme://address:port`): its control plane at address:ctrl_port."""
+        assert self.dns is not None
+        host = urlsplit(url).hostname
+        assert host is not None, url
+        return ExpressNode(url=url, ctrl_host=host, ctrl_port=self.dns.ctrl_port)
 
 
 Pool = Annotated[Union[NativePool, ExpressPool], Field(discriminator="kind")]

@@ -1,4 +1,7 @@
-"""Pool membership: the member URLs of the prefill pool and of each native pool, from a static list and/or DNS.
+"""Pool membership: the member URLs of the prefill pool and of each native and express pool, from a static list
+and/or DNS. An express pool's DNS member is one node: `scheme://address:port` for its /pd/* contract, its control
+plane at `address:ctrl_port` (config.ExpressPool.dns_node); the express lane adds and drains its gate's nodes as
+members come and go (lanes/express.py).
 
 A DNS pool (config `dns: {name, port, scheme, refresh_s}`) is every address `name` resolves to (a Kubernetes
 headless Service answers one A record per ready pod), as `scheme://address:port`, resolved with the event loop's
@@ -27,16 +30,20 @@ import logging
 import socket
 from collections.abc import Awaitable, Callable, Iterable
 
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from typing import TYPE_CHECKING
 
-from .config import DnsMembers, NativePool, RouterConfig
+from .config import DnsMembers, ExpressPool, NativePool, RouterConfig
+from .metrics import PREFILL_POOL
+
+if TYPE_CHECKING:
+    from prometheus_client import Counter
+
+    from .metrics import RouterMetrics
 
 __all__ = ["DnsState", "Membership", "PoolMembers", "PREFILL_POOL", "Resolver", "resolve_addresses"]
 
 log = logging.getLogger("expresslane.router.discovery")
 
-#: The membership key of the prefill pool (native pools are keyed by their config name; "prefill" is reserved).
-PREFILL_POOL = "prefill"
 
 # (host, port) -> addresses; the default asks the event loop's getaddrinfo.
 Resolver = Callable[[str, int], Awaitable[list[str]]]
@@ -76,7 +83,7 @@ class PoolMembers:
     """The current members of one pool. `urls()` is a plain read (the hot path); `refresh()` resolves once."""
 
     def __init__(self, pool: str, static: Iterable[str], dns: DnsMembers | None, *, resolver: Resolver,
-                 on_change: Callable[[list[str], list[str]], None], failures: Counter | None = None) -> None:
+                 on_change: Callable[[list[str], list[str]], None], failures: "Counter | None" = None) -> None:
         self.pool = pool
         self.static = list(dict.fromkeys(static))
         self.dns = dns
@@ -132,23 +139,23 @@ class PoolMembers:
 
 
 class Membership:
-    """Every pool's members: the prefill pool (key PREFILL_POOL) and each native pool (its config name)."""
+    """Every pool's members: the prefill pool (key PREFILL_POOL) and each native and express pool (its config
+    name; an express pool's members are its nodes' URLs)."""
 
-    def __init__(self, config: RouterConfig, registry: CollectorRegistry | None = None, *,
+    def __init__(self, config: RouterConfig, metrics: "RouterMetrics", *,
                  resolver: Resolver = resolve_addresses) -> None:
         self._listeners: list[Listener] = []
-        self.gauge = Gauge("expresslane_router_pool_members", "Current members of a prefill / native pool",
-                           ["pool"], registry=registry)
-        failures = Counter("expresslane_router_pool_dns_failures", "Pool DNS resolutions that failed (the last "
-                           "answer was kept)", ["pool"], registry=registry)
+        self.gauge = metrics.pool_members  # (the app's one registry: metrics.py)
+        failures = metrics.pool_dns_failures
         specs: dict[str, tuple[list[str], DnsMembers | None]] = {
             PREFILL_POOL: (config.prefill.static_nodes, config.prefill.dns)}
         for name, pool in config.pools.items():
             if isinstance(pool, NativePool):
                 specs[name] = (pool.nodes, pool.dns)
+            elif isinstance(pool, ExpressPool):
+                specs[name] = ([n.url for n in pool.nodes], pool.dns)
         self.pools: dict[str, PoolMembers] = {}
         for name, (static, dns) in specs.items():
-            failures.labels(name)
             self.pools[name] = PoolMembers(name, static, dns, resolver=resolver, failures=failures,
                                            on_change=self._changed(name))
             self.gauge.labels(name).set(len(self.pools[name].urls()))

@@ -7,6 +7,8 @@
   GET  /version              the prefill's vLLM version, plus the router's own
   *    /v1/responses[/...]   400 unsupported_endpoint: the Responses API is not served (use chat completions)
 
+"The prefill" is a serving member of the prefill pool, chosen and failed over as for a prefill leg (pools.py: the
+body's affinity key, the next member when one fails as a node does); none serving = a typed 503 with Retry-After.
 Upstream calls carry `RouterSecrets.upstream_headers("vllm")` (the vLLM servers' --api-key) and are bounded:
 `timeouts.connect_s` to connect, and for the reply `timeouts.connect_s` (GET /v1/models, /version: metadata) or
 `timeouts.prefill_s` (/tokenize, /detokenize: a long prompt takes a while).
@@ -16,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from importlib import metadata
 from typing import Any
 
@@ -24,7 +26,8 @@ import httpx
 from starlette.responses import JSONResponse, Response
 
 from .config import RouterConfig
-from .errors import BadRequest, ModelNotFound, RouterError, UpstreamError
+from .errors import EJECTING_KINDS, BadRequest, ModelNotFound, RouterError, UpstreamError
+from .pools import PrefillPool, member_failed
 from .secrets import RouterSecrets
 from .upstream import check_status, map_transport_error, read_json
 
@@ -47,10 +50,13 @@ class Endpoints:
     """Handlers that need the pooled client; built once in the lifespan."""
 
     def __init__(self, config: RouterConfig, client: httpx.AsyncClient, secrets: RouterSecrets,
-                 clock: Callable[[], float] = time.monotonic):
+                 prefills: PrefillPool, clock: Callable[[], float] = time.monotonic,
+                 report_failure: Callable[[str, str, str], None] = lambda url, kind, cause: None):
         self.config = config
         self.client = client
         self.secrets = secrets
+        self.prefills = prefills
+        self.report_failure = report_failure  # HealthMonitor.report_failure: a member failing as a node does
         self.clock = clock
         self._model_card: dict[str, Any] | None = None
         self._model_card_at = 0.0
@@ -59,16 +65,29 @@ class Endpoints:
         t = self.config.timeouts
         return httpx.Timeout(t.prefill_s, connect=t.connect_s)
 
+    async def _on_member(self, path: str, body: dict[str, Any],
+                         send: Callable[[str], Awaitable[httpx.Response]]) -> httpx.Response:
+        """`send(member_url + path)` on a serving prefill member (the next one when it fails as a node does)."""
+        async def attempt(base: str) -> httpx.Response:
+            url = base + path
+            try:
+                try:
+                    resp = await send(url)
+                except httpx.HTTPError as e:
+                    raise map_transport_error(e, stage="prefill", url=url) from None
+                await check_status(resp, stage="prefill")
+                return resp
+            except UpstreamError as e:
+                if e.kind in EJECTING_KINDS:
+                    self.report_failure(base, e.kind, e.message)
+                raise
+
+        return await self.prefills.run(body, attempt, retry=member_failed, leg=False)
+
     async def _get(self, path: str) -> httpx.Response:
-        url = self.config.prefill.url + path
         t = self.config.timeouts.connect_s
-        try:
-            resp = await self.client.get(url, headers=self.secrets.upstream_headers("vllm"),
-                                         timeout=httpx.Timeout(t, connect=t))
-        except httpx.HTTPError as e:
-            raise map_transport_error(e, stage="prefill", url=url) from None
-        await check_status(resp, stage="prefill")
-        return resp
+        return await self._on_member(path, {}, lambda url: self.client.get(
+            url, headers=self.secrets.upstream_headers("vllm"), timeout=httpx.Timeout(t, connect=t)))
 
     # ---- models -----------------------------------------------------------------------------------
     async def served_model_card(self) -> dict[str, Any]:
@@ -117,13 +136,8 @@ class Endpoints:
                 raise ModelNotFound(f"The model `{model}` does not exist. Known models: "
                                     f"{', '.join(self.config.aliases)}", param="model")
         out = dict(body, model=self.config.prefill.model)
-        url = self.config.prefill.url + path
-        try:
-            resp = await self.client.post(url, json=out, headers=self.secrets.upstream_headers("vllm"),
-                                          timeout=self._timeout())
-        except httpx.HTTPError as e:
-            raise map_transport_error(e, stage="prefill", url=url) from None
-        await check_status(resp, stage="prefill")
+        resp = await self._on_member(path, out, lambda url: self.client.post(
+            url, json=out, headers=self.secrets.upstream_headers("vllm"), timeout=self._timeout()))
         return JSONResponse(read_json(resp, stage="prefill"))
 
     async def version(self) -> Response:

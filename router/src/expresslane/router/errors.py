@@ -27,6 +27,7 @@ import json
 from typing import Any
 
 __all__ = [
+    "EJECTING_KINDS",
     "BadRequest",
     "ClientGone",
     "LaneBusy",
@@ -163,6 +164,11 @@ class UpstreamRejected(RouterError):
 
     def render(self) -> tuple[int, bytes, dict[str, str]]:
         return self.status, self.content, {"content-type": self.content_type}
+
+
+# UpstreamError kinds that say the node itself may be unreachable, gone or hung: outlier detection counts them
+# (health.py, outlier.py). "transport" is a connection the peer dropped before or during its reply.
+EJECTING_KINDS = ("connect", "timeout", "stall", "transport")
 
 
 class UpstreamError(RouterError):

@@ -11,6 +11,12 @@ Health: `available(node)` (default: always) says whether a node may be handed ou
 An unavailable node is never given to a request; when no node of the gate is available at all, `acquire`
 raises `NoHealthyNode` at once (and so do the requests already waiting), instead of queueing for a node that
 is down. `poke()` re-runs the hand-over after a health change (a node came back, or all went down).
+
+Membership (an express pool from DNS: discovery.py): `add(node)` puts a node in the gate (handed out under the same
+rules: one request at a time, only while `available`); `remove(node)` drains it: it is never handed out again, a
+request holding it keeps it until that request ends, and then the node leaves the gate (`on_gone(node)`). A node
+added back while still draining is simply kept. A gate may have no node at all (a DNS pool that resolved to
+nothing): `acquire` then raises NoHealthyNode.
 """
 
 from __future__ import annotations
@@ -65,16 +71,17 @@ class Lease(Generic[N]):
 
 class NodeGate(Generic[N]):
     def __init__(self, nodes: Sequence[N], *, on_change: Callable[["NodeGate[N]"], None] | None = None,
-                 clock: Callable[[], float] = time.monotonic, available: Callable[[N], bool] | None = None):
-        if not nodes:
-            raise ValueError("a gate needs at least one node")
+                 clock: Callable[[], float] = time.monotonic, available: Callable[[N], bool] | None = None,
+                 on_gone: Callable[[N], None] | None = None):
         self.nodes = list(nodes)
+        self.draining: list[N] = []  # removed, still held by a request
         self._free: deque[N] = deque(self.nodes)  # least recently used first
         self._busy: set[int] = set()
         self._waiters: deque[asyncio.Future[N]] = deque()
         self._on_change = on_change
         self._clock = clock
         self._available = available or (lambda node: True)
+        self._on_gone = on_gone or (lambda node: None)
 
     # ---- state ---------------------------------------------------------------------------
     @property
@@ -112,7 +119,7 @@ class NodeGate(Generic[N]):
         if lease is not None:
             return lease
         if not self.any_available:
-            raise NoHealthyNode(f"all {len(self.nodes)} node(s) are down")
+            raise NoHealthyNode(self._none_left("are down"))
         if self.waiting >= max_waiting:
             raise QueueFull(f"{self.waiting} requests already wait (max_waiting={max_waiting})")
         t0 = self._clock()
@@ -142,7 +149,41 @@ class NodeGate(Generic[N]):
         self._changed()
         return Lease(self, node, waited_s)
 
+    # ---- membership ----------------------------------------------------------------------------
+    def add(self, node: N) -> None:
+        """A node joined: handed out from now on (a draining node that comes back is kept as it is)."""
+        if any(n is node for n in self.nodes):
+            return
+        self.nodes.append(node)
+        if any(n is node for n in self.draining):
+            self.draining = [n for n in self.draining if n is not node]  # still busy: freed by its release
+            self._changed()
+            return
+        self._free.append(node)
+        self._busy.discard(id(node))
+        self.poke()
+        self._changed()
+
+    def remove(self, node: N) -> None:
+        """A node left: never handed out again; a request holding it keeps it to its end (drain)."""
+        if not any(n is node for n in self.nodes):
+            return
+        self.nodes = [n for n in self.nodes if n is not node]
+        if self.is_busy(node):
+            self.draining.append(node)
+        else:
+            self._free = deque(n for n in self._free if n is not node)
+            self._on_gone(node)
+        self.poke()  # the last available node gone: the waiters fail at once (NoHealthyNode)
+        self._changed()
+
     def _release(self, node: N) -> None:
+        if any(n is node for n in self.draining):
+            self.draining = [n for n in self.draining if n is not node]
+            self._busy.discard(id(node))
+            self._on_gone(node)
+            self._changed()
+            return
         if self._available(node):
             while self._waiters:
                 w = self._waiters.popleft()
@@ -159,7 +200,7 @@ class NodeGate(Generic[N]):
         if not self.any_available:
             for w in self._waiters:
                 if not w.done():
-                    w.set_exception(NoHealthyNode(f"all {len(self.nodes)} node(s) went down"))
+                    w.set_exception(NoHealthyNode(self._none_left("went down")))
             self._prune()
             self._changed()
             return
@@ -169,6 +210,9 @@ class NodeGate(Generic[N]):
                 break
             self._busy.add(id(node))
             self._release(node)
+
+    def _none_left(self, verb: str) -> str:
+        return f"all {len(self.nodes)} node(s) {verb}" if self.nodes else "the pool has no node (its DNS name has no address)"
 
     def _prune(self) -> None:
         while self._waiters and self._waiters[0].done():

@@ -88,6 +88,11 @@ class CircuitBreaker:
                 return True
         return False
 
+    def unproven(self) -> None:
+        """A member that just appeared and has not answered a probe yet: HALF_OPEN, so it takes traffic after
+        healthy_threshold probe successes (with probes off: at once, as trial traffic)."""
+        self._state, self.successes, self.failures, self.reason = BreakerState.HALF_OPEN, 0, 0, "not_probed_yet"
+
     def failure(self, reason: str) -> bool:
         """Record a failed probe; True when this ejects the upstream (-> OPEN from CLOSED or HALF_OPEN)."""
         s = self.state
@@ -158,10 +163,18 @@ class HealthMonitor:
         return d
 
     # ---- pool membership (discovery.py) ---------------------------------------------------------
-    def track(self, lane: str, url: str, auth: str, pool: str) -> None:
-        """Start probing a pool member that appeared (it serves until a probe or a request says otherwise)."""
+    def track(self, lane: str, url: str, auth: str, pool: str, *, proven: bool = True) -> None:
+        """Start probing a pool member that appeared. `proven`: it serves until a probe or a request says
+        otherwise; else it serves once a probe found it healthy (CircuitBreaker.unproven), and a probe round
+        starts at once."""
+        new = url not in self.upstreams
         self._add(lane, url, auth, pool)
-        self._set_gauge(self.upstreams[url])
+        u = self.upstreams[url]
+        if new and not proven:
+            u.breaker.unproven()
+            if self._wake is not None:
+                self._wake.set()
+        self._set_gauge(u)
 
     def forget(self, url: str, pool: str) -> None:
         """Stop probing a member that left `pool` (and drop its gauge and its outlier state in that pool)."""

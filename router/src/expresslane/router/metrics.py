@@ -6,6 +6,7 @@ pools, nodes, lanes and aliases are created up front so dashboards show zeros, n
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -13,7 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from .config import LANES, ExpressPool, RouterConfig
 
-__all__ = ["RequestRecord", "RouterMetrics", "node_label"]
+__all__ = ["PREFILL_CHOICES", "PREFILL_POOL", "RequestRecord", "RouterMetrics", "node_label"]
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1, 2.5)
@@ -21,6 +22,10 @@ _TPS_BUCKETS = (1, 5, 10, 25, 50, 75, 100, 150, 200, 300, 400, 600, 800, 1200, 2
 _QUEUE_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60)
 
 P = "expresslane_router_"
+#: The membership key of the prefill pool (native and express pools are keyed by their config name; "prefill" is
+#: reserved) and why a prefill member was chosen (pools.py).
+PREFILL_POOL = "prefill"
+PREFILL_CHOICES = ("affinity", "least_loaded", "retry")
 
 
 def node_label(url: str) -> str:
@@ -73,6 +78,17 @@ class RouterMetrics:
                                            ["pool", "outcome"], registry=r)
         self.retries = Counter(P + "retries_total", "Decode legs retried on another node of the pool",
                                ["lane", "pool", "reason"], registry=r)
+        # ---- pools (pools.py: the prefill pool's choice; discovery.py: membership from static lists and DNS) ----
+        self.prefill_requests = Counter(P + "prefill_requests_total",
+                                        "Prefill legs sent to a prefill pool member, by why it was chosen "
+                                        "(affinity, least_loaded, retry)", ["member", "choice"], registry=r)
+        self.prefill_inflight = Gauge(P + "prefill_inflight", "Prefill legs in flight on a prefill pool member",
+                                      ["member"], registry=r)
+        self.pool_members = Gauge(P + "pool_members", "Current members of a pool (prefill, native or express)",
+                                  ["pool"], registry=r)
+        self.pool_dns_failures = Counter(P + "pool_dns_failures_total",
+                                         "Pool DNS resolutions that failed (the pool kept its last answer)",
+                                         ["pool"], registry=r)
         self._children: dict[tuple[Any, tuple[str, ...]], Any] = {}
         self._precreate(config)
 
@@ -86,7 +102,34 @@ class RouterMetrics:
             c = self._children[key] = metric.labels(*labels)
         return c
 
+    def member_joined(self, pool: str, url: str) -> None:
+        """A pool member appeared (discovery.py): its series start at zero, as a configured member's do."""
+        if pool == PREFILL_POOL:
+            for choice in PREFILL_CHOICES:
+                self.prefill_requests.labels(node_label(url), choice)
+            self.prefill_inflight.labels(node_label(url)).set(0)
+        else:
+            self.inflight.labels(pool, node_label(url)).set(0)
+
+    def member_left(self, pool: str, url: str) -> None:
+        """A pool member is gone: drop its per-member series (members from DNS come and go with their pods'
+        addresses; their series must not pile up)."""
+        node = node_label(url)
+        series = ([(self.prefill_requests, (node, c)) for c in PREFILL_CHOICES] + [(self.prefill_inflight, (node,))]
+                  if pool == PREFILL_POOL else [(self.inflight, (pool, node))])
+        for metric, labels in series:
+            self._children.pop((metric, labels), None)
+            with contextlib.suppress(KeyError):
+                metric.remove(*labels)
+
     def _precreate(self, config: RouterConfig) -> None:
+        for url in config.prefill.static_nodes:  # (members from DNS get theirs when they appear)
+            for choice in PREFILL_CHOICES:
+                self.prefill_requests.labels(node_label(url), choice)
+            self.prefill_inflight.labels(node_label(url)).set(0)
+        for pool in (PREFILL_POOL, *config.pools):
+            self.pool_members.labels(pool)
+            self.pool_dns_failures.labels(pool)
         for lane in LANES:
             for h in (self.ttft, self.itl, self.e2e, self.user_tps, self.queue_wait):
                 h.labels(lane)

@@ -18,7 +18,7 @@ on different members (the next turn then prefills in full: slower, never wrong).
 
 `run` posts the leg: on a failure the lane says may be retried (`retry(err)`) it tries the next member, each member
 at most once. Metrics: `expresslane_router_prefill_requests_total{member, choice}` (choice: affinity,
-least_loaded, retry) and `expresslane_router_prefill_inflight{member}`.
+least_loaded, retry) and `expresslane_router_prefill_inflight{member}` (RouterMetrics, the app's one registry).
 """
 
 from __future__ import annotations
@@ -28,20 +28,16 @@ from collections import defaultdict
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from prometheus_client import CollectorRegistry, Counter, Gauge
-
 from .config import Affinity
-from .discovery import PREFILL_POOL
-from .errors import RouterError, UpstreamUnavailable
-from .metrics import node_label
+from .errors import EJECTING_KINDS, RouterError, UpstreamError, UpstreamUnavailable
+from .metrics import PREFILL_POOL, RouterMetrics, node_label
 
 if TYPE_CHECKING:
     from .health import HealthMonitor
 
-__all__ = ["PrefillPool", "affinity_key", "member_serving"]
+__all__ = ["PrefillPool", "affinity_key", "member_failed", "member_serving"]
 
 T = TypeVar("T")
-CHOICES = ("affinity", "least_loaded", "retry")
 
 
 def member_serving(health: "HealthMonitor | None", url: str, pool: str = PREFILL_POOL) -> bool:
@@ -50,6 +46,12 @@ def member_serving(health: "HealthMonitor | None", url: str, pool: str = PREFILL
     the health monitor's circuit breaker (active probes) and the pool's outlier detection (outlier.py: a member
     ejected for its request failures is skipped for its ejection time, never the pool's last serving one)."""
     return health is None or health.available(pool, url)
+
+
+def member_failed(err: RouterError) -> bool:
+    """A call to a prefill member that failed as a node fails (gone, hung, refusing: EJECTING_KINDS, or its 503)
+    is run on another member (a native prefill leg's KV, if any, expires on the member that computed it)."""
+    return isinstance(err, UpstreamError) and err.kind in EJECTING_KINDS + ("http_503",)
 
 
 def _text(content: Any) -> str:
@@ -90,20 +92,13 @@ class PrefillPool:
     (discovery.Membership); `serving(url)` says whether one takes traffic (`member_serving`)."""
 
     def __init__(self, affinity: Affinity, members: Callable[[], Sequence[str]], serving: Callable[[str], bool],
-                 *, registry: CollectorRegistry | None = None, retry_after_s: int = 2) -> None:
+                 metrics: RouterMetrics, *, retry_after_s: int = 2) -> None:
         self.affinity = affinity
         self.members = members
         self.serving = serving
         self.retry_after_s = retry_after_s
         self.inflight: defaultdict[str, int] = defaultdict(int)
-        self.requests = Counter("expresslane_router_prefill_requests", "Prefill legs sent to a prefill pool member, "
-                                "by why it was chosen", ["member", "choice"], registry=registry)
-        self.inflight_gauge = Gauge("expresslane_router_prefill_inflight", "Prefill legs in flight on a member",
-                                    ["member"], registry=registry)
-        for url in members():
-            for choice in CHOICES:
-                self.requests.labels(node_label(url), choice)
-            self.inflight_gauge.labels(node_label(url)).set(0)
+        self.metrics = metrics
 
     def available(self, exclude: Sequence[str] = ()) -> list[str]:
         return [u for u in self.members() if u not in exclude and self.serving(u)]
@@ -129,16 +124,19 @@ class PrefillPool:
         return least, "least_loaded"
 
     async def run(self, body: dict[str, Any], attempt: Callable[[str], Awaitable[T]],
-                  retry: Callable[[RouterError], bool], exclude: Sequence[str] = ()) -> T:
+                  retry: Callable[[RouterError], bool], exclude: Sequence[str] = (), *, leg: bool = True) -> T:
         """`attempt(member_url)` on the chosen member; again on the next one while `retry(err)` says the failure
         may be retried elsewhere (each member once; never the members in `exclude`, which this request already
-        lost). The last failure is raised."""
+        lost). The last failure is raised. `leg=False`: a side call (/v1/models, /tokenize, ...), chosen and
+        failed over the same way but not counted as a prefill leg in the metrics or the in-flight balance."""
         key = affinity_key(body, self.affinity.prefix_chars)
         tried: list[str] = list(exclude)
         while True:
             url, why = self.choose(key, tried)
-            self.requests.labels(node_label(url), "retry" if tried else why).inc()
-            self._track(url, +1)
+            if leg:
+                m = self.metrics
+                m.child(m.prefill_requests, node_label(url), "retry" if tried else why).inc()
+                self._track(url, +1)
             try:
                 return await attempt(url)
             except RouterError as e:
@@ -146,8 +144,13 @@ class PrefillPool:
                 if not retry(e) or not self.available(tried):
                     raise
             finally:
-                self._track(url, -1)
+                if leg:
+                    self._track(url, -1)
 
     def _track(self, url: str, delta: int) -> None:
         self.inflight[url] += delta
-        self.inflight_gauge.labels(node_label(url)).set(self.inflight[url])
+        if not self.inflight[url] and url not in self.members():  # the last leg of a member that left the pool
+            del self.inflight[url]  # (its series went with it: RouterMetrics.member_left)
+            return
+        m = self.metrics
+        m.child(m.prefill_inflight, node_label(url)).set(self.inflight[url])

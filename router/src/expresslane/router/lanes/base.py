@@ -15,7 +15,7 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from ..config import RouterConfig
-from ..errors import RouterError, UpstreamError
+from ..errors import EJECTING_KINDS, RouterError, UpstreamError
 from ..metrics import RequestRecord, RouterMetrics
 from ..pools import PrefillPool, member_serving
 from ..resilience import Deadline
@@ -40,7 +40,7 @@ class LaneContext:
     health: "HealthMonitor | None" = None
     headers: Callable[[str], dict[str, str]] = lambda kind: {}  # secrets.upstream_headers
     calls: OneShotCalls | None = None  # one-shot calls (the hot path); None = through `client` (HttpxOneShot)
-    # Pools (pools.py, discovery.py): None = the config's static members, unregistered metrics.
+    # Pools (pools.py, discovery.py): None = the config's static members.
     prefills: PrefillPool | None = None
     membership: "Membership | None" = None
     _background: set[asyncio.Task] = field(default_factory=set)
@@ -51,7 +51,7 @@ class LaneContext:
         if self.prefills is None:
             static = self.config.prefill.static_nodes
             self.prefills = PrefillPool(self.config.prefill.affinity, lambda: static,
-                                        lambda url: member_serving(self.health, url),
+                                        lambda url: member_serving(self.health, url), self.metrics,
                                         retry_after_s=self.config.resilience.unavailable_retry_after_s)
 
     def native_nodes(self, pool: str) -> list[str]:
@@ -102,9 +102,6 @@ class LaneContext:
             await asyncio.wait(set(self._background), timeout=timeout_s)
 
 
-# Transport failures that say the node itself may be unreachable, gone or hung: outlier detection counts them
-# (health.py, outlier.py). "transport" is a connection the peer dropped before or during its reply.
-EJECTING_KINDS = ("connect", "timeout", "stall", "transport")
 
 
 def count_upstream_error(ctx: LaneContext, lane: str, err: RouterError) -> None:

@@ -58,6 +58,7 @@ from ..errors import LaneBusy, RouterError, UpstreamError, UpstreamRejected, Ups
 from ..gate import Lease, NodeGate, NoHealthyNode, QueueFull, QueueTimeout
 from ..metrics import RequestRecord, node_label
 from ..openai_shapes import SSE_DONE, ClientRequest, sse
+from ..pools import member_failed
 from ..prefill import derive_tilert_rid, express_prefill_body, first_token_id, prompt_token_ids, prompt_tokens
 from ..resilience import Deadline
 from ..output_limits import check_requested, effective_max_tokens
@@ -121,13 +122,32 @@ class ExpressLane:
         self.model_text = model_text
         self.nodes = NodeClient(ctx)
         self.gates: dict[str, NodeGate[ExpressNode]] = {
-            name: NodeGate(p.nodes, on_change=self._gauges(name), available=self._available(name))
+            name: NodeGate(p.nodes, on_change=self._gauges(name), available=self._available(name),
+                           on_gone=lambda n, name=name: log.warning("express node %s left pool %s (drained)",
+                                                                     n.url, name))
             for name, p in pools.items()}
         if ctx.health is not None:
             ctx.health.on_change(lambda: [g.poke() for g in self.gates.values()])
+        if ctx.membership is not None:  # DNS members come and go (discovery.py)
+            ctx.membership.on_change(self._members_changed)
         self._max_model_len: int | None = ctx.config.max_model_len
         self._model_len_fetch: asyncio.Future | None = None
         self._token_strings: TokenStrings | None = None
+
+    def _members_changed(self, pool: str, added: list[str], removed: list[str]) -> None:
+        """An express pool's DNS answer changed: a new address is a new node of its gate (it takes requests once
+        a health probe found it healthy: app._follow_members); a gone one is drained (its request, if any,
+        finishes there; it is never reserved again)."""
+        p, gate = self.pools.get(pool), self.gates.get(pool)
+        if p is None or gate is None:
+            return
+        held = {n.url: n for n in [*gate.nodes, *gate.draining]}
+        static = {n.url: n for n in p.nodes}
+        for url in removed:
+            if url in held:
+                gate.remove(held[url])
+        for url in added:
+            gate.add(held.get(url) or static.get(url) or p.dns_node(url))
 
     def _available(self, pool: str):
         return lambda n: self.ctx.available(pool, n.url)
@@ -321,7 +341,8 @@ class ExpressLane:
 
     async def _fetch_model_len(self) -> None:
         cfg = self.ctx.config
-        models = await post_free_get(self.ctx, cfg.prefill.url + "/v1/models")
+        models = await self.ctx.prefills.run(  # type: ignore[union-attr]  # a serving member, as a side call
+            {}, lambda url: post_free_get(self.ctx, url + "/v1/models"), retry=member_failed, leg=False)
         for m in models.get("data") or []:
             if isinstance(m, dict) and m.get("id") == cfg.prefill.model and isinstance(m.get("max_model_len"), int):
                 self._max_model_len = m["max_model_len"]

@@ -43,6 +43,7 @@ from ..errors import RouterError, UpstreamError, UpstreamTimeout, UpstreamUnavai
 from ..json_codec import CompactJSONResponse
 from ..metrics import RequestRecord, node_label
 from ..openai_shapes import SSE_DONE, ClientRequest, iter_sse_data, sse
+from ..pools import member_failed
 from ..prefill import native_prefill_body, prompt_tokens
 from ..resilience import Deadline
 from ..upstream import LineReader, open_stream
@@ -54,12 +55,6 @@ log = logging.getLogger("expresslane.router")
 
 # Failures before the first byte that another node may not have: retried there.
 RETRY_KINDS = ("connect", "http_503", "stall", "timeout", "transport", "truncated")
-
-
-def _member_failed(err: RouterError) -> bool:
-    """A native prefill leg that failed as a node fails (gone, hung, refusing) is run on another prefill member
-    (the lost leg's KV, if any, expires on the member that computed it)."""
-    return isinstance(err, UpstreamError) and err.kind in EJECTING_KINDS + ("http_503",)
 
 
 def decode_body(body: dict[str, Any], model: str, kv_transfer_params: dict[str, Any],
@@ -121,6 +116,9 @@ class NativeLane:
     def _track(self, pool: str, url: str, delta: int) -> None:
         key = (pool, url)
         self._outstanding[key] += delta
+        if not self._outstanding[key] and url not in self.ctx.native_nodes(pool):  # a member that left the pool:
+            del self._outstanding[key]  # its last request ended (its series went with it: RouterMetrics.member_left)
+            return
         m = self.ctx.metrics
         m.child(m.inflight, pool, node_label(url)).set(self._outstanding[key])
 
@@ -161,7 +159,7 @@ class NativeLane:
                 self._failed(url, e)
                 raise
 
-        return await ctx.prefills.run(body, attempt, retry=_member_failed)  # type: ignore[union-attr]
+        return await ctx.prefills.run(body, attempt, retry=member_failed)  # type: ignore[union-attr]
 
     # ---- orchestration ---------------------------------------------------------------------------
     async def handle(self, req: ClientRequest, pool: str, record: RequestRecord) -> Response:
