@@ -54,74 +54,57 @@ def _label(cfg) -> str:
 def _rms_rows_kernel(x_ptr, nw_ptr, out_ptr, R, K, eps, sx, so, K_POW2: tl.constexpr, PDL: tl.constexpr):
     """out[r] = RMSNorm(x[r]) in the model dtype, rounded as models/fused.py's _input_chunk rounds; one program
     a row, each row's statistic in the same order whatever R is."""
+    pdl_wait(PDL)
     r = tl.program_id(0)
     cols = tl.arange(0, K_POW2)
     kmask = cols < K
-    nw = tl.load(nw_ptr + cols, mask=kmask, other=0.0)  # a weight: before the wait (models/pdl.py)
-    pdl_wait(PDL)
     xv = tl.load(x_ptr + r * sx + cols, mask=kmask, other=0.0)
     dt = xv.dtype
     xf = xv.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / K + eps)
     xn = (xf * rstd).to(dt)
+    nw = tl.load(nw_ptr + cols, mask=kmask, other=0.0)
     tl.store(out_ptr + r * so + cols, (xn.to(tl.float32) * nw.to(tl.float32)).to(dt), mask=kmask)
 
 
 @triton.jit
-def _dot(w, x, acc, IEEE: tl.constexpr):
-    """acc += w @ x^T (float32 inputs as IEEE dots, no TF32)."""
-    if IEEE:
-        return tl.dot(w, tl.trans(x), acc, input_precision="ieee")
-    return tl.dot(w, tl.trans(x), acc)
-
-
-@triton.jit
 def _dot_rows(w_ptr, rows, rmask, x_ptr, R, K, sx, acc, BLOCK_K: tl.constexpr, RP: tl.constexpr,
-              STAGES: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
-    """acc[BLOCK_N, RP] += w[rows, :] @ x[:RP, :]^T (x rows >= R read as zero), K in BLOCK_K steps. PDL: the
-    first weight tile is loaded before the wait for the kernel this one depends on (models/pdl.py), as the
-    CUDA-core kernels do; the same sums in the same order either way."""
+              STAGES: tl.constexpr, IEEE: tl.constexpr):
+    """acc[BLOCK_N, RP] += w[rows, :] @ x[:RP, :]^T (x rows >= R read as zero), K in BLOCK_K steps."""
     m = tl.arange(0, RP)
     mmask = m < R
-    kk = tl.arange(0, BLOCK_K)
-    kmask = kk < K
-    w0 = tl.load(w_ptr + rows[:, None] * K + kk[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
-    pdl_wait(PDL)
-    x0 = tl.load(x_ptr + m[:, None] * sx + kk[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
-    acc = _dot(w0, x0, acc, IEEE)
-    for k0 in tl.range(BLOCK_K, K, BLOCK_K, num_stages=STAGES):
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
         kk = k0 + tl.arange(0, BLOCK_K)
         kmask = kk < K
         w = tl.load(w_ptr + rows[:, None] * K + kk[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
         xv = tl.load(x_ptr + m[:, None] * sx + kk[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
-        acc = _dot(w, xv, acc, IEEE)
+        if IEEE:
+            acc = tl.dot(w, tl.trans(xv), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(w, tl.trans(xv), acc)
     return acc
 
 
 @triton.jit
 def _dot_rows2(w_ptr, rows_a, rows_b, rmask, x_ptr, R, K, sx, acc_a, acc_b, BLOCK_K: tl.constexpr,
-               RP: tl.constexpr, STAGES: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
+               RP: tl.constexpr, STAGES: tl.constexpr, IEEE: tl.constexpr):
     """_dot_rows for two row sets that share the input (RoPE pairs, gate and up rows)."""
     m = tl.arange(0, RP)
     mmask = m < R
-    kk = tl.arange(0, BLOCK_K)
-    kmask = kk < K
-    wmask = rmask[:, None] & kmask[None, :]
-    wa = tl.load(w_ptr + rows_a[:, None] * K + kk[None, :], mask=wmask, other=0.0)
-    wb = tl.load(w_ptr + rows_b[:, None] * K + kk[None, :], mask=wmask, other=0.0)
-    pdl_wait(PDL)
-    x0 = tl.load(x_ptr + m[:, None] * sx + kk[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
-    acc_a = _dot(wa, x0, acc_a, IEEE)
-    acc_b = _dot(wb, x0, acc_b, IEEE)
-    for k0 in tl.range(BLOCK_K, K, BLOCK_K, num_stages=STAGES):
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
         kk = k0 + tl.arange(0, BLOCK_K)
         kmask = kk < K
         wmask = rmask[:, None] & kmask[None, :]
         wa = tl.load(w_ptr + rows_a[:, None] * K + kk[None, :], mask=wmask, other=0.0)
         wb = tl.load(w_ptr + rows_b[:, None] * K + kk[None, :], mask=wmask, other=0.0)
-        xv = tl.load(x_ptr + m[:, None] * sx + kk[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
-        acc_a = _dot(wa, xv, acc_a, IEEE)
-        acc_b = _dot(wb, xv, acc_b, IEEE)
+        xt = tl.trans(tl.load(x_ptr + m[:, None] * sx + kk[None, :], mask=mmask[:, None] & kmask[None, :],
+                              other=0.0))
+        if IEEE:
+            acc_a = tl.dot(wa, xt, acc_a, input_precision="ieee")
+            acc_b = tl.dot(wb, xt, acc_b, input_precision="ieee")
+        else:
+            acc_a = tl.dot(wa, xt, acc_a)
+            acc_b = tl.dot(wb, xt, acc_b)
     return acc_a, acc_b
 
 
@@ -140,9 +123,10 @@ def _qkv_rope_kernel(x_ptr, w_ptr, b_ptr, cos_ptr, sin_ptr, start_ptr, q_ptr, kc
     j = p % HALF
     rows_a = head * D + j
     rows_b = rows_a + HALF
+    pdl_wait(PDL)
     a = tl.zeros([BJ, RP], tl.float32)
     b = tl.zeros([BJ, RP], tl.float32)
-    a, b = _dot_rows2(w_ptr, rows_a, rows_b, ok, x_ptr, R, K, sx, a, b, BLOCK_K, RP, STAGES, IEEE, PDL)
+    a, b = _dot_rows2(w_ptr, rows_a, rows_b, ok, x_ptr, R, K, sx, a, b, BLOCK_K, RP, STAGES, IEEE)
     if HAS_BIAS:
         a += tl.load(b_ptr + rows_a, mask=ok, other=0.0).to(tl.float32)[:, None]
         b += tl.load(b_ptr + rows_b, mask=ok, other=0.0).to(tl.float32)[:, None]
@@ -179,8 +163,9 @@ def _gemv_residual_kernel(a_ptr, w_ptr, b_ptr, res_ptr, R, N, K, sa, sres, HAS_B
                           IEEE: tl.constexpr, PDL: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < N
+    pdl_wait(PDL)
     y = _dot_rows(w_ptr, rows, rmask, a_ptr, R, K, sa, tl.zeros([BLOCK_N, RP], tl.float32), BLOCK_K, RP, STAGES,
-                  IEEE, PDL)
+                  IEEE)
     if HAS_BIAS:
         y += tl.load(b_ptr + rows, mask=rmask, other=0.0).to(tl.float32)[:, None]
     m = tl.arange(0, RP)
@@ -198,9 +183,10 @@ def _gate_up_silu_kernel(x_ptr, w_ptr, b_ptr, out_ptr, R, I, K, sx, so, HAS_BIAS
     rows_g = tl.program_id(0) * BJ + tl.arange(0, BJ)
     rows_u = rows_g + I
     ok = rows_g < I
+    pdl_wait(PDL)
     g = tl.zeros([BJ, RP], tl.float32)
     u = tl.zeros([BJ, RP], tl.float32)
-    g, u = _dot_rows2(w_ptr, rows_g, rows_u, ok, x_ptr, R, K, sx, g, u, BLOCK_K, RP, STAGES, IEEE, PDL)
+    g, u = _dot_rows2(w_ptr, rows_g, rows_u, ok, x_ptr, R, K, sx, g, u, BLOCK_K, RP, STAGES, IEEE)
     if HAS_BIAS:
         g += tl.load(b_ptr + rows_g, mask=ok, other=0.0).to(tl.float32)[:, None]
         u += tl.load(b_ptr + rows_u, mask=ok, other=0.0).to(tl.float32)[:, None]
@@ -220,8 +206,9 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, key_ptr, R, N, K, sx, so, BLOCK_N: tl.co
     this program as one key (models/fused.py's greedy_advance takes the largest)."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < N
+    pdl_wait(PDL)
     y = _dot_rows(w_ptr, rows, rmask, x_ptr, R, K, sx, tl.zeros([BLOCK_N, RP], tl.float32), BLOCK_K, RP, STAGES,
-                  IEEE, PDL)
+                  IEEE)
     dt = x_ptr.dtype.element_ty
     logits = y.to(dt).to(tl.float32)
     m = tl.arange(0, RP)
