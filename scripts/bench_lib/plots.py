@@ -100,8 +100,15 @@ def stack(report: dict, path) -> None:
 
 
 def _label(r: dict) -> str:
+    """The series of a decode-bench record: the engine, its mode, and (where the record says) the lean step's
+    GEMV family and whether the engine was built without speculation (a plain node)."""
     mode = r.get("mode", "plain")
-    return f"{r.get('engine', 'expresslane')}, {mode}" if mode != "plain" else r.get("engine", "expresslane")
+    name = r.get("engine", "expresslane")
+    if r.get("speculation_k") == 0:
+        name += " (no speculation)"
+    if r.get("gemv"):
+        name += f" [{r['gemv']}]"
+    return f"{name}, {mode}" if mode != "plain" else name
 
 
 def engines(records: list[dict], path, title: str = "") -> None:

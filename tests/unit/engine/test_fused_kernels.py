@@ -217,12 +217,14 @@ def test_tensor_core_kernels_match_the_step(dtype, bias):
 
 
 def test_the_gemv_family_is_the_engines_choice():
-    """auto: the CUDA-core kernels for a plain step, the tensor-core ones where the step verifies; an explicit
-    choice wins; anything else is refused by name."""
-    assert gemv_family(1) == "cuda-core" and gemv_family(5) == "tensor-core"
-    assert gemv_family(5, "cuda-core") == "cuda-core" and gemv_family(1, "tensor-core") == "tensor-core"
+    """auto: the CUDA-core kernels for a plain step and for a small model, the tensor-core ones where the step
+    verifies on a model of hidden size 4096 or more (the 8B shape: its one-row step costs 4 % more there, the 1B
+    shape's 22 %); an explicit choice wins; anything else is refused by name."""
+    assert gemv_family(1, 4096) == "cuda-core" and gemv_family(5, 4096) == "tensor-core"
+    assert gemv_family(5, 2048) == "cuda-core" and gemv_family(2, 8192) == "tensor-core"
+    assert gemv_family(5, 4096, "cuda-core") == "cuda-core" and gemv_family(1, 64, "tensor-core") == "tensor-core"
     with pytest.raises(ValueError, match="lean_gemv 'tensorcore'"):
-        gemv_family(2, "tensorcore")
+        gemv_family(2, 4096, "tensorcore")
 
 
 def _lean_case(bias: bool, tied: bool, dtype, seed: int, s: int):

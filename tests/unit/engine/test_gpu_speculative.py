@@ -15,11 +15,16 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 N_NEW = 48
 
 
-@pytest.mark.parametrize("attention,compile", [("split", False), ("masked", False), ("split", True)])
-def test_graph_speculation_matches_plain_and_transformers(hf_model, attention, compile):
+# lean_gemv: the lean step's GEMV kernels (models/lean.py); auto keeps the tests' tiny models on the CUDA-core
+# ones, so the tensor-core family (a speculating large model's default) runs here by name.
+@pytest.mark.parametrize("attention,compile,lean_gemv", [("split", False, "auto"), ("masked", False, "auto"),
+                                                         ("split", True, "auto"), ("split", False, "tensor-core")])
+def test_graph_speculation_matches_plain_and_transformers(hf_model, attention, compile, lean_gemv):
     kind, path, model = hf_model
     engine = DecodeEngine.from_pretrained(path, device="cuda", max_seq_len=256, attention=attention,
-                                          compile=compile)
+                                          compile=compile, lean_gemv=lean_gemv)
+    if lean_gemv == "tensor-core":
+        assert engine.runner.lean_gemv == "tensor-core"
     plain = DecodeEngine.from_pretrained(path, device="cuda", max_seq_len=256, cuda_graph=False, speculation=None)
     assert engine.cuda_graph
     expected, _ = hf_greedy(model, PROMPT, N_NEW)
