@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import secrets
 import signal
@@ -185,6 +186,7 @@ class DevStack:
             }
         )
         env.update({k: v for k, v in cpu_split().items() if k not in os.environ})
+        env.setdefault("EXPRESS_CPU_SHARES", str(DEFAULT_EXPRESS_CPU_SHARES))
         if self.secure:
             env.update(self.secret_files())
         # The launchers run `$PYTHON -m ...`; make the venv's console scripts visible too.
@@ -263,6 +265,12 @@ class DevStack:
             )
         self.procs[name] = proc
         (self.state_dir / f"{name}.pid").write_text(str(proc.pid))
+        shares_var = CPU_SHARES_VARS.get(name)
+        if shares_var and env.get(shares_var):
+            problem = apply_cpu_shares(proc.pid, int(env[shares_var]))
+            if problem:
+                print(f"dev_stack: {name}: {shares_var}={env[shares_var]} not applied ({problem}); it then shares "
+                      f"each core equally with vLLM's busy-polling NIXL progress threads", file=sys.stderr)
         return proc
 
     def wait_healthy(self, names: tuple[str, ...] | None = None, timeout_s: float | None = None) -> float:
@@ -432,6 +440,43 @@ def cpu_split(ncpu: int | None = None) -> dict[str, str]:
     first = "0" if half == 1 else f"0-{half - 1}"
     second = str(half) if ncpu - half == 1 else f"{half}-{ncpu - 1}"
     return {"PREFILL_CPU_BIND": first, "DECODE_NATIVE_CPU_BIND": second, "EXPRESS_THREADS": str(ncpu - half)}
+
+
+# The express node's CPU weight against the other services, as compose/compose.yaml's `cpu_shares` (1024 = a
+# default service). Each vLLM server keeps NIXL's progress thread polling a core without pause; at equal weights
+# the express engine's one decode thread got half a core beside one and decoded at half speed
+# (docs/bench/2026-12-04-cpu-long-context/).
+DEFAULT_EXPRESS_CPU_SHARES = 8192
+CPU_SHARES_VARS = {"decode-express": "EXPRESS_CPU_SHARES"}
+
+
+def nice_for_shares(shares: int) -> int:
+    """The nice level whose CFS weight is nearest `shares` (Docker's cpu_shares scale: 1024 = nice 0, and each nice
+    level is a factor of 1.25 in the kernel's weight table), clamped to [-20, 19]."""
+    if shares < 2:
+        raise ValueError(f"cpu shares must be >= 2 (Docker's minimum), got {shares}")
+    return max(-20, min(19, -round(math.log(shares / 1024) / math.log(1.25))))
+
+
+def apply_cpu_shares(pid: int, shares: int) -> str | None:
+    """Give a service started in its own session the CPU weight a container with `cpu_shares` gets: the nice of
+    its session's autogroup (with kernel.sched_autogroup_enabled each session is one scheduling group, and only the
+    group's nice weighs against other sessions) and of its process (without autogroups; the launcher's `exec` and
+    every thread the server starts inherit it). Returns why it could not, or None. A higher weight (negative nice)
+    needs root or CAP_SYS_NICE."""
+    nice = nice_for_shares(shares)
+    problems = []
+    autogroup = Path(f"/proc/{pid}/autogroup")
+    if autogroup.exists():
+        try:
+            autogroup.write_text(str(nice))
+        except OSError as e:
+            problems.append(f"autogroup nice {nice}: {e.strerror}")
+    try:
+        os.setpriority(os.PRIO_PROCESS, pid, nice)
+    except OSError as e:
+        problems.append(f"nice {nice}: {e.strerror}")
+    return "; ".join(problems) or None
 
 
 def _http_ok(url: str) -> bool:

@@ -131,6 +131,32 @@ def test_restart_relaunches_with_env_overrides_and_waits_healthy(tmp_path, monke
         stack.stop()
 
 
+def test_the_express_node_starts_with_the_weight_of_its_cpu_shares(tmp_path, monkeypatch):
+    """The express launcher's process (and, with autogroups, its whole session) runs at the nice level of
+    EXPRESS_CPU_SHARES, as compose's cpu_shares weighs its container; a weight it cannot set is reported."""
+    launch = tmp_path / "launch"
+    launch.mkdir()
+    (launch / "decode-express.sh").write_text("exec sleep 120\n")
+    monkeypatch.setattr(dev_stack, "LAUNCH", launch)
+    monkeypatch.delenv("EXPRESS_CPU_SHARES", raising=False)
+    stack = DevStack(state_dir=tmp_path / "state", services=("decode-express",))
+    stack.state_dir.mkdir()
+    env = stack.env()
+    assert env["EXPRESS_CPU_SHARES"] == "8192"
+    proc = stack._launch("decode-express", env)
+    try:
+        if os.geteuid() != 0:
+            pytest.skip("a higher weight (negative nice) needs root or CAP_SYS_NICE")
+        assert os.getpriority(os.PRIO_PROCESS, proc.pid) == -9
+        autogroup = Path(f"/proc/{proc.pid}/autogroup")
+        if autogroup.exists():
+            assert autogroup.read_text().split()[-1] == "-9"
+    finally:
+        stack.stop()
+    monkeypatch.setenv("EXPRESS_CPU_SHARES", "1024")
+    assert DevStack(state_dir=tmp_path / "other").env()["EXPRESS_CPU_SHARES"] == "1024"  # the environment wins
+
+
 def test_cli_controls_a_service_through_its_pid_file(tmp_path):
     stack = DevStack(state_dir=tmp_path, services=("decode-native",))
     proc = _spawn(stack, "decode-native")
