@@ -23,8 +23,8 @@ def test_graph_speculation_matches_plain_and_transformers(hf_model, attention, c
     kind, path, model = hf_model
     engine = DecodeEngine.from_pretrained(path, device="cuda", max_seq_len=256, attention=attention,
                                           compile=compile, lean_gemv=lean_gemv)
-    if lean_gemv == "tensor-core":
-        assert engine.runner.lean_gemv == "tensor-core"
+    if lean_gemv == "tensor-core":  # Qwen3's per-head q/k norms keep the PyTorch step: no lean GEMVs there
+        assert engine.runner.lean_gemv == (None if kind == "qwen3" else "tensor-core")
     plain = DecodeEngine.from_pretrained(path, device="cuda", max_seq_len=256, cuda_graph=False, speculation=None)
     assert engine.cuda_graph
     expected, _ = hf_greedy(model, PROMPT, N_NEW)
