@@ -255,6 +255,33 @@ def test_allow_list_parsing_is_strict() -> None:
     assert ExpressLaneConnectorConfig.from_extra_config({}).allows("anything", 1)  # empty = open (warned)
 
 
+def test_allow_list_takes_networks_for_pod_addresses() -> None:
+    """A pod-network express node gets a new address on every restart: a CIDR:port entry allows any IP inside
+    it on that port; a hostname never matches a network (the connector does no DNS lookup)."""
+    import ipaddress
+
+    from expresslane.engine.connector.config import BadDestination, ExpressLaneConnectorConfig, parse_destinations
+
+    got = parse_destinations("10.244.0.0/16:5556, [fd00::/64]:5556, node-a:7000")
+    assert got == {(ipaddress.ip_network("10.244.0.0/16"), 5556), (ipaddress.ip_network("fd00::/64"), 5556),
+                   ("node-a", 7000)}
+    cfg = ExpressLaneConnectorConfig.from_extra_config(
+        {}, env={"EXPRESSLANE_ALLOWED_DESTINATIONS": "10.244.0.0/16:5556,[fd00::/64]:5556,node-a:7000"})
+    assert cfg.allows("10.244.3.17", 5556) and cfg.allows("10.244.255.255", 5556)
+    assert cfg.allows("fd00::5", 5556) and cfg.allows("[fd00::5]", 5556)
+    assert cfg.allows("node-a", 7000)  # exact entries still work beside networks
+    assert not cfg.allows("10.244.3.17", 5557)  # the port is part of the entry
+    assert not cfg.allows("10.245.0.1", 5556) and not cfg.allows("fd01::1", 5556)  # outside the network
+    assert not cfg.allows("decode-express-0.decode-express", 5556)  # a hostname never matches a network
+    assert not cfg.allows("169.254.169.254", 80) and not cfg.allows("not an address", 5556)
+    for bad, why in (("10.244.0.1/16:5556", "host bits set"), ("10.244.0.0/33:5556", "does not appear to be"),
+                     ("[fd00::/129]:5556", "does not appear to be"), ("10.244.0.0/16", "CIDR:port"),
+                     ("node/16:5556", "does not appear to be")):
+        with pytest.raises(BadDestination, match=why) as err:
+            parse_destinations(bad)
+        assert repr(bad) in str(err.value)  # the error names the entry
+
+
 def test_scheduler_found_failure_reaches_the_waiting_node_at_once() -> None:
     """too_long is found in the scheduler process: its TCP-only abort sender tells the node right away."""
     import asyncio
