@@ -241,6 +241,32 @@ def test_allow_list_and_too_long_are_decided_before_anything_is_sent(model_dir, 
     assert ours.totals["refused_destinations"] == 1 and ours.totals["send_failures:not_allowed"] == 1
 
 
+def test_a_cidr_allow_list_ships_to_a_pod_address_and_refuses_names_and_other_ports(model_dir, monkeypatch) -> None:
+    """The Kubernetes base's allow-list (the pod CIDR on the control port), through the real scheduler: the
+    router names an express pod by its address, which ships; a name or another port is refused, never contacted."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    from .conftest import BLOCK, make_kv_cache_config, make_vllm_config
+
+    monkeypatch.setenv("EXPRESSLANE_ALLOWED_DESTINATIONS", "10.244.0.0/16:5556")
+    vc = make_vllm_config(model_dir, connector={
+        "kv_connector": "ExpressLaneConnector", "kv_connector_module_path": "expresslane.engine.connector",
+        "kv_role": "kv_producer"})
+    sched = Scheduler(vc, make_kv_cache_config(), StructuredOutputManager(vc), block_size=BLOCK)
+    for rid, host, port in (("pod", "10.244.3.17", 5556), ("name", "decode-express-0.decode-express", 5556),
+                            ("port", "10.244.3.17", 5557), ("outside", "10.96.0.1", 5556)):
+        sched.add_request(make_request(rid, 20, {"expresslane_host": host, "expresslane_ctrl_port": port,
+                                                 "expresslane_rid": f"rid-{rid}"}))
+    metas = _run(sched)
+    assert [s.claim.rid for m in metas for s in m.ship] == ["rid-pod"]
+    assert [a.claim.rid for m in metas for a in m.abort] == []  # nothing is ever sent to a refused address
+    got = sched.finished_kv_params
+    assert {rid: got[rid].get("expresslane_error") for rid in ("name", "port", "outside")} == dict.fromkeys(
+        ("name", "port", "outside"), "not_allowed")
+    assert _ours(sched).connector_scheduler.totals["refused_destinations"] == 3
+
+
 def test_allow_list_parsing_is_strict() -> None:
     from expresslane.engine.connector.config import ExpressLaneConnectorConfig, parse_destinations
 
