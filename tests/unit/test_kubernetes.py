@@ -345,31 +345,50 @@ def test_router_pools_point_at_the_headless_services(rendered, overlay):
     assert cfg["prefill"]["dns"]["port"] == 8000
     assert cfg["pools"]["native"]["dns"]["name"] == "decode-native"
     assert cfg["pools"]["native"]["dns"]["port"] == 8100
-    env = _env(rendered, overlay)
-    allow = set(env["EXPRESSLANE_ALLOWED_DESTINATIONS"].split(","))
-    for node in cfg["pools"]["express"]["nodes"]:
-        assert f"{node['ctrl_host']}:{node['ctrl_port']}" in allow, "the prefills' allow-list lacks an express node"
-        if overlay != "tilert":  # a pod of the StatefulSet, by its stable name under the headless Service
-            assert re.fullmatch(r"decode-express-\d+\.decode-express", node["ctrl_host"]), node
-            assert node["url"].startswith(f"http://{node['ctrl_host']}:")
     router = pod_specs(rendered, overlay)["router"]["spec"]["containers"][0]
     assert {"name": "ROUTER_CONFIG", "value": "/etc/expresslane/router.yaml"} in router["env"]
 
 
+def _allow_list(rendered, overlay: str):
+    """The prefills' destination allow-list as the connector parses it (a bad entry raises here as in vLLM)."""
+    from expresslane.engine.connector.config import ExpressLaneConnectorConfig
+    return ExpressLaneConnectorConfig.from_extra_config({}, env=_env(rendered, overlay))
+
+
 @pytest.mark.parametrize("overlay", ("cpu-demo", "gpu"))
-def test_the_express_dns_alternative_the_config_offers_matches_the_decode_express_service(rendered, overlay):
-    """The router config's commented `dns:` line for express nodes with stable addresses is a valid express pool
-    whose ports are the headless Service decode-express's (http: /pd/*, ctrl: the control plane)."""
-    from expresslane.router.config import interpolate, parse_config
-    text = configmap(rendered, overlay, "router-config")["data"]["router.yaml"]
-    lines = [ln.split("#", 1)[1].strip() for ln in text.splitlines() if ln.strip().startswith("#   dns:")]
-    assert len(lines) == 1, lines
+def test_the_express_pool_is_the_headless_service_and_the_allow_list_its_pod_cidr(rendered, overlay):
+    """The express pool is every member of the headless Service decode-express (http: /pd/*, ctrl: the control
+    plane), re-resolved as the pool scales; its members' pod addresses change on restart, so the prefills'
+    allow-list is a CIDR:ctrl_port entry, which lets a pod address in and keeps names and other ports out."""
+    import ipaddress
+
+    from expresslane.router.config import parse_config
     cfg = router_config(rendered, overlay)
-    cfg["pools"]["express"] = {"kind": "expresslane",
-                               **yaml.safe_load(interpolate(lines[0], _env(rendered, overlay)))}
-    dns = parse_config(cfg, source=f"{overlay} router-config, express from DNS").pools["express"].dns
-    ports = {p["name"]: p["port"] for p in one(rendered, overlay, "Service", "decode-express")["spec"]["ports"]}
-    assert dns.name == "decode-express" and (dns.port, dns.ctrl_port) == (ports["http"], ports["ctrl"])
+    assert "nodes" not in cfg["pools"]["express"], "express nodes are resolved from the Service, not listed"
+    pool = parse_config(cfg, source=f"{overlay} router-config").pools["express"]
+    service = one(rendered, overlay, "Service", "decode-express")
+    assert service["spec"]["clusterIP"] == "None"  # headless: one A record per member
+    ports = {p["name"]: p["port"] for p in service["spec"]["ports"]}
+    assert pool.kind == "expresslane" and pool.dns is not None and pool.dns.name == "decode-express"
+    assert (pool.dns.port, pool.dns.ctrl_port) == (ports["http"], ports["ctrl"])
+    allow = _allow_list(rendered, overlay)
+    networks = [(h, p) for h, p in allow.expresslane_allowed_destinations if not isinstance(h, str)]
+    assert networks, "the allow-list names no CIDR: a restarted express pod (new address) would be refused"
+    assert all(p == ports["ctrl"] for _, p in networks)
+    net = networks[0][0]
+    inside = str(net.network_address + 1)
+    assert allow.allows(inside, ports["ctrl"]) and not allow.allows(inside, ports["http"])
+    assert not allow.allows("decode-express-0.decode-express", ports["ctrl"])
+    assert isinstance(net, ipaddress.IPv4Network | ipaddress.IPv6Network) and net.is_private
+
+
+def test_the_tilert_express_node_is_named_by_its_address_in_the_allow_list(rendered):
+    """tilert: one host-network node at the labelled node's private address, which the allow-list names exactly."""
+    cfg = router_config(rendered, "tilert")
+    allow = _allow_list(rendered, "tilert")
+    nodes = cfg["pools"]["express"]["nodes"]
+    assert nodes and all(allow.allows(n["ctrl_host"], n["ctrl_port"]) for n in nodes)
+    assert all(isinstance(h, str) for h, _ in allow.expresslane_allowed_destinations)
 
 
 def test_dashboards_configmap_for_grafanas_sidecar(rendered):

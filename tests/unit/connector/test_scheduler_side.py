@@ -241,6 +241,32 @@ def test_allow_list_and_too_long_are_decided_before_anything_is_sent(model_dir, 
     assert ours.totals["refused_destinations"] == 1 and ours.totals["send_failures:not_allowed"] == 1
 
 
+def test_a_cidr_allow_list_ships_to_a_pod_address_and_refuses_names_and_other_ports(model_dir, monkeypatch) -> None:
+    """The Kubernetes base's allow-list (the pod CIDR on the control port), through the real scheduler: the
+    router names an express pod by its address, which ships; a name or another port is refused, never contacted."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    from .conftest import BLOCK, make_kv_cache_config, make_vllm_config
+
+    monkeypatch.setenv("EXPRESSLANE_ALLOWED_DESTINATIONS", "10.244.0.0/16:5556")
+    vc = make_vllm_config(model_dir, connector={
+        "kv_connector": "ExpressLaneConnector", "kv_connector_module_path": "expresslane.engine.connector",
+        "kv_role": "kv_producer"})
+    sched = Scheduler(vc, make_kv_cache_config(), StructuredOutputManager(vc), block_size=BLOCK)
+    for rid, host, port in (("pod", "10.244.3.17", 5556), ("name", "decode-express-0.decode-express", 5556),
+                            ("port", "10.244.3.17", 5557), ("outside", "10.96.0.1", 5556)):
+        sched.add_request(make_request(rid, 20, {"expresslane_host": host, "expresslane_ctrl_port": port,
+                                                 "expresslane_rid": f"rid-{rid}"}))
+    metas = _run(sched)
+    assert [s.claim.rid for m in metas for s in m.ship] == ["rid-pod"]
+    assert [a.claim.rid for m in metas for a in m.abort] == []  # nothing is ever sent to a refused address
+    got = sched.finished_kv_params
+    assert {rid: got[rid].get("expresslane_error") for rid in ("name", "port", "outside")} == dict.fromkeys(
+        ("name", "port", "outside"), "not_allowed")
+    assert _ours(sched).connector_scheduler.totals["refused_destinations"] == 3
+
+
 def test_allow_list_parsing_is_strict() -> None:
     from expresslane.engine.connector.config import ExpressLaneConnectorConfig, parse_destinations
 
@@ -253,6 +279,33 @@ def test_allow_list_parsing_is_strict() -> None:
     assert cfg.allows("n", 1) and not cfg.allows("n", 2) and cfg.peer_secret == b"s"
     assert "peer_secret" not in repr(cfg)  # the secret never reaches a log line
     assert ExpressLaneConnectorConfig.from_extra_config({}).allows("anything", 1)  # empty = open (warned)
+
+
+def test_allow_list_takes_networks_for_pod_addresses() -> None:
+    """A pod-network express node gets a new address on every restart: a CIDR:port entry allows any IP inside
+    it on that port; a hostname never matches a network (the connector does no DNS lookup)."""
+    import ipaddress
+
+    from expresslane.engine.connector.config import BadDestination, ExpressLaneConnectorConfig, parse_destinations
+
+    got = parse_destinations("10.244.0.0/16:5556, [fd00::/64]:5556, node-a:7000")
+    assert got == {(ipaddress.ip_network("10.244.0.0/16"), 5556), (ipaddress.ip_network("fd00::/64"), 5556),
+                   ("node-a", 7000)}
+    cfg = ExpressLaneConnectorConfig.from_extra_config(
+        {}, env={"EXPRESSLANE_ALLOWED_DESTINATIONS": "10.244.0.0/16:5556,[fd00::/64]:5556,node-a:7000"})
+    assert cfg.allows("10.244.3.17", 5556) and cfg.allows("10.244.255.255", 5556)
+    assert cfg.allows("fd00::5", 5556) and cfg.allows("[fd00::5]", 5556)
+    assert cfg.allows("node-a", 7000)  # exact entries still work beside networks
+    assert not cfg.allows("10.244.3.17", 5557)  # the port is part of the entry
+    assert not cfg.allows("10.245.0.1", 5556) and not cfg.allows("fd01::1", 5556)  # outside the network
+    assert not cfg.allows("decode-express-0.decode-express", 5556)  # a hostname never matches a network
+    assert not cfg.allows("169.254.169.254", 80) and not cfg.allows("not an address", 5556)
+    for bad, why in (("10.244.0.1/16:5556", "host bits set"), ("10.244.0.0/33:5556", "does not appear to be"),
+                     ("[fd00::/129]:5556", "does not appear to be"), ("10.244.0.0/16", "CIDR:port"),
+                     ("node/16:5556", "does not appear to be")):
+        with pytest.raises(BadDestination, match=why) as err:
+            parse_destinations(bad)
+        assert repr(bad) in str(err.value)  # the error names the entry
 
 
 def test_scheduler_found_failure_reaches_the_waiting_node_at_once() -> None:

@@ -4,6 +4,7 @@ here, never from the per-request params)."""
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
@@ -16,15 +17,31 @@ logger = logging.getLogger(__name__)
 ALLOWED_DESTINATIONS_ENV = "EXPRESSLANE_ALLOWED_DESTINATIONS"
 
 
-def parse_destinations(value: str | list | tuple) -> frozenset[tuple[str, int]]:
-    """``"host:port,host:port"`` (or a list of them) -> {(host, port)}. Raises ValueError naming the entry."""
+class BadDestination(ValueError):
+    """An entry of the destination allow-list that is not ``host:port`` or ``CIDR:port``."""
+
+
+Network = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+
+def parse_destinations(value: str | list | tuple) -> frozenset[tuple[str | Network, int]]:
+    """``"host:port,10.244.0.0/16:port,[fd00::/64]:port"`` (or a list of them) -> {(host or network, port)}.
+    A host with a ``/`` is a network (strict: no host bits set). Raises BadDestination naming the entry."""
     items = [v.strip() for v in value.split(",")] if isinstance(value, str) else [str(v).strip() for v in value]
-    out = set()
+    out: set[tuple[str | Network, int]] = set()
     for item in filter(None, items):
         host, sep, port = item.rpartition(":")
         if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ValueError(f"bad destination {item!r} in the express-lane allow-list: want host:port")
-        out.add((host.strip("[]"), int(port)))
+            raise BadDestination(f"bad destination {item!r} in the express-lane allow-list: want host:port "
+                                 "or CIDR:port")
+        host = host.strip("[]")
+        if "/" in host:
+            try:
+                out.add((ipaddress.ip_network(host, strict=True), int(port)))
+            except ValueError as e:
+                raise BadDestination(f"bad destination {item!r} in the express-lane allow-list: {e}") from None
+        else:
+            out.add((host, int(port)))
     return frozenset(out)
 
 
@@ -42,8 +59,8 @@ class ExpressLaneConnectorConfig:
     write_timeout_s: float = 30.0
     busy_retry_s: float = 10.0
     checksum: bool = True               # crc32 of the staged bytes in every done (the node verifies it)
-    # host:port of the express nodes this prefill may send KV to; empty: any (warned at start)
-    expresslane_allowed_destinations: frozenset[tuple[str, int]] = frozenset()
+    # host:port (or network:port) of the express nodes this prefill may send KV to; empty: any (warned at start)
+    expresslane_allowed_destinations: frozenset[tuple[str | Network, int]] = frozenset()
     # CPU backend: put the forward thread back on its OpenMP core after NixlConnector moved it (cpu_affinity.py)
     restore_omp_affinity: bool = True
     peer_secret: bytes | None = field(default=None, repr=False)  # from the environment only
@@ -75,7 +92,16 @@ class ExpressLaneConnectorConfig:
         return cfg
 
     def allows(self, host: str, port: int) -> bool:
-        return not self.expresslane_allowed_destinations or (host, port) in self.expresslane_allowed_destinations
+        """An exact host:port entry, or an IP address inside a network entry (a hostname never matches a
+        network: no DNS lookup here)."""
+        allowed = self.expresslane_allowed_destinations
+        if not allowed or (host, port) in allowed:
+            return True
+        try:
+            ip = ipaddress.ip_address(host.strip("[]"))
+        except ValueError:
+            return False
+        return any(p == port and not isinstance(h, str) and ip in h for h, p in allowed)
 
     def warn_if_open(self) -> None:
         if not self.expresslane_allowed_destinations:
