@@ -27,6 +27,10 @@ EXPRESS_ATTENTION="${EXPRESS_ATTENTION:-}"
 # docs/bench/2026-12-01-gpu-adaptive-k-max-autotune/.
 EXPRESS_SPECULATION="${EXPRESS_SPECULATION:-on}"
 EXPRESS_SPEC_K="${EXPRESS_SPEC_K:-}"
+# The lean CUDA step's GEMV kernels: auto | cuda-core | tensor-core (empty = auto: tensor-core where the node
+# speculates on a model of hidden size >= 4096, where a verify of 5 rows costs ~1.1x one row and a one-token step
+# ~4 % more; cuda-core for traffic that never repeats. docs/performance.md#gpu-speculation).
+EXPRESS_LEAN_GEMV="${EXPRESS_LEAN_GEMV:-}"
 # Deadlines (seconds; every failure of a request surfaces within a bound). Empty = the node's default.
 EXPRESS_KV_TIMEOUT_S="${EXPRESS_KV_TIMEOUT_S:-}"              # default wait for a request's KV (120)
 EXPRESS_MAX_TIMEOUT_S="${EXPRESS_MAX_TIMEOUT_S:-}"            # largest timeout_s a request may ask (300)
@@ -46,6 +50,7 @@ extra=()
 [[ -n "$EXPRESS_ATTENTION" ]] && extra+=(--attention "$EXPRESS_ATTENTION")
 extra+=(--speculation "$EXPRESS_SPECULATION")
 [[ -n "$EXPRESS_SPEC_K" ]] && extra+=(--spec-k "$EXPRESS_SPEC_K")
+[[ -n "$EXPRESS_LEAN_GEMV" ]] && extra+=(--lean-gemv "$EXPRESS_LEAN_GEMV")
 [[ -n "$EXPRESS_THREADS" ]] && extra+=(--threads "$EXPRESS_THREADS")
 [[ -n "$EXPRESS_CPU_BIND" ]] && extra+=(--cpu-bind "$EXPRESS_CPU_BIND")
 [[ -n "$EXPRESS_KV_TIMEOUT_S" ]] && extra+=(--kv-timeout-s "$EXPRESS_KV_TIMEOUT_S")

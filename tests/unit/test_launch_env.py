@@ -97,3 +97,11 @@ def test_staging_device_only_when_asked(tmp_path):
     assert "staging_device" not in _express_extra(launch("prefill.sh", tmp_path)["argv"])
     extra = _express_extra(launch("prefill.sh", tmp_path, EXPRESS_STAGING_DEVICE="device")["argv"])
     assert extra["staging_device"] == "device" and extra["restore_omp_affinity"] is True
+
+
+def test_express_lean_gemv_reaches_the_node_only_when_set(tmp_path):
+    """EXPRESS_LEAN_GEMV picks the lean step's GEMV kernels (models/lean.py); empty leaves the node's auto."""
+    argv = launch("decode-express.sh", tmp_path)["argv"]
+    assert "--lean-gemv" not in argv
+    argv = launch("decode-express.sh", tmp_path, EXPRESS_LEAN_GEMV="cuda-core")["argv"]
+    assert flag(argv, "--lean-gemv") == "cuda-core"
