@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
-from .fused import ARGMAX_KEY_EMPTY, MAX_ROWS, _argmax_key, _rounded, _rows, pick_config  # noqa: F401
+from .fused import MAX_ROWS, _argmax_key, _rounded, _rows, pick_config
 from .pdl import pdl_wait, use_pdl
 
 RP = 16  # input rows a launch computes: tl.dot's smallest N; the first R of them are real
@@ -44,10 +44,6 @@ DOT_CONFIGS = ((64, 256, 5, 4), (64, 128, 5, 4), (64, 128, 5, 8), (32, 256, 5, 4
 DOT_PAIR_CONFIGS = ((32, 256, 5, 4), (32, 128, 5, 8), (64, 128, 3, 8), (32, 256, 3, 4), (16, 256, 5, 4),
                     (64, 128, 5, 8), (32, 128, 5, 4), (16, 128, 5, 4), (32, 128, 7, 8), (64, 128, 4, 8),
                     (16, 64, 2, 4), (16, 32, 2, 4), (16, 16, 2, 4))
-
-
-def _label(cfg) -> str:
-    return f"dot{cfg[0]}x{cfg[1]}s{cfg[2]}w{cfg[3]}"
 
 
 @triton.jit(do_not_specialize=["R"])
