@@ -25,9 +25,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.runtime.errors import OutOfResources
 
-from .fused import MAX_ROWS, _argmax_key, _rounded, _rows, pick_config
+from .fused import MAX_ROWS, _argmax_key, _launch, _rounded, _rows, pick_config, spilled_bytes
 from .pdl import pdl_wait, use_pdl
 
 RP = 16  # input rows a launch computes: tl.dot's smallest N; the first R of them are real
@@ -224,15 +223,9 @@ def _fits(cfg, k: int, max_block_rows: int | None) -> bool:
 
 
 def _runnable(launch):
-    """pick_config's filter: a block shape whose kernel this device cannot run (shared memory for its stages)
-    is never timed (compiled, not run)."""
-    def runs(cfg) -> bool:
-        try:
-            launch(cfg, compile_only=True)._init_handles()
-        except OutOfResources:
-            return False
-        return True
-    return runs
+    """pick_config's filter: a block shape whose kernel this device cannot run (shared memory for its stages:
+    fused.spilled_bytes counts it as spilling everything) is never timed (compiled, not run)."""
+    return lambda cfg: spilled_bytes(launch(cfg, compile_only=True)) < 1 << 30
 
 
 def _pick(name, n, k, cands, launch, device, config, max_block_rows=None, restore=None):
@@ -276,9 +269,7 @@ def qkv_rope(xn, w, b, cos, sin, start, q_out, k_cache, v_cache, num_heads, num_
                 k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1))
         kw = dict(NH=num_heads, NKV=num_kv_heads, D=head_dim, HAS_BIAS=b is not None, BJ=bj, BLOCK_K=bk, RP=RP,
                   STAGES=stages, IEEE=_ieee(xn), PDL=pdl, num_warps=warps, launch_pdl=pdl)
-        if compile_only:
-            return _qkv_rope_kernel.warmup(*args, grid=grid, **kw)
-        return _qkv_rope_kernel[grid](*args, **kw)
+        return _launch(_qkv_rope_kernel, grid, compile_only, *args, **kw)
 
     launch(_pick("qkv_rope", pairs * 2, k, DOT_PAIR_CONFIGS, launch, xn.device, config))
 
@@ -296,9 +287,7 @@ def gemv_residual(a, w, b, residual, config=None):
         args = (a, w, b if b is not None else w, residual, rows, n, k, sa, sres)
         kw = dict(HAS_BIAS=b is not None, BLOCK_N=bn, BLOCK_K=bk, RP=RP, STAGES=stages, IEEE=_ieee(a), PDL=pdl,
                   num_warps=warps, launch_pdl=pdl)
-        if compile_only:
-            return _gemv_residual_kernel.warmup(*args, grid=grid, **kw)
-        return _gemv_residual_kernel[grid](*args, **kw)
+        return _launch(_gemv_residual_kernel, grid, compile_only, *args, **kw)
 
     restore = residual if residual.dim() == 1 else residual[0]
     launch(_pick("gemv_residual", n, k, DOT_CONFIGS, launch, a.device, config, restore=restore))
@@ -318,9 +307,7 @@ def gate_up_silu(xn, w, b, out, config=None):
         args = (xn, w, b if b is not None else w, out, rows, i, k, sx, so)
         kw = dict(HAS_BIAS=b is not None, BJ=bj, BLOCK_K=bk, RP=RP, STAGES=stages, IEEE=_ieee(xn), PDL=pdl,
                   num_warps=warps, launch_pdl=pdl)
-        if compile_only:
-            return _gate_up_silu_kernel.warmup(*args, grid=grid, **kw)
-        return _gate_up_silu_kernel[grid](*args, **kw)
+        return _launch(_gate_up_silu_kernel, grid, compile_only, *args, **kw)
 
     launch(_pick("gate_up_silu", i2, k, DOT_PAIR_CONFIGS, launch, xn.device, config))
 
@@ -341,9 +328,7 @@ def gemv(xn, w, out, config=None, argmax_keys=None) -> int:
         args = (xn, w, out, keys if keys is not None else out, rows, n, k, sx, so)
         kw = dict(BLOCK_N=bn, BLOCK_K=bk, RP=RP, STAGES=stages, IEEE=_ieee(xn), PDL=pdl, ARGMAX=keys is not None,
                   num_warps=warps, launch_pdl=pdl)
-        if compile_only:
-            return _gemv_kernel.warmup(*args, grid=grid, **kw)
-        return _gemv_kernel[grid](*args, **kw)
+        return _launch(_gemv_kernel, grid, compile_only, *args, **kw)
 
     cfg = _pick("gemv", n, k, DOT_CONFIGS, lambda c, rows=rows, compile_only=False: launch(
         c, None, rows, compile_only), xn.device, config)
