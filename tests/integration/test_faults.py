@@ -162,9 +162,6 @@ class Faults:
     def staging_copies(self) -> float:
         return metric(self.connector(), "expresslane_connector_staging_copies_total") or 0.0
 
-    def prefill_running(self) -> float:
-        return metric(scrape(f"{self.stack.prefill_url}/metrics", 1.0), "vllm:num_requests_running") or 0.0
-
     # ---- service control -----------------------------------------------------------------------
     def express_max_len(self) -> int | None:
         try:
@@ -460,11 +457,17 @@ def test_native_decode_sigkill_then_prefill_sigkill_and_restart(faults):
         c(o.ok and o.text == want_short, f"express lane unaffected: {o.describe()}")
 
         async def prefill_kill() -> Outcome:
-            async def kill_when_running() -> None:
-                await asyncio.to_thread(wait_until, lambda: f.prefill_running() >= 1, 20, 0.005)
+            # The prefill is stopped first, so the leg cannot finish before the kill lands: killed the moment
+            # the router counts its leg in flight, it dies with the request unanswered (a kill timed off the
+            # prefill's own running gauge could land after a 1,500-token prefill had already handed off).
+            f.stack.pause("prefill")
+
+            async def kill_when_sent() -> None:
+                await asyncio.to_thread(wait_until, lambda: (metric(
+                    f.router_metrics(), "expresslane_router_prefill_inflight") or 0) >= 1, 20, 0.005)
                 seen["prefill_killed_at"] = time.monotonic()
                 await asyncio.to_thread(f.stack.kill, "prefill")
-            o, _ = await asyncio.gather(f.send(REJECT, p_long, bound_s=SERVE_S), kill_when_running())
+            o, _ = await asyncio.gather(f.send(REJECT, p_long, bound_s=SERVE_S), kill_when_sent())
             return o
 
         o = run(prefill_kill())
