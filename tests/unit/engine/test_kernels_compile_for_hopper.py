@@ -1,0 +1,94 @@
+"""The tensor-core family's kernels (models/fused_dot.py) compile for an H100/H200 (sm_90a) on any host.
+
+Triton's interpreter (the CPU tests) runs a kernel's Python, not the compiler: a kernel it runs may still fail to
+lower for the GPU (a layout the tensor cores cannot take, a reduction of an odd shape, a type the PTX backend
+refuses), or compile into one that spills. Here each kernel is compiled ahead of time for sm_90a, through
+Triton's own ptxas, with the 8B shape's arguments and the block shapes the H200 picked
+(docs/bench/2026-12-04-tensor-core-verify/), and ptxas's report must show no spill. No GPU is needed; the GPU
+check (scripts/gpu_check.sh) still runs and times them."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+triton = pytest.importorskip("triton")
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from expresslane.engine.models import fused_dot  # noqa: E402
+
+PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas-blackwell")
+if not os.access(PTXAS, os.X_OK):  # older Triton wheels ship one ptxas
+    PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+pytestmark = pytest.mark.skipif(not os.access(PTXAS, os.X_OK), reason="this Triton wheel ships no ptxas")
+
+HOPPER = GPUTarget("cuda", 90, 32)
+# Pointer arguments are bf16 tensors unless named here; the other non-constexpr arguments are int32 (eps float).
+POINTERS = {"p_ptr": "*fp32", "start_ptr": "*i64", "key_ptr": "*i64"}
+# 8B shape: hidden 4096, 32 / 8 heads of 128, the residual's partials from a 64-column writer.
+NORMED = dict(NP=64, NP_POW2=64)
+CASES = {
+    "sum_squares": (fused_dot._sum_squares_kernel, 4, dict(K_POW2=4096)),
+    "qkv_rope": (fused_dot._qkv_rope_kernel, 4, dict(NH=32, NKV=8, D=128, HAS_BIAS=False, BJ=32, BLOCK_K=256,
+                                                     STAGES=5, **NORMED)),
+    "qkv_rope after the embedding": (fused_dot._qkv_rope_kernel, 4, dict(NH=32, NKV=8, D=128, HAS_BIAS=True, BJ=32,
+                                                                        BLOCK_K=256, STAGES=5, NP=1, NP_POW2=1)),
+    "gemv_residual": (fused_dot._gemv_residual_kernel, 4, dict(HAS_BIAS=False, BLOCK_N=32, BLOCK_K=256, STAGES=5)),
+    "gate_up_silu": (fused_dot._gate_up_silu_kernel, 4, dict(HAS_BIAS=False, BJ=32, BLOCK_K=128, STAGES=5,
+                                                             **NORMED)),
+    "lm_head + argmax": (fused_dot._gemv_kernel, 4, dict(BLOCK_N=64, BLOCK_K=128, STAGES=5, ARGMAX=True, **NORMED)),
+}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def compiled_kernels(request):
+    """Where Triton's interpreter is on in this process (test_fused_kernels.py turns it on for CPU hosts), the
+    kernels were decorated as interpreted functions and cannot be compiled: then this module runs once in a fresh
+    process without the interpreter, and its result is asserted here."""
+    if isinstance(fused_dot._gemv_kernel, triton.runtime.jit.JITFunction):
+        yield
+        return
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-m", "pytest", str(request.path), "-q", "-p", "no:cacheprovider"],
+                          cwd=request.config.rootpath, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    pytest.skip("ran (and passed) in a fresh process: Triton's interpreter is on in this one")
+
+
+def _signature(kernel, constexprs: dict) -> dict[str, str]:
+    sig = {}
+    for p in kernel.params:
+        if p.is_constexpr:
+            sig[p.name] = "constexpr"
+        elif p.name.endswith("_ptr"):
+            sig[p.name] = "*fp32" if (p.name == "out_ptr" and kernel is fused_dot._gemv_kernel) else POINTERS.get(
+                p.name, "*bf16")
+        else:
+            sig[p.name] = "fp32" if p.name == "eps" else "i32"
+    return sig
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_kernel_compiles_for_sm90_without_spilling(case, tmp_path):
+    kernel, warps, constexprs = CASES[case]
+    constexprs = dict(constexprs, PDL=True)
+    if "RP" in {p.name for p in kernel.params}:
+        constexprs.update(RP=fused_dot.RP, IEEE=False)
+    missing = {p.name for p in kernel.params if p.is_constexpr} - set(constexprs)
+    assert not missing, f"the case names no value for {missing}"
+    compiled = triton.compile(ASTSource(fn=kernel, signature=_signature(kernel, constexprs), constexprs=constexprs),
+                              target=HOPPER, options={"num_warps": warps})
+    ptx = tmp_path / "kernel.ptx"
+    ptx.write_text(compiled.asm["ptx"])
+    out = subprocess.run([PTXAS, "-arch=sm_90a", "-v", str(ptx), "-o", str(tmp_path / "kernel.cubin")],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    spills = [int(n) for n in re.findall(r"(\d+) bytes spill stores", out.stderr)]
+    regs = re.findall(r"Used (\d+) registers", out.stderr)
+    print(f"{case}: {regs} registers, {spills} bytes of spill stores")
+    assert spills and not any(spills), out.stderr[-2000:]
