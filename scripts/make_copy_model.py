@@ -4,6 +4,7 @@ measure the acceptance prompt lookup gets with it.
 
     python scripts/make_copy_model.py OUTDIR [--steps 1500] [--threads 2]
     python scripts/make_copy_model.py OUTDIR --measure-only      # acceptance of an existing OUTDIR
+    python scripts/make_copy_model.py OUTDIR --measure-only --tokens 256 --trace TRACES.json
 
 No checkpoint can be downloaded here, and random weights never copy, so prompt-lookup acceptance on them is
 meaningless. This model learns what matters for it: continuing text like the repo's code and docs and, above
@@ -22,6 +23,10 @@ acceptance, tokens per forward, wall time against plain decoding, whether the tw
 Measured 2026-12-01 (docs/bench/2026-12-01-gpu-speculation/, 121 s of training on 2 shared CPUs): code-edit 2.33
 drafts kept per verify step, 1.74 tokens per forward; agentic 2.03 and 2.48; the 1.3k-token prompt 0.58 and
 1.24 (past the trained length it does not copy). Greedy output identical with speculation on and off.
+
+--trace FILE: also write each prompt's speculation trace, the (drafted, kept) of every step of the node's
+default drafter (adaptive prompt lookup, k <= 4), for `python -m expresslane.engine.decode.bench --replay FILE`,
+which replays it on any model (the GPU check: the 8B shape).
 """
 
 from __future__ import annotations
@@ -97,11 +102,14 @@ def train(out: Path, tok_dir: Path, steps: int, seed: int) -> None:
     print(f"copy model in {out} ({time.perf_counter() - t0:.0f}s of training)", flush=True)
 
 
-def measure(out: Path, tokens: int = 100, compile: bool = False, repeats: int = 3) -> None:
+def measure(out: Path, tokens: int = 100, compile: bool = False, repeats: int = 3, trace: Path | None = None) -> None:
     sys.path.insert(0, str(REPO / "engine" / "src"))
+    import json
+
     from tokenizers import Tokenizer
 
     from expresslane.engine.decode import DecodeEngine, SamplingParams
+    from expresslane.engine.decode.bench import RecordingDrafter
 
     tok = Tokenizer.from_file(str(out / "tokenizer.json"))
     source = (REPO / "engine/src/expresslane/engine/decode/cache.py").read_text()
@@ -122,6 +130,10 @@ def measure(out: Path, tokens: int = 100, compile: bool = False, repeats: int = 
     engines = {"adaptive k<=4": DecodeEngine.from_pretrained(out, **kw),
                "fixed k=4": DecodeEngine.from_pretrained(out, speculation=SpeculationConfig(adaptive=False), **kw),
                "plain": DecodeEngine.from_pretrained(out, speculation=None, **kw)}
+    steps: list[tuple[int, int]] = []  # the adaptive engine's request, step by step
+    adaptive = engines["adaptive k<=4"]
+    adaptive.set_drafter(lambda: RecordingDrafter(adaptive.speculation.drafter(), steps))
+    traces = {}
     if compile:
         for e in engines.values():
             e.warmup()
@@ -139,6 +151,8 @@ def measure(out: Path, tokens: int = 100, compile: bool = False, repeats: int = 
                 dt = time.perf_counter() - t0
                 if best is None or dt < best[2]:
                     best = (got, gen.spec, dt)
+                if e is adaptive:
+                    traces[name.split(" ")[0]] = list(steps)  # the same steps every run (greedy, one model)
             runs[label] = best
         ref, _, t_plain = runs["plain"]
         print(f"{name}: prompt {len(ids)} tokens, {tokens} generated (best of {repeats}, "
@@ -151,6 +165,15 @@ def measure(out: Path, tokens: int = 100, compile: bool = False, repeats: int = 
                   f"{s.tokens_per_forward:.2f} tokens per forward, identical to plain greedy: {got == ref}; "
                   f"wall {dt:.3f}s vs {t_plain:.3f}s plain ({t_plain / dt:.2f}x)", flush=True)
         print(f"  continuation: {tok.decode(ref[:80])!r}", flush=True)
+    if trace is not None:
+        commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
+                                text=True).stdout.strip()
+        trace.write_text(json.dumps({
+            "what": "(drafted, kept) of every decode step of the node's default drafter (adaptive prompt lookup, "
+                    "k <= 4) on the copy model of this commit; replay: python -m expresslane.engine.decode.bench "
+                    "--replay THIS_FILE", "commit": commit, "tokens": tokens,
+            "traces": {k: [list(s) for s in v] for k, v in traces.items()}}, indent=None) + "\n")
+        print(f"traces of {', '.join(traces)} in {trace}", flush=True)
 
 
 def main() -> None:
@@ -162,6 +185,7 @@ def main() -> None:
     ap.add_argument("--measure-only", action="store_true", help="measure OUT (any model dir with the tiny tokenizer)")
     ap.add_argument("--compile", action="store_true", help="measure with the compiled step (as the launched stack)")
     ap.add_argument("--tokens", type=int, default=100)
+    ap.add_argument("--trace", type=Path, default=None, help="write each prompt's speculation trace (JSON)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if not args.measure_only:
@@ -169,7 +193,7 @@ def main() -> None:
         if not (tok_dir / "tokenizer.json").exists():
             subprocess.run([sys.executable, str(REPO / "scripts/make_tiny_model.py"), str(tok_dir)], check=True)
         train(args.out, tok_dir, args.steps, args.seed)
-    measure(args.out, tokens=args.tokens, compile=args.compile)
+    measure(args.out, tokens=args.tokens, compile=args.compile, trace=args.trace)
 
 
 if __name__ == "__main__":

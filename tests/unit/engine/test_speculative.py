@@ -256,3 +256,31 @@ def test_adaptive_k_is_exact_and_cheap_where_drafts_miss(engines):
     assert s.verify_steps <= 8 and s.plain_steps >= N_NEW - 10, s.as_dict()
     assert isinstance(SpeculationConfig().drafter(), AdaptiveDrafter)
     assert isinstance(SpeculationConfig(adaptive=False).drafter(), PromptLookupDrafter)
+
+
+def test_a_recorded_trace_replays_step_for_step(engines):
+    """bench.py's RecordingDrafter takes down the node's own drafter (adaptive prompt lookup) step by step, and
+    its ReplayDrafter, given only that trace and the greedy continuation, makes another request verify the same
+    row counts and keep the same drafts: the same counters, histogram and tokens (how the GPU check replays the
+    copy model's code-edit / agentic requests at the 8B shape)."""
+    from expresslane.engine.decode.bench import RecordingDrafter, ReplayDrafter
+
+    model, spec, plain = engines
+    prompt = LOOP_PROMPT  # its loop drafts what random weights do not say: drafts missed
+    expected, _ = hf_greedy(model, prompt, N_NEW)
+    steps: list[tuple[int, int]] = []
+    spec.set_drafter(lambda: RecordingDrafter(SpeculationConfig().drafter(), steps))
+    try:
+        # the continuation's second half in the lookup context: drafts kept there, missed before
+        recorded, rec_gen = _greedy(spec, prompt, N_NEW, lookup=prompt + expected[N_NEW // 2:])
+        trace = list(steps)
+        spec.set_drafter(lambda: ReplayDrafter(recorded, trace, spec.vocab_size))
+        replayed, rep_gen = _greedy(spec, prompt, N_NEW, lookup=[0])  # no context to look anything up in
+    finally:
+        spec.set_drafter(SpeculationConfig().drafter)
+    assert recorded == replayed == expected
+    assert len(trace) == rec_gen.spec.verify_steps + rec_gen.spec.plain_steps
+    assert rec_gen.spec.accepted_tokens > 0 and any(d > a for d, a in trace), trace  # kept and missed drafts
+    assert rep_gen.spec.as_dict() == rec_gen.spec.as_dict()
+    with pytest.raises(ValueError, match="0 <= kept <= drafted"):
+        ReplayDrafter(recorded, [(1, 2)], spec.vocab_size)

@@ -3,7 +3,7 @@
     python -m expresslane.engine.decode.bench --model DIR [--dtype float32] [--device cpu] [--prompt-len 128]
         [--contexts 1024,8192] [--tokens 256] [--attention live|masked|split] [--compile]
         [--cuda-graph auto|on|off] [--lean auto|on|off] [--speculation-k K] [--oracle-k 1,2,3,4] [--lookup]
-        [--threads N] [--json F]
+        [--replay TRACES.json] [--threads N] [--json F]
 
 For each context (prompt length) it prints tok/s of plain decoding and, with --oracle-k, of speculative
 decoding with an oracle drafter: the model's own greedy continuation (decoded first without speculation)
@@ -11,6 +11,13 @@ cut at k tokens a step, so acceptance is what the verify forward agrees with (k 
 where half-precision near-ties flip between a 1-row and a (k+1)-row forward). "bound" is a device copy's
 bytes/s (read + write, the calibration FACTS.md uses) over the bytes one token must read: weights plus the
 live K/V at the mean context of the run. Speculative tok/s may exceed it: that is the point.
+
+--replay runs recorded speculation traces at this model's speed: a trace is the (drafted, kept) of every step of
+a real request's drafter (`RecordingDrafter`; scripts/make_copy_model.py --trace records the node's prompt
+lookup on the repo's copy-and-continue model over code-edit and agentic prompts), and `ReplayDrafter` proposes
+the same number of drafts a step, the first `kept` of them the model's own greedy continuation and the next
+one wrong. So a large model verifies exactly the row counts, and keeps exactly the drafts, that the real
+drafter's request did, on text it cannot be trained to copy here (no checkpoint is downloaded).
 """
 
 from __future__ import annotations
@@ -59,6 +66,75 @@ class OracleDrafter:
         self.i += len(tokens)
 
 
+class RecordingDrafter:
+    """Another drafter, recorded: `steps` gets (drafted, kept) for every step of the request (the engine calls
+    propose, then extend with the kept drafts and the target's token)."""
+
+    def __init__(self, inner, steps: list[tuple[int, int]]) -> None:
+        self.inner, self.steps = inner, steps
+        self._drafted = 0
+
+    def start(self, context) -> None:
+        self.steps.clear()
+        self.inner.start(context)
+
+    def may_draft_next(self) -> bool:
+        may = getattr(self.inner, "may_draft_next", None)
+        return may is None or may()
+
+    def propose(self, k: int) -> list[int]:
+        drafts = self.inner.propose(k)
+        self._drafted = len(drafts)
+        return drafts
+
+    def extend(self, tokens) -> None:
+        self.steps.append((self._drafted, len(tokens) - 1 if self._drafted else 0))
+        self._drafted = 0
+        self.inner.extend(tokens)
+
+
+class ReplayDrafter:
+    """Replays a recorded trace of (drafted, kept) steps (from the start again when it runs out) against a known
+    greedy continuation: each step proposes `drafted` tokens (at most what the engine allows) of which the first
+    `kept` are the continuation and the next one is not, so an exact verify keeps exactly `kept`."""
+
+    def __init__(self, continuation: list[int], trace: list[tuple[int, int]], vocab_size: int) -> None:
+        if not trace or any(not 0 <= a <= d for d, a in trace):
+            raise ValueError("a trace is a non-empty list of (drafted, kept) with 0 <= kept <= drafted")
+        self.continuation, self.trace, self.vocab = continuation, trace, vocab_size
+        self.i, self.step = 1, 0
+
+    def start(self, context) -> None:
+        self.i, self.step = 1, 0  # continuation[0] is the first token, already emitted
+
+    def may_draft_next(self) -> bool:
+        return self.trace[(self.step + 1) % len(self.trace)][0] > 0
+
+    def propose(self, k: int) -> list[int]:
+        drafted, kept = self.trace[self.step % len(self.trace)]
+        drafted = min(drafted, k, len(self.continuation) - self.i)
+        kept = min(kept, drafted)
+        drafts = self.continuation[self.i:self.i + kept]
+        if drafted > kept:  # a wrong token where the target's own goes, then anything (never verified)
+            drafts.append((self.continuation[self.i + kept] + 1) % self.vocab)
+            drafts += self.continuation[self.i + kept + 1:self.i + drafted]
+        return drafts
+
+    def extend(self, tokens) -> None:
+        self.i += len(tokens)
+        self.step += 1
+
+
+def load_traces(path: str) -> dict[str, list[tuple[int, int]]]:
+    """{name: [(drafted, kept), ...]} from a JSON file of {"traces": {name: [[d, a], ...]}}."""
+    with open(path) as f:
+        data = json.load(f)
+    traces = data.get("traces") if isinstance(data, dict) else None
+    if not isinstance(traces, dict) or not traces:
+        raise ValueError(f"{path}: no 'traces' object of name -> [[drafted, kept], ...]")
+    return {name: [(int(d), int(a)) for d, a in steps] for name, steps in traces.items()}
+
+
 def _sync(engine: DecodeEngine) -> None:
     if engine.device.type == "cuda":
         torch.cuda.synchronize(engine.device)
@@ -105,7 +181,8 @@ def step_times(engine: DecodeEngine, start: int, reps: int = 50) -> dict[int, fl
 
 
 def bench_context(engine: DecodeEngine, prompt_len: int, tokens: int, repeats: int, oracle_ks: list[int],
-                  bandwidth: float | None, seed: int = 0, lookup: bool = False) -> list[dict]:
+                  bandwidth: float | None, seed: int = 0, lookup: bool = False,
+                  traces: dict[str, list[tuple[int, int]]] | None = None) -> list[dict]:
     gen_ = torch.Generator().manual_seed(seed)
     prompt = torch.randint(0, engine.vocab_size, (prompt_len,), generator=gen_).tolist()
     first = int(engine.prefill(prompt).argmax())
@@ -129,6 +206,12 @@ def bench_context(engine: DecodeEngine, prompt_len: int, tokens: int, repeats: i
             r = time_decode(engine, prompt, first, tokens, repeats, speculative=True)
             r["matches_plain"] = r["token_ids"] == cont
             rows.append({"context": prompt_len, "mode": f"oracle-k{k}", **r})
+        for name, trace in (traces or {}).items():
+            cont = plain["token_ids"]
+            engine.set_drafter(lambda c=cont, t=trace: ReplayDrafter(c, t, engine.vocab_size))
+            r = time_decode(engine, prompt, first, tokens, repeats, speculative=True)
+            r["matches_plain"] = r["token_ids"] == cont
+            rows.append({"context": prompt_len, "mode": f"replay-{name}", **r})
     finally:
         engine._drafter_factory = saved
     engine.prefill(prompt)
@@ -164,6 +247,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--oracle-k", default="", help="acceptance sweep: comma-separated k for the oracle drafter")
     ap.add_argument("--lookup", action="store_true",
                     help="also decode with the engine's own drafter (prompt lookup, adaptive) on the same prompt")
+    ap.add_argument("--replay", default=None,
+                    help="also decode with each recorded speculation trace of this JSON file (ReplayDrafter)")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--no-bound", action="store_true", help="skip the copy-bandwidth calibration")
@@ -176,6 +261,12 @@ def main(argv: list[str] | None = None) -> None:
     max_seq_len = args.max_seq_len or max(contexts) + args.tokens + 64
     if max(oracle_ks, default=0) > args.speculation_k:
         ap.error("--oracle-k values must be <= --speculation-k")
+    try:
+        traces = load_traces(args.replay) if args.replay else None
+    except (OSError, ValueError) as e:
+        ap.error(f"--replay: {e}")
+    if traces and not args.speculation_k:
+        ap.error("--replay needs speculation (--speculation-k >= 1)")
     t0 = time.perf_counter()
     try:
         engine = DecodeEngine.from_pretrained(
@@ -195,7 +286,8 @@ def main(argv: list[str] | None = None) -> None:
           f"max_seq_len={max_seq_len} load+warmup_s={load_s:.1f} weights={engine.weight_bytes() / 1e9:.3f}GB"
           + (f" copy_bandwidth={bw / 1e9:.0f}GB/s" if bw else ""), flush=True)
     for ctx in contexts:
-        results = bench_context(engine, ctx, args.tokens, args.repeats, oracle_ks, bw, lookup=args.lookup)
+        results = bench_context(engine, ctx, args.tokens, args.repeats, oracle_ks, bw, lookup=args.lookup,
+                                traces=traces)
         times = results[0]["step_ms_by_rows"]
         t1 = times[1]
         print(f"context={ctx} forward ms by rows T: " + " ".join(f"T={t}:{v:.3f}" for t, v in times.items())
