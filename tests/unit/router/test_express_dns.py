@@ -102,6 +102,7 @@ async def test_a_node_that_leaves_finishes_its_request_and_gets_no_new_one(make_
         r = await held
         metrics = (await client.get("/metrics")).text
         assert gate.draining == [] and [n.url for n in gate.nodes] == [B] and gate.busy_count == 0
+        assert app.state.capabilities.cached_nodes == [B]  # A's answer went with A
     assert other.status_code == 200 and r.status_code == 200, (other.text, r.text)
     assert parse_sse(r.text)[-1] == "[DONE]"
     assert len(reserves(upstreams, A)) == 1 and len(reserves(upstreams, B)) == 1

@@ -212,6 +212,8 @@ def create_app(config: RouterConfig, *, secrets: RouterSecrets | None = None,
                 relay_check=lambda body, kind: check_express_supported(body, kind,
                                                                        tool_parser=config.tool_call_parser),
                 pool_nodes=lambda pool: express.gates[pool].nodes)
+            caps = app.state.capabilities
+            membership.on_change(lambda pool, added, removed: [caps.forget(url) for url in removed])
             app.state.endpoints = Endpoints(config, client, secrets, prefills, clock,
                                             report_failure=monitor.report_failure)
             async with membership.running(), monitor.running(ctx.calls):

@@ -200,6 +200,17 @@ class CapabilityRouter:
         self._locks: dict[str, asyncio.Lock] = {}
 
     # ---- per-node features ------------------------------------------------------------------------
+    @property
+    def cached_nodes(self) -> list[str]:
+        """The nodes whose answer (or failed fetch) is cached."""
+        return sorted(self._cache)
+
+    def forget(self, url: str) -> None:
+        """A node left its pool (DNS): its cached answer goes, so a long-lived router's cache holds the current
+        members only (a node that comes back at that address is asked again)."""
+        self._cache.pop(url, None)
+        self._locks.pop(url, None)  # a fetch still holding it keeps its own reference
+
     async def node_features(self, node: ExpressNode) -> dict[str, bool] | None:
         entry = self._cache.get(node.url)
         if entry is not None and self._fresh(entry):
