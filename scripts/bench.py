@@ -150,6 +150,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--router", help="use this router instead of starting a bench router")
     ap.add_argument("--express-alias", default="tiny-llama-express", help="with --router")
     ap.add_argument("--native-alias", default="tiny-llama", help="with --router")
+    ap.add_argument("--vllm-api-key-file", type=Path,
+                    help="vLLM's API key, for the calls that go to the prefill itself (its /v1/models, the single "
+                         "lane) on a closed stack: compose's internal secret, a dev stack's <state>/secrets/vllm_api_key")
+    ap.add_argument("--router-api-key-file", type=Path,
+                    help="a client key of the router (ROUTER_API_KEYS), where the router is closed to clients")
     ap.add_argument("--baseline-prefill", help="a running prefill server WITHOUT our connector (else started)")
     ap.add_argument("--concurrency", help="comma list (default 1,2,4,8; quick 1,2)")
     ap.add_argument("--prompts", help="comma list of prompt lengths (default 128,1024,3800; quick 128,1024)")
@@ -203,6 +208,17 @@ class Report:
             print(md)
 
 
+def _bearer(path: Path | None) -> dict | None:
+    """{"Authorization": "Bearer <the file's first line>"}, or None without a file."""
+    if path is None:
+        return None
+    text = path.read_text().strip()
+    if not text:
+        raise OSError(f"{path} holds no key")
+    key = text.splitlines()[0].split()[0]  # ROUTER_API_KEYS lines: the key, then name= lanes= ...
+    return {"Authorization": f"Bearer {key}"}
+
+
 def _sigterm(signum, frame):
     raise KeyboardInterrupt(f"signal {signum}")
 
@@ -226,6 +242,11 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         raise SystemExit(f"unknown lanes {sorted(bad)}; choose from {report.LANES}")
     nonce = args.seed or secrets.token_hex(4)
+    try:  # keys go into request headers only, never into the report or the log
+        vllm_auth = _bearer(args.vllm_api_key_file)
+        router_auth = _bearer(args.router_api_key_file)
+    except OSError as e:
+        raise SystemExit(f"cannot read a key file: {e}") from None
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     signal.signal(signal.SIGTERM, _sigterm)  # stop what we started and keep the partial report
@@ -262,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
         vocab = model["vocab"]
         for name, url in (("prefill", ep.prefill), ("native", ep.native), ("express", ep.express)):
             wait_http(url + "/health", 30)
-        r = httpx.get(ep.prefill + "/v1/models", timeout=10, trust_env=False).json()
+        r = httpx.get(ep.prefill + "/v1/models", timeout=10, trust_env=False, headers=vllm_auth).json()
         max_len = D["config"]["max_model_len"] = int(r["data"][0].get("max_model_len") or 4096)
         if max(prompts) + output > max_len:
             raise SystemExit(f"prompt {max(prompts)} + output {output} > max_model_len {max_len}")
@@ -286,9 +307,9 @@ def main(argv: list[str] | None = None) -> int:
         scrapers = Scrapers({"router": router_url + "/metrics", "prefill": ep.prefill + "/metrics",
                              "native": ep.native + "/metrics", "express": ep.express + "/metrics",
                              "connector": (ep.connector_metrics + "/metrics") if ep.connector_metrics else None})
-        targets = {"express": (router_url + "/v1/completions", x_alias, None),
-                   "native": (router_url + "/v1/completions", n_alias, None),
-                   "single": (ep.prefill + "/v1/completions", ep.served_model, None)}
+        targets = {"express": (router_url + "/v1/completions", x_alias, router_auth),
+                   "native": (router_url + "/v1/completions", n_alias, router_auth),
+                   "single": (ep.prefill + "/v1/completions", ep.served_model, vllm_auth)}
         targets = {k: v for k, v in targets.items() if k in lanes}
         log("warm-up")
         warmup(targets, prompts, vocab, nonce)

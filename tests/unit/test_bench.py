@@ -450,3 +450,24 @@ def test_plot_from_renders_a_report_and_decode_bench_lines(tmp_path):
     empty.write_text('{"kind": "env"}\n')
     with pytest.raises(SystemExit, match="no decode-bench records"):
         bench.main(["--plot-from", str(empty)])
+
+
+def test_key_files_become_bearer_headers_and_never_reach_the_report(tmp_path):
+    """--vllm-api-key-file / --router-api-key-file (a closed compose stack): the file's key (a ROUTER_API_KEYS
+    line: the key, then its options) as a bearer header; an empty file is refused by name; the report keeps the
+    command line (the file's path), never the key."""
+    import bench
+
+    keys = tmp_path / "keys"
+    keys.write_text("sk-bench-123 name=bench lanes=express,native\nsk-other\n")
+    assert bench._bearer(keys) == {"Authorization": "Bearer sk-bench-123"}
+    assert bench._bearer(None) is None
+    empty = tmp_path / "empty"
+    empty.write_text("\n")
+    with pytest.raises(OSError, match="holds no key"):
+        bench._bearer(empty)
+    argv = ["--quick", "--out", str(tmp_path), "--router-api-key-file", str(keys)]
+    args = bench.parse_args(argv)
+    assert args.router_api_key_file == keys
+    bench.Report(tmp_path, args, argv, concurrency=[1], prompt_tokens=[128], output_tokens=64).write()
+    assert "sk-bench-123" not in (tmp_path / "bench.json").read_text()
