@@ -20,11 +20,13 @@ prompt (a tool's JSON result, then the start of an answer quoting it), both abou
 inside the 513-token windows it is trained on), and the code-edit prompt over a whole 1.3k-token file. Prints
 acceptance, tokens per forward, wall time against plain decoding, whether the two decodes are identical.
 
-Measured 2026-12-04 (docs/bench/2026-12-04-copy-acceptance/: --seq 512, 2000 steps, 415 s of training on 2 CPUs,
-240 tokens, the node's drafter): code-edit 3.25 drafts kept per verify step, 3.27 tokens per forward; agentic
-1.37 and 2.12; the 1.3k-token prompt 0.95 and 1.87 (there the output degenerates into runs the drafter
-follows). Greedy output identical with speculation on and off. With the earlier defaults (256-token windows,
-1500 steps) it stops copying past the window: code-edit 1.22 tokens per forward over 256 output tokens.
+Measured 2026-12-04 (docs/bench/2026-12-04-copy-acceptance/: --seq 512 --steps 4000, 13.6 min of training on 2
+CPUs, 240 tokens, the node's drafter): code-edit 1.56 drafts kept per verify step, 1.88 tokens per forward;
+agentic 3.19 and 3.57; the 1.3k-token prompt 0.68 and 1.12. Greedy output identical with speculation on and off.
+Whether the model copies a given prompt varies from one training run to the next (a 2-layer model trained for
+minutes): 2000-step models gave code-edit 3.27 and 1.58 tokens per forward on trees one docstring apart. With the
+earlier defaults (256-token windows, 1500 steps) it stops copying past the window: code-edit 1.22 tokens per
+forward over 256 output tokens.
 
 --trace FILE: also write each prompt's speculation trace, the (drafted, kept) of every step of the node's
 default drafter (adaptive prompt lookup, k <= 4), for `python -m expresslane.engine.decode.bench --replay FILE`,
