@@ -133,6 +133,22 @@ def _dot_rows2(w_ptr, rows_a, rows_b, rmask, x_ptr, R, K, sx, acc_a, acc_b, rstd
     return acc_a, acc_b
 
 
+@triton.jit
+def _normed_pair(x_ptr, p_ptr, nw_ptr, w_ptr, b_ptr, rows_a, rows_b, ok, R, K, eps, sx, sp, HAS_BIAS: tl.constexpr,
+                 NP: tl.constexpr, NP_POW2: tl.constexpr, BJ: tl.constexpr, BLOCK_K: tl.constexpr, RP: tl.constexpr,
+                 STAGES: tl.constexpr, IEEE: tl.constexpr):
+    """float32 [BJ, RP] twice: rows_a and rows_b of w (+ bias) times RMSNorm(x), the statistic from x's partials
+    (the RoPE pairs of qkv_rope, the gate and up rows of gate_up_silu)."""
+    a = tl.zeros([BJ, RP], tl.float32)
+    b = tl.zeros([BJ, RP], tl.float32)
+    rstd = _rstd_rows(p_ptr, sp, R, K, eps, NP, NP_POW2, RP)
+    a, b = _dot_rows2(w_ptr, rows_a, rows_b, ok, x_ptr, R, K, sx, a, b, rstd, nw_ptr, BLOCK_K, RP, STAGES, IEEE)
+    if HAS_BIAS:
+        a += tl.load(b_ptr + rows_a, mask=ok, other=0.0).to(tl.float32)[:, None]
+        b += tl.load(b_ptr + rows_b, mask=ok, other=0.0).to(tl.float32)[:, None]
+    return a, b
+
+
 @triton.jit(do_not_specialize=["R"])
 def _qkv_rope_kernel(x_ptr, p_ptr, nw_ptr, w_ptr, b_ptr, cos_ptr, sin_ptr, start_ptr, q_ptr, kc_ptr, vc_ptr, R, K,
                      eps, sx, sp, sq, stride_kc_s, stride_kc_h, stride_vc_s, stride_vc_h, NH: tl.constexpr,
@@ -150,13 +166,8 @@ def _qkv_rope_kernel(x_ptr, p_ptr, nw_ptr, w_ptr, b_ptr, cos_ptr, sin_ptr, start
     rows_a = head * D + j
     rows_b = rows_a + HALF
     pdl_wait(PDL)
-    a = tl.zeros([BJ, RP], tl.float32)
-    b = tl.zeros([BJ, RP], tl.float32)
-    rstd = _rstd_rows(p_ptr, sp, R, K, eps, NP, NP_POW2, RP)
-    a, b = _dot_rows2(w_ptr, rows_a, rows_b, ok, x_ptr, R, K, sx, a, b, rstd, nw_ptr, BLOCK_K, RP, STAGES, IEEE)
-    if HAS_BIAS:
-        a += tl.load(b_ptr + rows_a, mask=ok, other=0.0).to(tl.float32)[:, None]
-        b += tl.load(b_ptr + rows_b, mask=ok, other=0.0).to(tl.float32)[:, None]
+    a, b = _normed_pair(x_ptr, p_ptr, nw_ptr, w_ptr, b_ptr, rows_a, rows_b, ok, R, K, eps, sx, sp, HAS_BIAS, NP,
+                        NP_POW2, BJ, BLOCK_K, RP, STAGES, IEEE)
     dt = q_ptr.dtype.element_ty
     a = a.to(dt).to(tl.float32)
     b = b.to(dt).to(tl.float32)
@@ -219,13 +230,8 @@ def _gate_up_silu_kernel(x_ptr, p_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, R, I, K, e
     rows_u = rows_g + I
     ok = rows_g < I
     pdl_wait(PDL)
-    g = tl.zeros([BJ, RP], tl.float32)
-    u = tl.zeros([BJ, RP], tl.float32)
-    rstd = _rstd_rows(p_ptr, sp, R, K, eps, NP, NP_POW2, RP)
-    g, u = _dot_rows2(w_ptr, rows_g, rows_u, ok, x_ptr, R, K, sx, g, u, rstd, nw_ptr, BLOCK_K, RP, STAGES, IEEE)
-    if HAS_BIAS:
-        g += tl.load(b_ptr + rows_g, mask=ok, other=0.0).to(tl.float32)[:, None]
-        u += tl.load(b_ptr + rows_u, mask=ok, other=0.0).to(tl.float32)[:, None]
+    g, u = _normed_pair(x_ptr, p_ptr, nw_ptr, w_ptr, b_ptr, rows_g, rows_u, ok, R, K, eps, sx, sp, HAS_BIAS, NP,
+                        NP_POW2, BJ, BLOCK_K, RP, STAGES, IEEE)
     dt = out_ptr.dtype.element_ty
     gf = g.to(dt).to(tl.float32)
     s = (gf / (1.0 + tl.exp(-gf))).to(dt)
