@@ -19,13 +19,12 @@ RMSNorm (`qkv_rope`, `gate_up_silu`, the lm_head's `gemv`) adds those partials i
 statistic and normalises each x tile as it loads it. Before, the norm was a kernel of its own (one program a
 row, whose output the projections read): 65 more dependent launches a step at the 8B shape, at a few us each
 about all that its one-row step then cost over the CUDA-core kernels' (4.22 vs 4.05 ms; the GPU check's bench
-measures the step without them). Folded into the projection by the CUDA-core
-kernels' way (every program first walks the whole input row for the statistic before its first weight tile)
-it cost about 10 us a layer. Each row's partials come from its own column of the writer's tile, so the
-statistic of row r is the same bits whatever R is, as every product is. Rounding follows models/fused.py (and
-so the PyTorch step) at every point: the norm's two roundings, each projection's output, RoPE's products and
-sum, silu before the product with up, the residual sum. float32 models run IEEE dots (no TF32), as the
-split-KV attention does.
+measures the step without them). Folded into the projection the CUDA-core kernels' way (every program first
+walks the whole input row for the statistic before its first weight tile) it cost about 10 us a layer. Each
+row's partials come from its own column of the writer's tile, so the statistic of row r is the same bits
+whatever R is, as every product is. Rounding follows models/fused.py (and so the PyTorch step) at every point:
+the norm's two roundings, each projection's output, RoPE's products and sum, silu before the product with up,
+the residual sum. float32 models run IEEE dots (no TF32), as the split-KV attention does.
 """
 
 from __future__ import annotations
@@ -49,6 +48,7 @@ DOT_CONFIGS = ((64, 256, 5, 4), (64, 128, 5, 4), (64, 128, 5, 8), (32, 256, 5, 4
                (64, 128, 3, 8), (64, 256, 3, 4), (32, 128, 5, 4), (16, 256, 5, 4), (128, 128, 4, 8),
                (64, 128, 7, 4), (64, 128, 7, 8), (32, 256, 6, 4),
                (16, 64, 2, 4), (16, 32, 2, 4), (16, 16, 2, 4))
+NARROWEST = min(c[0] for c in DOT_CONFIGS)  # the fewest rows a gemv_residual program owns: its most programs
 # (row pairs per program, K per iteration, stages, warps) for the kernels that own two row sets (2 x the rows).
 DOT_PAIR_CONFIGS = ((32, 256, 5, 4), (32, 128, 5, 8), (64, 128, 3, 8), (32, 256, 3, 4), (16, 256, 5, 4),
                     (64, 128, 5, 8), (32, 128, 5, 4), (16, 128, 5, 4), (32, 128, 7, 8), (64, 128, 4, 8),
@@ -295,8 +295,7 @@ def _ieee(t: torch.Tensor) -> bool:
 def parts_buffer(rows: int, hidden_size: int, device) -> torch.Tensor:
     """float32 [rows, P]: room for the partials of any writer of a hidden_size-wide residual stream (one per
     program of the narrowest block shape gemv_residual may pick)."""
-    return torch.zeros(rows, triton.cdiv(hidden_size, min(c[0] for c in DOT_CONFIGS)), dtype=torch.float32,
-                       device=device)
+    return torch.zeros(rows, triton.cdiv(hidden_size, NARROWEST), dtype=torch.float32, device=device)
 
 
 def _parts(stats: NormStats, rows: int) -> tuple[int, int, int]:
@@ -356,12 +355,12 @@ def gemv_residual(a, w, b, residual, parts, config=None) -> NormStats:
                   num_warps=warps, launch_pdl=pdl)
         return _launch(_gemv_residual_kernel, grid, compile_only, *args, **kw)
 
+    # room for every program's partial, whichever block shape the pick times
+    _parts(NormStats(parts, triton.cdiv(n, config[0] if config else NARROWEST)), rows)
     restore = residual if residual.dim() == 1 else residual[0]
     cfg = _pick("gemv_residual", n, k, DOT_CONFIGS, launch, a.device, config, restore=restore)
-    stats = NormStats(parts, triton.cdiv(n, cfg[0]))
-    _parts(stats, rows)  # room for every program's partial
     launch(cfg)
-    return stats
+    return NormStats(parts, triton.cdiv(n, cfg[0]))
 
 
 def gate_up_silu(x, stats, norm_w, eps, w, b, out, config=None):
