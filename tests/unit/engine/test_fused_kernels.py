@@ -166,9 +166,8 @@ DOT_PAIRS = [(16, 16, 2, 4), (16, 128, 2, 4)] + ([(32, 64, 3, 4), (32, 64, 4, 8)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("bias", [False, True])
 def test_tensor_core_kernels_match_the_step(dtype, bias):
-    """models/fused_dot.py: each projection (its RMSNorm finished from x's statistics, as sum_squares and
-    gemv_residual leave them) against the model's own modules (one row and three rows: the rows past R of the 16
-    a launch computes are never written), every block shape above."""
+    """models/fused_dot.py: rms_rows + each projection against the model's own modules (one row and three rows:
+    the rows past R of the 16 a launch computes are never written), every block shape above."""
     cfg = _config(bias, tied=False)
     model = _model(cfg, dtype, seed=14)
     layer = model.layers[0]
@@ -184,21 +183,17 @@ def test_tensor_core_kernels_match_the_step(dtype, bias):
         gate, up = layer.mlp.gate_up_proj(layer.post_attention_layernorm(x)).split(cfg.intermediate_size, dim=-1)
         ref_h = torch.nn.functional.silu(gate) * up
         ref_logits = model.lm_head(model.norm(x)).float()
-        ref_res_gate, ref_res_up = layer.mlp.gate_up_proj(layer.post_attention_layernorm(ref_res)).split(
-            cfg.intermediate_size, dim=-1)
-        ref_res_h = torch.nn.functional.silu(ref_res_gate) * ref_res_up
-    eps = cfg.rms_norm_eps
-    parts = fused_dot.parts_buffer(rows, cfg.hidden_size, DEVICE)
+    xn = torch.empty_like(x)
+    fused_dot.rms_rows(x, layer.input_layernorm.weight, cfg.rms_norm_eps, xn)
+    assert _rel(xn, normed) < TOL[dtype]
     for r in (1, rows):
-        stats = fused_dot.sum_squares(x[:r], parts)
-        assert stats.count == 1 and _rel(parts[:r, 0], x[:r].float().square().sum(-1)) < TOL[torch.float32]
         for c in DOT_PAIRS if bias else DOT_SINGLE:
             kc = torch.full((s, cfg.num_kv_heads, d), float("nan"), dtype=dtype, device=DEVICE)
             vc = kc.clone()
             q = torch.full((r, cfg.q_size), float("nan"), dtype=dtype, device=DEVICE)
-            fused_dot.qkv_rope(x[:r], stats, layer.input_layernorm.weight, eps, layer.self_attn.qkv_proj.weight,
-                               layer.self_attn.qkv_proj.bias, cos, sin, torch.tensor([pos], device=DEVICE), q, kc,
-                               vc, cfg.num_heads, cfg.num_kv_heads, d, config=c)
+            fused_dot.qkv_rope(xn[:r], layer.self_attn.qkv_proj.weight, layer.self_attn.qkv_proj.bias, cos, sin,
+                               torch.tensor([pos], device=DEVICE), q, kc, vc, cfg.num_heads, cfg.num_kv_heads, d,
+                               config=c)
             assert _rel(q.view(r, cfg.num_heads, d), qk[:r, : cfg.num_heads]) < TOL[dtype], c
             assert _rel(kc[pos:pos + r], qk[:r, cfg.num_heads:]) < TOL[dtype], c
             assert _rel(vc[pos:pos + r], qkv[:r, cfg.num_heads + cfg.num_kv_heads:]) < TOL[dtype], c
@@ -206,43 +201,19 @@ def test_tensor_core_kernels_match_the_step(dtype, bias):
             written[pos:pos + r] = True
             assert torch.isnan(kc[~written]).all() and torch.isnan(vc[~written]).all()
             h = torch.full((r, cfg.intermediate_size), float("nan"), dtype=dtype, device=DEVICE)
-            fused_dot.gate_up_silu(x[:r], stats, layer.post_attention_layernorm.weight, eps,
-                                   layer.mlp.gate_up_proj.weight, layer.mlp.gate_up_proj.bias, h, config=c)
+            xn2 = torch.empty_like(x[:r])
+            fused_dot.rms_rows(x[:r], layer.post_attention_layernorm.weight, cfg.rms_norm_eps, xn2)
+            fused_dot.gate_up_silu(xn2, layer.mlp.gate_up_proj.weight, layer.mlp.gate_up_proj.bias, h, config=c)
             assert _rel(h, ref_h[:r]) < TOL[dtype], c
         for c in DOT_SINGLE if bias else DOT_PAIRS[:1]:
-            logits = torch.full((r, cfg.vocab_size), float("nan"), device=DEVICE)
-            fused_dot.gemv(x[:r], stats, model.norm.weight, eps, model.lm_head.weight, logits, config=c)
-            assert _rel(logits, ref_logits[:r]) < TOL[dtype], c
             res = x[:r].clone()
-            res_parts = torch.full_like(parts, float("nan"))
-            res_stats = fused_dot.gemv_residual(a[:r], layer.self_attn.o_proj.weight, layer.self_attn.o_proj.bias,
-                                                res, res_parts, config=c)
+            fused_dot.gemv_residual(a[:r], layer.self_attn.o_proj.weight, layer.self_attn.o_proj.bias, res, config=c)
             assert _rel(res, ref_res[:r]) < TOL[dtype], c
-            # one partial a program (c[0] columns each) that add up to each row's sum of squares; rows past R
-            # and columns past the programs are never written
-            assert res_stats.count == -(-cfg.hidden_size // c[0]), c
-            got = res_parts[:r, :res_stats.count].sum(-1)
-            assert _rel(got, res.float().square().sum(-1)) < TOL[torch.float32], c
-            assert torch.isnan(res_parts[r:]).all() and torch.isnan(res_parts[:, res_stats.count:]).all()
-            # the next norm finished from those partials
-            h = torch.full((r, cfg.intermediate_size), float("nan"), dtype=dtype, device=DEVICE)
-            fused_dot.gate_up_silu(res, res_stats, layer.post_attention_layernorm.weight, eps,
-                                   layer.mlp.gate_up_proj.weight, layer.mlp.gate_up_proj.bias, h,
-                                   config=DOT_PAIRS[0])
-            assert _rel(h, ref_res_h[:r]) < STEP_TOL[dtype], c
-
-
-def test_tensor_core_statistics_that_do_not_cover_the_input_are_refused():
-    cfg = _config(False, tied=False)
-    x = torch.randn(3, cfg.hidden_size, device=DEVICE)
-    parts = fused_dot.parts_buffer(2, cfg.hidden_size, DEVICE)
-    w = torch.randn(cfg.vocab_size, cfg.hidden_size, device=DEVICE)
-    out = torch.empty(3, cfg.vocab_size, device=DEVICE)
-    with pytest.raises(ValueError, match="do not cover 3 rows"):
-        fused_dot.gemv(x, fused_dot.NormStats(parts, 1), torch.ones(cfg.hidden_size, device=DEVICE), 1e-6, w, out)
-    with pytest.raises(ValueError, match="do not cover"):
-        fused_dot.gemv(x[:2], fused_dot.NormStats(parts, parts.shape[1] + 1), torch.ones(cfg.hidden_size,
-                       device=DEVICE), 1e-6, w, out[:2])
+            logits = torch.full((r, cfg.vocab_size), float("nan"), device=DEVICE)
+            xn3 = torch.empty_like(x[:r])
+            fused_dot.rms_rows(x[:r], model.norm.weight, cfg.rms_norm_eps, xn3)
+            fused_dot.gemv(xn3, model.lm_head.weight, logits, config=c)
+            assert _rel(logits, ref_logits[:r]) < TOL[dtype], c
 
 
 def test_the_gemv_family_is_the_engines_choice():

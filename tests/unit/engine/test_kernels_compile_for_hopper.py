@@ -22,26 +22,40 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from expresslane.engine.models import fused_dot  # noqa: E402
 
-PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas-blackwell")
-if not os.access(PTXAS, os.X_OK):  # older Triton wheels ship one ptxas
-    PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-pytestmark = pytest.mark.skipif(not os.access(PTXAS, os.X_OK), reason="this Triton wheel ships no ptxas")
+
+
+def _tritons_ptxas_for_hopper() -> str:
+    """The ptxas Triton itself assembles sm_90 with: the PTX it writes carries the .version that ptxas accepts
+    (Triton 3.9 uses ptxas-blackwell for sm_90 and up; Triton 3.6 uses ptxas there, and its ptxas-blackwell is
+    older and refuses the PTX: measured on the H200, 2026-12-04)."""
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas
+    except ImportError:
+        get_ptxas = None
+    if get_ptxas is None:
+        return triton.knobs.nvidia.ptxas.path
+    try:
+        return get_ptxas(90).path
+    except TypeError:  # a Triton whose get_ptxas takes no architecture: one ptxas for all
+        return get_ptxas().path
+
+
+PTXAS = _tritons_ptxas_for_hopper()
+pytestmark = pytest.mark.skipif(not (PTXAS and os.access(PTXAS, os.X_OK)), reason="this Triton wheel ships no ptxas")
 
 HOPPER = GPUTarget("cuda", 90, 32)
 # Pointer arguments are bf16 tensors unless named here; the other non-constexpr arguments are int32 (eps float).
-POINTERS = {"p_ptr": "*fp32", "start_ptr": "*i64", "key_ptr": "*i64"}
-# 8B shape: hidden 4096, 32 / 8 heads of 128, the residual's partials from a 64-column writer.
-NORMED = dict(NP=64, NP_POW2=64)
+POINTERS = {"start_ptr": "*i64", "key_ptr": "*i64"}
+# 8B shape: hidden 4096, 32 / 8 heads of 128.
 CASES = {
-    "sum_squares": (fused_dot._sum_squares_kernel, 4, dict(K_POW2=4096)),
+    "rms_rows": (fused_dot._rms_rows_kernel, 4, dict(K_POW2=4096)),
     "qkv_rope": (fused_dot._qkv_rope_kernel, 4, dict(NH=32, NKV=8, D=128, HAS_BIAS=False, BJ=32, BLOCK_K=256,
-                                                     STAGES=5, **NORMED)),
-    "qkv_rope after the embedding": (fused_dot._qkv_rope_kernel, 4, dict(NH=32, NKV=8, D=128, HAS_BIAS=True, BJ=32,
-                                                                        BLOCK_K=256, STAGES=5, NP=1, NP_POW2=1)),
+                                                     STAGES=5)),
+    "qkv_rope with bias": (fused_dot._qkv_rope_kernel, 4, dict(NH=32, NKV=8, D=128, HAS_BIAS=True, BJ=32,
+                                                              BLOCK_K=256, STAGES=5)),
     "gemv_residual": (fused_dot._gemv_residual_kernel, 4, dict(HAS_BIAS=False, BLOCK_N=32, BLOCK_K=256, STAGES=5)),
-    "gate_up_silu": (fused_dot._gate_up_silu_kernel, 4, dict(HAS_BIAS=False, BJ=32, BLOCK_K=128, STAGES=5,
-                                                             **NORMED)),
-    "lm_head + argmax": (fused_dot._gemv_kernel, 4, dict(BLOCK_N=64, BLOCK_K=128, STAGES=5, ARGMAX=True, **NORMED)),
+    "gate_up_silu": (fused_dot._gate_up_silu_kernel, 4, dict(HAS_BIAS=False, BJ=32, BLOCK_K=128, STAGES=5)),
+    "lm_head + argmax": (fused_dot._gemv_kernel, 4, dict(BLOCK_N=64, BLOCK_K=128, STAGES=5, ARGMAX=True)),
 }
 
 

@@ -12,24 +12,15 @@ block shape). Measured per 8B projection on the H200 (docs/bench/2026-12-04-tens
 cost 1.01-1.36x one row, against 1.97-3.20x for the CUDA-core kernels; one row costs 1.03-1.23x the CUDA-core
 kernels' best. So a plain engine keeps models/fused.py and a speculating one runs this family for every step.
 
-The RMSNorm has no kernel of its own. Whatever writes the residual stream x also leaves, for each row, its sum of
-squares in parts: one float32 partial per program of the writer (`gemv_residual`'s epilogue over its columns of
-the stored, rounded x; `sum_squares` for the embedding's rows), a `NormStats`. A projection that follows an
-RMSNorm (`qkv_rope`, `gate_up_silu`, the lm_head's `gemv`) adds those partials in one fixed order for its
-statistic and normalises each x tile as it loads it. Before, the norm was a kernel of its own (one program a
-row, whose output the projections read): 65 more dependent launches a step at the 8B shape, at a few us each
-about all that its one-row step then cost over the CUDA-core kernels' (4.22 vs 4.05 ms; the GPU check's bench
-measures the step without them). Folded into the projection the CUDA-core kernels' way (every program first
-walks the whole input row for the statistic before its first weight tile) it cost about 10 us a layer. Each
-row's partials come from its own column of the writer's tile, so the statistic of row r is the same bits
-whatever R is, as every product is. Rounding follows models/fused.py (and so the PyTorch step) at every point:
-the norm's two roundings, each projection's output, RoPE's products and sum, silu before the product with up,
-the residual sum. float32 models run IEEE dots (no TF32), as the split-KV attention does.
+The RMSNorm is its own kernel (`rms_rows`: one program a row, each row's statistic in one fixed order), whose
+model-dtype output the projections read: folded into a projection, every program first walked the whole input
+row for the statistic before its first weight tile arrived, about 10 us a layer at the 8B shape. Rounding
+follows models/fused.py (and so the PyTorch step) at every point: the norm's two roundings, each projection's
+output, RoPE's products and sum, silu before the product with up, the residual sum. float32 models run IEEE
+dots (no TF32), as the split-KV attention does.
 """
 
 from __future__ import annotations
-
-from typing import NamedTuple
 
 import torch
 import triton
@@ -48,62 +39,40 @@ DOT_CONFIGS = ((64, 256, 5, 4), (64, 128, 5, 4), (64, 128, 5, 8), (32, 256, 5, 4
                (64, 128, 3, 8), (64, 256, 3, 4), (32, 128, 5, 4), (16, 256, 5, 4), (128, 128, 4, 8),
                (64, 128, 7, 4), (64, 128, 7, 8), (32, 256, 6, 4),
                (16, 64, 2, 4), (16, 32, 2, 4), (16, 16, 2, 4))
-NARROWEST = min(c[0] for c in DOT_CONFIGS)  # the fewest rows a gemv_residual program owns: its most programs
 # (row pairs per program, K per iteration, stages, warps) for the kernels that own two row sets (2 x the rows).
 DOT_PAIR_CONFIGS = ((32, 256, 5, 4), (32, 128, 5, 8), (64, 128, 3, 8), (32, 256, 3, 4), (16, 256, 5, 4),
                     (64, 128, 5, 8), (32, 128, 5, 4), (16, 128, 5, 4), (32, 128, 7, 8), (64, 128, 4, 8),
                     (16, 64, 2, 4), (16, 32, 2, 4), (16, 16, 2, 4))
 
 
-class NormStats(NamedTuple):
-    """The residual stream's per-row sums of squares as its last writer left them: row r's is parts[r, :count]
-    (float32) added in index order."""
-    parts: torch.Tensor
-    count: int
-
-
 @triton.jit(do_not_specialize=["R"])
-def _sum_squares_kernel(x_ptr, p_ptr, R, K, sx, sp, K_POW2: tl.constexpr, PDL: tl.constexpr):
-    """parts[r, 0] = sum of x[r]^2 in float32; one program a row, each row's sum in the same order whatever R is."""
+def _rms_rows_kernel(x_ptr, nw_ptr, out_ptr, R, K, eps, sx, so, K_POW2: tl.constexpr, PDL: tl.constexpr):
+    """out[r] = RMSNorm(x[r]) in the model dtype, rounded as models/fused.py's _input_chunk rounds; one program
+    a row, each row's statistic in the same order whatever R is."""
     pdl_wait(PDL)
     r = tl.program_id(0)
     cols = tl.arange(0, K_POW2)
-    xf = tl.load(x_ptr + r * sx + cols, mask=cols < K, other=0.0).to(tl.float32)
-    tl.store(p_ptr + r * sp, tl.sum(xf * xf, axis=0))
+    kmask = cols < K
+    xv = tl.load(x_ptr + r * sx + cols, mask=kmask, other=0.0)
+    dt = xv.dtype
+    xf = xv.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / K + eps)
+    xn = (xf * rstd).to(dt)
+    nw = tl.load(nw_ptr + cols, mask=kmask, other=0.0)
+    tl.store(out_ptr + r * so + cols, (xn.to(tl.float32) * nw.to(tl.float32)).to(dt), mask=kmask)
 
 
 @triton.jit
-def _rstd_rows(p_ptr, sp, R, K, eps, NP: tl.constexpr, NP_POW2: tl.constexpr, RP: tl.constexpr):
-    """[RP] float32: 1 / sqrt(mean square + eps) of each input row from its NP partials (rows >= R: of zero)."""
-    m = tl.arange(0, RP)
-    c = tl.arange(0, NP_POW2)
-    parts = tl.load(p_ptr + m[:, None] * sp + c[None, :], mask=(m < R)[:, None] & (c < NP)[None, :], other=0.0)
-    return 1.0 / tl.sqrt(tl.sum(parts, axis=1) / K + eps)
-
-
-@triton.jit
-def _x_tile(x_ptr, m, mmask, kk, kmask, sx, rstd, nw_ptr, NORM: tl.constexpr):
-    """x[:RP, kk] (rows >= R read as zero), NORM: RMSNorm'd as models/fused.py's _input_chunk rounds it."""
-    xv = tl.load(x_ptr + m[:, None] * sx + kk[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
-    if NORM:
-        dt = xv.dtype
-        nw = tl.load(nw_ptr + kk, mask=kmask, other=0.0).to(tl.float32)
-        xv = ((xv.to(tl.float32) * rstd[:, None]).to(dt).to(tl.float32) * nw[None, :]).to(dt)
-    return xv
-
-
-@triton.jit
-def _dot_rows(w_ptr, rows, rmask, x_ptr, R, K, sx, acc, rstd, nw_ptr, NORM: tl.constexpr, BLOCK_K: tl.constexpr,
-              RP: tl.constexpr, STAGES: tl.constexpr, IEEE: tl.constexpr):
-    """acc[BLOCK_N, RP] += w[rows, :] @ x[:RP, :]^T (x rows >= R read as zero; NORM: x RMSNorm'd with rstd and
-    the norm weight), K in BLOCK_K steps."""
+def _dot_rows(w_ptr, rows, rmask, x_ptr, R, K, sx, acc, BLOCK_K: tl.constexpr, RP: tl.constexpr,
+              STAGES: tl.constexpr, IEEE: tl.constexpr):
+    """acc[BLOCK_N, RP] += w[rows, :] @ x[:RP, :]^T (x rows >= R read as zero), K in BLOCK_K steps."""
     m = tl.arange(0, RP)
     mmask = m < R
     for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
         kk = k0 + tl.arange(0, BLOCK_K)
         kmask = kk < K
         w = tl.load(w_ptr + rows[:, None] * K + kk[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
-        xv = _x_tile(x_ptr, m, mmask, kk, kmask, sx, rstd, nw_ptr, NORM)
+        xv = tl.load(x_ptr + m[:, None] * sx + kk[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
         if IEEE:
             acc = tl.dot(w, tl.trans(xv), acc, input_precision="ieee")
         else:
@@ -112,9 +81,9 @@ def _dot_rows(w_ptr, rows, rmask, x_ptr, R, K, sx, acc, rstd, nw_ptr, NORM: tl.c
 
 
 @triton.jit
-def _dot_rows2(w_ptr, rows_a, rows_b, rmask, x_ptr, R, K, sx, acc_a, acc_b, rstd, nw_ptr, BLOCK_K: tl.constexpr,
+def _dot_rows2(w_ptr, rows_a, rows_b, rmask, x_ptr, R, K, sx, acc_a, acc_b, BLOCK_K: tl.constexpr,
                RP: tl.constexpr, STAGES: tl.constexpr, IEEE: tl.constexpr):
-    """_dot_rows for two row sets that share the RMSNorm'd input (RoPE pairs, gate and up rows)."""
+    """_dot_rows for two row sets that share the input (RoPE pairs, gate and up rows)."""
     m = tl.arange(0, RP)
     mmask = m < R
     for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
@@ -123,7 +92,8 @@ def _dot_rows2(w_ptr, rows_a, rows_b, rmask, x_ptr, R, K, sx, acc_a, acc_b, rstd
         wmask = rmask[:, None] & kmask[None, :]
         wa = tl.load(w_ptr + rows_a[:, None] * K + kk[None, :], mask=wmask, other=0.0)
         wb = tl.load(w_ptr + rows_b[:, None] * K + kk[None, :], mask=wmask, other=0.0)
-        xt = tl.trans(_x_tile(x_ptr, m, mmask, kk, kmask, sx, rstd, nw_ptr, True))
+        xt = tl.trans(tl.load(x_ptr + m[:, None] * sx + kk[None, :], mask=mmask[:, None] & kmask[None, :],
+                              other=0.0))
         if IEEE:
             acc_a = tl.dot(wa, xt, acc_a, input_precision="ieee")
             acc_b = tl.dot(wb, xt, acc_b, input_precision="ieee")
@@ -133,30 +103,13 @@ def _dot_rows2(w_ptr, rows_a, rows_b, rmask, x_ptr, R, K, sx, acc_a, acc_b, rstd
     return acc_a, acc_b
 
 
-@triton.jit
-def _normed_pair(x_ptr, p_ptr, nw_ptr, w_ptr, b_ptr, rows_a, rows_b, ok, R, K, eps, sx, sp, HAS_BIAS: tl.constexpr,
-                 NP: tl.constexpr, NP_POW2: tl.constexpr, BJ: tl.constexpr, BLOCK_K: tl.constexpr, RP: tl.constexpr,
-                 STAGES: tl.constexpr, IEEE: tl.constexpr):
-    """float32 [BJ, RP] twice: rows_a and rows_b of w (+ bias) times RMSNorm(x), the statistic from x's partials
-    (the RoPE pairs of qkv_rope, the gate and up rows of gate_up_silu)."""
-    a = tl.zeros([BJ, RP], tl.float32)
-    b = tl.zeros([BJ, RP], tl.float32)
-    rstd = _rstd_rows(p_ptr, sp, R, K, eps, NP, NP_POW2, RP)
-    a, b = _dot_rows2(w_ptr, rows_a, rows_b, ok, x_ptr, R, K, sx, a, b, rstd, nw_ptr, BLOCK_K, RP, STAGES, IEEE)
-    if HAS_BIAS:
-        a += tl.load(b_ptr + rows_a, mask=ok, other=0.0).to(tl.float32)[:, None]
-        b += tl.load(b_ptr + rows_b, mask=ok, other=0.0).to(tl.float32)[:, None]
-    return a, b
-
-
 @triton.jit(do_not_specialize=["R"])
-def _qkv_rope_kernel(x_ptr, p_ptr, nw_ptr, w_ptr, b_ptr, cos_ptr, sin_ptr, start_ptr, q_ptr, kc_ptr, vc_ptr, R, K,
-                     eps, sx, sp, sq, stride_kc_s, stride_kc_h, stride_vc_s, stride_vc_h, NH: tl.constexpr,
-                     NKV: tl.constexpr, D: tl.constexpr, HAS_BIAS: tl.constexpr, NP: tl.constexpr,
-                     NP_POW2: tl.constexpr, BJ: tl.constexpr, BLOCK_K: tl.constexpr, RP: tl.constexpr,
-                     STAGES: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
-    """BJ row pairs (j, j + D/2) of the QKV projection of RMSNorm(x) (pairs numbered over all heads, so a
-    program may span heads), their RoPE at start + r for each input row r, q out or the K/V cache rows start + r."""
+def _qkv_rope_kernel(x_ptr, w_ptr, b_ptr, cos_ptr, sin_ptr, start_ptr, q_ptr, kc_ptr, vc_ptr, R, K, sx, sq,
+                     stride_kc_s, stride_kc_h, stride_vc_s, stride_vc_h, NH: tl.constexpr, NKV: tl.constexpr,
+                     D: tl.constexpr, HAS_BIAS: tl.constexpr, BJ: tl.constexpr, BLOCK_K: tl.constexpr,
+                     RP: tl.constexpr, STAGES: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
+    """BJ row pairs (j, j + D/2) of the QKV projection (pairs numbered over all heads, so a program may span
+    heads), their RoPE at start + r for each input row r, q out or the K/V cache rows start + r."""
     HALF: tl.constexpr = D // 2
     PAIRS: tl.constexpr = (NH + 2 * NKV) * HALF
     p = tl.program_id(0) * BJ + tl.arange(0, BJ)
@@ -166,8 +119,12 @@ def _qkv_rope_kernel(x_ptr, p_ptr, nw_ptr, w_ptr, b_ptr, cos_ptr, sin_ptr, start
     rows_a = head * D + j
     rows_b = rows_a + HALF
     pdl_wait(PDL)
-    a, b = _normed_pair(x_ptr, p_ptr, nw_ptr, w_ptr, b_ptr, rows_a, rows_b, ok, R, K, eps, sx, sp, HAS_BIAS, NP,
-                        NP_POW2, BJ, BLOCK_K, RP, STAGES, IEEE)
+    a = tl.zeros([BJ, RP], tl.float32)
+    b = tl.zeros([BJ, RP], tl.float32)
+    a, b = _dot_rows2(w_ptr, rows_a, rows_b, ok, x_ptr, R, K, sx, a, b, BLOCK_K, RP, STAGES, IEEE)
+    if HAS_BIAS:
+        a += tl.load(b_ptr + rows_a, mask=ok, other=0.0).to(tl.float32)[:, None]
+        b += tl.load(b_ptr + rows_b, mask=ok, other=0.0).to(tl.float32)[:, None]
     dt = q_ptr.dtype.element_ty
     a = a.to(dt).to(tl.float32)
     b = b.to(dt).to(tl.float32)
@@ -196,17 +153,14 @@ def _qkv_rope_kernel(x_ptr, p_ptr, nw_ptr, w_ptr, b_ptr, cos_ptr, sin_ptr, start
 
 
 @triton.jit(do_not_specialize=["R"])
-def _gemv_residual_kernel(a_ptr, w_ptr, b_ptr, res_ptr, p_ptr, R, N, K, sa, sres, sp, HAS_BIAS: tl.constexpr,
+def _gemv_residual_kernel(a_ptr, w_ptr, b_ptr, res_ptr, R, N, K, sa, sres, HAS_BIAS: tl.constexpr,
                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, RP: tl.constexpr, STAGES: tl.constexpr,
                           IEEE: tl.constexpr, PDL: tl.constexpr):
-    """res[:R] += a @ w^T (+ bias), and parts[r, program] = the sum of squares of this program's columns of the
-    new res[r] (the next RMSNorm's partials)."""
-    pid = tl.program_id(0)
-    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < N
     pdl_wait(PDL)
-    y = _dot_rows(w_ptr, rows, rmask, a_ptr, R, K, sa, tl.zeros([BLOCK_N, RP], tl.float32),
-                  tl.zeros([RP], tl.float32), w_ptr, False, BLOCK_K, RP, STAGES, IEEE)
+    y = _dot_rows(w_ptr, rows, rmask, a_ptr, R, K, sa, tl.zeros([BLOCK_N, RP], tl.float32), BLOCK_K, RP, STAGES,
+                  IEEE)
     if HAS_BIAS:
         y += tl.load(b_ptr + rows, mask=rmask, other=0.0).to(tl.float32)[:, None]
     m = tl.arange(0, RP)
@@ -214,24 +168,23 @@ def _gemv_residual_kernel(a_ptr, w_ptr, b_ptr, res_ptr, p_ptr, R, N, K, sa, sres
     ptrs = res_ptr + m[None, :] * sres + rows[:, None]
     res = tl.load(ptrs, mask=live, other=0.0)
     dt = res.dtype
-    new = (res.to(tl.float32) + y.to(dt).to(tl.float32)).to(dt)
-    tl.store(ptrs, new, mask=live)
-    nf = tl.where(live, new.to(tl.float32), 0.0)
-    tl.store(p_ptr + m * sp + pid, tl.sum(nf * nf, axis=0), mask=m < R)
+    tl.store(ptrs, (res.to(tl.float32) + y.to(dt).to(tl.float32)).to(dt), mask=live)
 
 
 @triton.jit(do_not_specialize=["R"])
-def _gate_up_silu_kernel(x_ptr, p_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, R, I, K, eps, sx, sp, so,
-                         HAS_BIAS: tl.constexpr, NP: tl.constexpr, NP_POW2: tl.constexpr, BJ: tl.constexpr,
+def _gate_up_silu_kernel(x_ptr, w_ptr, b_ptr, out_ptr, R, I, K, sx, so, HAS_BIAS: tl.constexpr, BJ: tl.constexpr,
                          BLOCK_K: tl.constexpr, RP: tl.constexpr, STAGES: tl.constexpr, IEEE: tl.constexpr,
                          PDL: tl.constexpr):
-    """SwiGLU of the gate/up projection of RMSNorm(x): BJ gate rows and their up rows."""
     rows_g = tl.program_id(0) * BJ + tl.arange(0, BJ)
     rows_u = rows_g + I
     ok = rows_g < I
     pdl_wait(PDL)
-    g, u = _normed_pair(x_ptr, p_ptr, nw_ptr, w_ptr, b_ptr, rows_g, rows_u, ok, R, K, eps, sx, sp, HAS_BIAS, NP,
-                        NP_POW2, BJ, BLOCK_K, RP, STAGES, IEEE)
+    g = tl.zeros([BJ, RP], tl.float32)
+    u = tl.zeros([BJ, RP], tl.float32)
+    g, u = _dot_rows2(w_ptr, rows_g, rows_u, ok, x_ptr, R, K, sx, g, u, BLOCK_K, RP, STAGES, IEEE)
+    if HAS_BIAS:
+        g += tl.load(b_ptr + rows_g, mask=ok, other=0.0).to(tl.float32)[:, None]
+        u += tl.load(b_ptr + rows_u, mask=ok, other=0.0).to(tl.float32)[:, None]
     dt = out_ptr.dtype.element_ty
     gf = g.to(dt).to(tl.float32)
     s = (gf / (1.0 + tl.exp(-gf))).to(dt)
@@ -241,17 +194,16 @@ def _gate_up_silu_kernel(x_ptr, p_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, R, I, K, e
 
 
 @triton.jit(do_not_specialize=["R"])
-def _gemv_kernel(x_ptr, p_ptr, nw_ptr, w_ptr, out_ptr, key_ptr, R, N, K, eps, sx, sp, so, NP: tl.constexpr,
-                 NP_POW2: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, RP: tl.constexpr,
-                 STAGES: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr, ARGMAX: tl.constexpr):
-    """The lm_head over RMSNorm(x): float32 logits (rounded to the model dtype); ARGMAX: also row 0's best
-    (value, first row) of this program as one key (models/fused.py's greedy_advance takes the largest)."""
+def _gemv_kernel(x_ptr, w_ptr, out_ptr, key_ptr, R, N, K, sx, so, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 RP: tl.constexpr, STAGES: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
+                 ARGMAX: tl.constexpr):
+    """The lm_head: float32 logits (rounded to the model dtype); ARGMAX: also row 0's best (value, first row) of
+    this program as one key (models/fused.py's greedy_advance takes the largest)."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < N
     pdl_wait(PDL)
-    rstd = _rstd_rows(p_ptr, sp, R, K, eps, NP, NP_POW2, RP)
-    y = _dot_rows(w_ptr, rows, rmask, x_ptr, R, K, sx, tl.zeros([BLOCK_N, RP], tl.float32), rstd, nw_ptr, True,
-                  BLOCK_K, RP, STAGES, IEEE)
+    y = _dot_rows(w_ptr, rows, rmask, x_ptr, R, K, sx, tl.zeros([BLOCK_N, RP], tl.float32), BLOCK_K, RP, STAGES,
+                  IEEE)
     dt = x_ptr.dtype.element_ty
     logits = y.to(dt).to(tl.float32)
     m = tl.arange(0, RP)
@@ -292,56 +244,38 @@ def _ieee(t: torch.Tensor) -> bool:
     return t.dtype == torch.float32
 
 
-def parts_buffer(rows: int, hidden_size: int, device) -> torch.Tensor:
-    """float32 [rows, P]: room for the partials of any writer of a hidden_size-wide residual stream (one per
-    program of the narrowest block shape gemv_residual may pick)."""
-    return torch.zeros(rows, triton.cdiv(hidden_size, NARROWEST), dtype=torch.float32, device=device)
-
-
-def _parts(stats: NormStats, rows: int) -> tuple[int, int, int]:
-    """(row stride, NP, NP_POW2) of a projection's input statistics, checked against its input's rows."""
-    parts, count = stats
-    if parts.dim() != 2 or parts.shape[0] < rows or not 1 <= count <= parts.shape[1] or parts.stride(1) != 1:
-        raise ValueError(f"norm statistics of {count} partials in {tuple(parts.shape)} do not cover {rows} rows")
-    return parts.stride(0), count, triton.next_power_of_2(count)
-
-
-def sum_squares(x, parts) -> NormStats:
-    """The statistics of x [R, K] (x [K]: one row) for the RMSNorm that follows: each row's sum of squares in
-    parts[:, 0] (the embedding's rows; a gemv_residual leaves its own)."""
+def rms_rows(x, norm_w, eps, out):
+    """out [R, K] = RMSNorm(x [R, K]) in the model dtype (x [K] / out [K]: one row)."""
     rows, sx = _rows(x)
     k = x.shape[-1]
+    so = out.stride(0) if out.dim() > 1 else 0
     pdl = use_pdl(x.device)
-    _sum_squares_kernel[(rows,)](x, parts, rows, k, sx, parts.stride(0), K_POW2=triton.next_power_of_2(k),
-                                 PDL=pdl, num_warps=4 if k <= 4096 else 8, launch_pdl=pdl)
-    return NormStats(parts, 1)
+    _rms_rows_kernel[(rows,)](x, norm_w, out, rows, k, eps, sx, so, K_POW2=triton.next_power_of_2(k), PDL=pdl,
+                              num_warps=4 if k <= 4096 else 8, launch_pdl=pdl)
 
 
-def qkv_rope(x, stats, norm_w, eps, w, b, cos, sin, start, q_out, k_cache, v_cache, num_heads, num_kv_heads,
-             head_dim, config=None):
-    """fused.norm_qkv_rope: the RMSNorm finished from x's statistics (x [R, K] or [K])."""
-    k = x.shape[-1]
-    rows, sx = _rows(x)
-    sp, np_, np_pow2 = _parts(stats, rows)
+def qkv_rope(xn, w, b, cos, sin, start, q_out, k_cache, v_cache, num_heads, num_kv_heads, head_dim, config=None):
+    """fused.norm_qkv_rope over an input normalised by rms_rows (xn [R, K] or [K])."""
+    k = xn.shape[-1]
+    rows, sx = _rows(xn)
     sq = q_out.stride(0) if q_out.dim() > 1 else 0
     pairs = (num_heads + 2 * num_kv_heads) * (head_dim // 2)
-    pdl = use_pdl(x.device)
+    pdl = use_pdl(xn.device)
 
     def launch(cfg, rows=rows, compile_only=False):
         bj, bk, stages, warps = cfg
         grid = (triton.cdiv(pairs, bj),)
-        args = (x, stats.parts, norm_w, w, b if b is not None else w, cos, sin, start, q_out, k_cache, v_cache, rows,
-                k, eps, sx, sp, sq, k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1))
-        kw = dict(NH=num_heads, NKV=num_kv_heads, D=head_dim, HAS_BIAS=b is not None, NP=np_, NP_POW2=np_pow2,
-                  BJ=bj, BLOCK_K=bk, RP=RP, STAGES=stages, IEEE=_ieee(x), PDL=pdl, num_warps=warps, launch_pdl=pdl)
+        args = (xn, w, b if b is not None else w, cos, sin, start, q_out, k_cache, v_cache, rows, k, sx, sq,
+                k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1))
+        kw = dict(NH=num_heads, NKV=num_kv_heads, D=head_dim, HAS_BIAS=b is not None, BJ=bj, BLOCK_K=bk, RP=RP,
+                  STAGES=stages, IEEE=_ieee(xn), PDL=pdl, num_warps=warps, launch_pdl=pdl)
         return _launch(_qkv_rope_kernel, grid, compile_only, *args, **kw)
 
-    launch(_pick("qkv_rope", pairs * 2, k, DOT_PAIR_CONFIGS, launch, x.device, config))
+    launch(_pick("qkv_rope", pairs * 2, k, DOT_PAIR_CONFIGS, launch, xn.device, config))
 
 
-def gemv_residual(a, w, b, residual, parts, config=None) -> NormStats:
-    """fused.gemv_residual on the tensor cores; returns the new residual's statistics (in parts: one partial per
-    program) for the RMSNorm that follows."""
+def gemv_residual(a, w, b, residual, config=None):
+    """fused.gemv_residual on the tensor cores."""
     n, k = w.shape
     rows, sa = _rows(a)
     sres = residual.stride(0) if residual.dim() > 1 else 0
@@ -350,59 +284,53 @@ def gemv_residual(a, w, b, residual, parts, config=None) -> NormStats:
     def launch(cfg, rows=rows, compile_only=False):
         bn, bk, stages, warps = cfg
         grid = (triton.cdiv(n, bn),)
-        args = (a, w, b if b is not None else w, residual, parts, rows, n, k, sa, sres, parts.stride(0))
+        args = (a, w, b if b is not None else w, residual, rows, n, k, sa, sres)
         kw = dict(HAS_BIAS=b is not None, BLOCK_N=bn, BLOCK_K=bk, RP=RP, STAGES=stages, IEEE=_ieee(a), PDL=pdl,
                   num_warps=warps, launch_pdl=pdl)
         return _launch(_gemv_residual_kernel, grid, compile_only, *args, **kw)
 
-    # room for every program's partial, whichever block shape the pick times
-    _parts(NormStats(parts, triton.cdiv(n, config[0] if config else NARROWEST)), rows)
     restore = residual if residual.dim() == 1 else residual[0]
-    cfg = _pick("gemv_residual", n, k, DOT_CONFIGS, launch, a.device, config, restore=restore)
-    launch(cfg)
-    return NormStats(parts, triton.cdiv(n, cfg[0]))
+    launch(_pick("gemv_residual", n, k, DOT_CONFIGS, launch, a.device, config, restore=restore))
 
 
-def gate_up_silu(x, stats, norm_w, eps, w, b, out, config=None):
-    """fused.norm_gate_up_silu: the RMSNorm finished from x's statistics."""
+def gate_up_silu(xn, w, b, out, config=None):
+    """fused.norm_gate_up_silu over an input normalised by rms_rows."""
     i2, k = w.shape
     i = i2 // 2
-    rows, sx = _rows(x)
-    sp, np_, np_pow2 = _parts(stats, rows)
+    rows, sx = _rows(xn)
     so = out.stride(0) if out.dim() > 1 else 0
-    pdl = use_pdl(x.device)
+    pdl = use_pdl(xn.device)
 
     def launch(cfg, rows=rows, compile_only=False):
         bj, bk, stages, warps = cfg
         grid = (triton.cdiv(i, bj),)
-        args = (x, stats.parts, norm_w, w, b if b is not None else w, out, rows, i, k, eps, sx, sp, so)
-        kw = dict(HAS_BIAS=b is not None, NP=np_, NP_POW2=np_pow2, BJ=bj, BLOCK_K=bk, RP=RP, STAGES=stages,
-                  IEEE=_ieee(x), PDL=pdl, num_warps=warps, launch_pdl=pdl)
+        args = (xn, w, b if b is not None else w, out, rows, i, k, sx, so)
+        kw = dict(HAS_BIAS=b is not None, BJ=bj, BLOCK_K=bk, RP=RP, STAGES=stages, IEEE=_ieee(xn), PDL=pdl,
+                  num_warps=warps, launch_pdl=pdl)
         return _launch(_gate_up_silu_kernel, grid, compile_only, *args, **kw)
 
-    launch(_pick("gate_up_silu", i2, k, DOT_PAIR_CONFIGS, launch, x.device, config))
+    launch(_pick("gate_up_silu", i2, k, DOT_PAIR_CONFIGS, launch, xn.device, config))
 
 
-def gemv(x, stats, norm_w, eps, w, out, config=None, argmax_keys=None) -> int:
-    """fused.norm_gemv (the lm_head): the RMSNorm finished from x's statistics; argmax_keys: row 0's per-program
+def gemv(xn, w, out, config=None, argmax_keys=None) -> int:
+    """fused.norm_gemv (the lm_head) over an input normalised by rms_rows; argmax_keys: row 0's per-program
     (value, first row) keys (one row only). Returns the number of programs launched (the keys written)."""
     n, k = w.shape
-    rows, sx = _rows(x)
-    sp, np_, np_pow2 = _parts(stats, rows)
+    rows, sx = _rows(xn)
     so = out.stride(0) if out.dim() > 1 else 0
     if argmax_keys is not None and rows != 1:
         raise ValueError("the folded argmax takes one row")
-    pdl = use_pdl(x.device)
+    pdl = use_pdl(xn.device)
 
     def launch(cfg, keys=None, rows=rows, compile_only=False):
         bn, bk, stages, warps = cfg
         grid = (triton.cdiv(n, bn),)
-        args = (x, stats.parts, norm_w, w, out, keys if keys is not None else out, rows, n, k, eps, sx, sp, so)
-        kw = dict(NP=np_, NP_POW2=np_pow2, BLOCK_N=bn, BLOCK_K=bk, RP=RP, STAGES=stages, IEEE=_ieee(x), PDL=pdl,
-                  ARGMAX=keys is not None, num_warps=warps, launch_pdl=pdl)
+        args = (xn, w, out, keys if keys is not None else out, rows, n, k, sx, so)
+        kw = dict(BLOCK_N=bn, BLOCK_K=bk, RP=RP, STAGES=stages, IEEE=_ieee(xn), PDL=pdl, ARGMAX=keys is not None,
+                  num_warps=warps, launch_pdl=pdl)
         return _launch(_gemv_kernel, grid, compile_only, *args, **kw)
 
     cfg = _pick("gemv", n, k, DOT_CONFIGS, lambda c, rows=rows, compile_only=False: launch(
-        c, None, rows, compile_only), x.device, config)
+        c, None, rows, compile_only), xn.device, config)
     launch(cfg, argmax_keys)
     return triton.cdiv(n, cfg[0])

@@ -23,14 +23,13 @@ its block shape is one for all row counts and is picked among those whose max_ro
 
 Two kernel families for the GEMVs (the engine's `lean_gemv`, the node's --lean-gemv): `cuda-core`
 (models/fused.py: the fastest one-row step; each further verify row costs about one more step of compute) and
-`tensor-core` (models/fused_dot.py: one tl.dot a projection, the RMSNorm finished in the projection from
-partial sums of squares its input's writer left; a verify of five rows costs about what one row does, one row
-a little more than cuda-core's). `auto` (the default): tensor-core for a step that verifies (max_rows > 1) of a
-model with a hidden size of at least TENSOR_CORE_MIN_HIDDEN, cuda-core otherwise. Measured on the H200 with the
-RMSNorm still a kernel of its own (docs/bench/2026-12-04-tensor-core-verify/): at the 8B shape (hidden 4096)
-the tensor-core one-row step cost 4 % more (4.22 vs 4.05 ms) and a verify of five rows 1.08x one row instead
-of 2.5x; at the 1B shape (hidden 2048) its one-row step cost 22 % more (1.02 vs 0.84 ms: the padded rows and
-the norm's own kernel weigh more on a small model), so a node there would lose 18 % on text that never
+`tensor-core` (models/fused_dot.py: one tl.dot a projection and a separate RMSNorm kernel; a verify of five
+rows costs about what one row does, one row a little more than cuda-core's). `auto` (the default): tensor-core
+for a step that verifies (max_rows > 1) of a model with a hidden size of at least TENSOR_CORE_MIN_HIDDEN,
+cuda-core otherwise. Measured on the H200 (docs/bench/2026-12-04-tensor-core-verify/): at the 8B shape (hidden
+4096) the tensor-core one-row step costs 4 % more (4.22 vs 4.05 ms) and a verify of five rows 1.08x one row
+instead of 2.5x; at the 1B shape (hidden 2048) its one-row step costs 22 % more (1.02 vs 0.84 ms: the padded rows
+and the norm's own kernel weigh more on a small model), so a node there would lose 18 % on text that never
 repeats. An engine runs one family for all its steps, so its greedy tokens are the same with speculation on and
 off.
 """
@@ -87,9 +86,9 @@ class LeanStep:
                           torch.empty(r, cfg.vocab_size, dtype=torch.float32, device=device))
                       for r in range(1, max_rows + 1)}
         self.x, self.q, self.h, self.logits = self._bufs[1]
-        # tensor-core: each row count's partial sums of squares of x (fused_dot.NormStats: the RMSNorm's input)
-        self._parts = {r: fused_dot.parts_buffer(r, cfg.hidden_size, device)
-                       for r in range(1, max_rows + 1)} if self.gemv == "tensor-core" else {}
+        # tensor-core: each row count's normalised input (fused_dot.rms_rows's output, the projections' input)
+        self._normed = {r: torch.empty(r, cfg.hidden_size, dtype=dtype, device=device)
+                        for r in range(1, max_rows + 1)} if self.gemv == "tensor-core" else {}
         self.argmax_keys = fused.new_argmax_keys(cfg.vocab_size, device)
         # The greedy step's (step number, token) ring (fused.greedy_advance): pinned host memory on a GPU, which
         # the kernel writes over the bus, so the host reads the token with no copy in the stream; greedy_seq
@@ -124,7 +123,7 @@ class LeanStep:
         x, q, h, logits = self._bufs[r]
         torch.index_select(m.embed_tokens.weight, 0, tokens, out=x)
         if self.gemv == "tensor-core":
-            return self._forward_dot(tokens, start, greedy, x, q, h, logits, self._parts[r])
+            return self._forward_dot(tokens, start, greedy, x, q, h, logits, self._normed[r])
         q3 = q.view(r, cfg.num_heads, cfg.head_dim)
         for layer, kc, vc in zip(m.layers, self.k_layers, self.v_layers):
             att = layer.self_attn
@@ -144,26 +143,23 @@ class LeanStep:
             fused.greedy_advance(self.argmax_keys, keys, tokens, start, self.token_ring, self.greedy_seq)
         return logits
 
-    def _forward_dot(self, tokens, start, greedy, x, q, h, logits, parts) -> torch.Tensor:
-        """forward's layers with the tensor-core family (models/fused_dot.py): each RMSNorm is finished by the
-        projection after it, from the sums of squares that x's last writer left in parts."""
+    def _forward_dot(self, tokens, start, greedy, x, q, h, logits, xn) -> torch.Tensor:
+        """forward's layers with the tensor-core family (models/fused_dot.py)."""
         m, cfg = self.model, self.cfg
         r = tokens.shape[0]
         q3 = q.view(r, cfg.num_heads, cfg.head_dim)
-        stats = fused_dot.sum_squares(x, parts)  # the embedding's rows
         for layer, kc, vc in zip(m.layers, self.k_layers, self.v_layers):
             att, mlp = layer.self_attn, layer.mlp
-            norm = layer.input_layernorm
-            fused_dot.qkv_rope(x, stats, norm.weight, norm.eps, att.qkv_proj.weight, att.qkv_proj.bias, self.cos,
-                               self.sin, start, q, kc, vc, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+            fused_dot.rms_rows(x, layer.input_layernorm.weight, layer.input_layernorm.eps, xn)
+            fused_dot.qkv_rope(xn, att.qkv_proj.weight, att.qkv_proj.bias, self.cos, self.sin, start, q, kc, vc,
+                               cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
             out = split_kv_attention_rows(q3, kc, vc, start, att.scale)
-            stats = fused_dot.gemv_residual(out.view(r, -1), att.o_proj.weight, att.o_proj.bias, x, parts)
-            norm = layer.post_attention_layernorm
-            fused_dot.gate_up_silu(x, stats, norm.weight, norm.eps, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias,
-                                   h)
-            stats = fused_dot.gemv_residual(h, mlp.down_proj.weight, mlp.down_proj.bias, x, parts)
-        keys = fused_dot.gemv(x, stats, m.norm.weight, m.norm.eps, m.lm_head.weight, logits,
-                              argmax_keys=self.argmax_keys if greedy else None)
+            fused_dot.gemv_residual(out.view(r, -1), att.o_proj.weight, att.o_proj.bias, x)
+            fused_dot.rms_rows(x, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps, xn)
+            fused_dot.gate_up_silu(xn, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, h)
+            fused_dot.gemv_residual(h, mlp.down_proj.weight, mlp.down_proj.bias, x)
+        fused_dot.rms_rows(x, m.norm.weight, m.norm.eps, xn)
+        keys = fused_dot.gemv(xn, m.lm_head.weight, logits, argmax_keys=self.argmax_keys if greedy else None)
         if greedy:
             fused.greedy_advance(self.argmax_keys, keys, tokens, start, self.token_ring, self.greedy_seq)
         return logits
