@@ -15,8 +15,8 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 N_NEW = 48
 
 
-# lean_gemv: the lean step's GEMV kernels (models/lean.py); auto keeps the tests' tiny models on the CUDA-core
-# ones, so the tensor-core family (a speculating large model's default) runs here by name.
+# lean_gemv: the lean step's GEMV kernels (models/lean.py); auto is the CUDA-core family, so the tensor-core one
+# (the opt-in for traffic that repeats) runs here by name.
 @pytest.mark.parametrize("attention,compile,lean_gemv", [("split", False, "auto"), ("masked", False, "auto"),
                                                          ("split", True, "auto"), ("split", False, "tensor-core")])
 def test_graph_speculation_matches_plain_and_transformers(hf_model, attention, compile, lean_gemv):

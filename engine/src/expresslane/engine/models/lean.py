@@ -24,14 +24,16 @@ its block shape is one for all row counts and is picked among those whose max_ro
 Two kernel families for the GEMVs (the engine's `lean_gemv`, the node's --lean-gemv): `cuda-core`
 (models/fused.py: the fastest one-row step; each further verify row costs about one more step of compute) and
 `tensor-core` (models/fused_dot.py: one tl.dot a projection and a separate RMSNorm kernel; a verify of five
-rows costs about what one row does, one row a little more than cuda-core's). `auto` (the default): tensor-core
-for a step that verifies (max_rows > 1) of a model with a hidden size of at least TENSOR_CORE_MIN_HIDDEN,
-cuda-core otherwise. Measured on the H200 (docs/bench/2026-12-04-tensor-core-verify/): at the 8B shape (hidden
-4096) the tensor-core one-row step costs 4 % more (4.22 vs 4.05 ms) and a verify of five rows 1.08x one row
-instead of 2.5x; at the 1B shape (hidden 2048) its one-row step costs 22 % more (1.02 vs 0.84 ms: the padded rows
-and the norm's own kernel weigh more on a small model), so a node there would lose 18 % on text that never
-repeats. An engine runs one family for all its steps, so its greedy tokens are the same with speculation on and
-off.
+rows costs about what one row does, one row a little more than cuda-core's). `auto` (the default) is cuda-core
+for every model. Measured on the H200 (docs/bench/2026-12-04-gpu-check/): at the 8B shape the tensor-core
+one-row step costs 4 % more (4.22 vs 4.04 ms), so a speculating node on text that never repeats runs at
+0.954-0.958x of a node without speculation, below the 0.97x that speculation on by default must keep; with
+cuda-core it runs at 1.00x (the adaptive drafter pauses), and gains 1.18x / 1.55x on the copy model's recorded
+code-edit / agentic requests and 1.95x with an oracle at k = 4. `tensor-core` is the opt-in for traffic that
+repeats: a verify of five rows costs 1.08x one row instead of 2.49x, so the same requests gain 1.62x / 2.75x and
+the oracle 4.26x (1,052 tok/s at 1k). At the 1B shape (hidden 2048) its one-row step costs 22 % more (1.02 vs
+0.84 ms). An engine runs one family for all its steps, so its greedy tokens are the same with speculation on
+and off; only with cuda-core are they also the same bits as a node built without speculation.
 """
 
 from __future__ import annotations
@@ -44,18 +46,14 @@ from .triton_decode import split_kv_attention_rows
 
 
 GEMV_FAMILIES = ("auto", "cuda-core", "tensor-core")
-#: auto's smallest hidden size for the tensor-core family (the 8B shape's; the 1B's 2048 is below: see above).
-TENSOR_CORE_MIN_HIDDEN = 4096
 
 
-def gemv_family(max_rows: int, hidden_size: int, choice: str = "auto") -> str:
-    """The GEMV kernel family of a lean step of max_rows rows for a model of hidden_size (auto: tensor-core
-    where the step verifies and the model is large enough for its one-row step to cost little more)."""
+def gemv_family(choice: str = "auto") -> str:
+    """The GEMV kernel family of a lean step (auto: cuda-core, the one that never makes speculation slower than
+    no speculation: see above)."""
     if choice not in GEMV_FAMILIES:
         raise ValueError(f"lean_gemv {choice!r}: one of {', '.join(GEMV_FAMILIES)}")
-    if choice == "auto":
-        return "tensor-core" if max_rows > 1 and hidden_size >= TENSOR_CORE_MIN_HIDDEN else "cuda-core"
-    return choice
+    return "cuda-core" if choice == "auto" else choice
 
 
 class LeanStep:
@@ -75,7 +73,7 @@ class LeanStep:
         self.cos, self.sin = cos, sin
         self.k_layers, self.v_layers = k_layers, v_layers
         self.max_rows = max_rows
-        self.gemv = gemv_family(max_rows, cfg.hidden_size, gemv)
+        self.gemv = gemv_family(gemv)
         p = next(model.parameters())
         dtype, device = p.dtype, p.device
         # Each row count's own buffers (a captured graph's output stays valid until that graph replays again).

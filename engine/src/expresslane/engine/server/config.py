@@ -123,9 +123,9 @@ def parse_args(argv: list[str] | None = None, env: Mapping[str, str] | None = No
                          "PyTorch step")
     ap.add_argument("--lean-gemv", choices=["auto", "cuda-core", "tensor-core"], default="auto",
                     help="the lean step's GEMV kernels: cuda-core (the fastest one-token step; each further row of "
-                         "a speculative verify costs about one more step) or tensor-core (a verify of 5 rows costs "
-                         "about one row; one row ~4 %% slower at 8B, 22 %% at 1B); auto = tensor-core when "
-                         "speculating on a model of hidden size >= 4096")
+                         "a speculative verify costs about one more step; auto) or tensor-core (a verify of 5 rows "
+                         "costs about one row: for traffic that repeats, e.g. agentic and code edits; one row ~4 %% "
+                         "slower at 8B, 22 %% at 1B, so text that never repeats runs ~4 %% slower)")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch CPU threads (default: one per --cpu-bind CPU, else torch's default)")
     ap.add_argument("--cpu-bind", default=None, metavar="LIST",
