@@ -4,8 +4,9 @@ Triton's interpreter (the CPU tests) runs a kernel's Python, not the compiler: a
 lower for the GPU (a layout the tensor cores cannot take, a reduction of an odd shape, a type the PTX backend
 refuses), or compile into one that spills. Here each kernel is compiled ahead of time for sm_90a, through
 Triton's own ptxas, with the 8B shape's arguments and the block shapes the H200 picked
-(docs/bench/2026-12-04-tensor-core-verify/), and ptxas's report must show no spill. No GPU is needed; the GPU
-check (scripts/gpu_check.sh) still runs and times them."""
+(docs/bench/2026-12-04-tensor-core-verify/), and ptxas's report must show no spill. No GPU is needed; on an
+H100 / H200 the driver loads the cubin Triton built and reports its spills instead (Triton 3.6 there writes PTX
+that its own bundled ptxas binaries refuse). The GPU check (scripts/gpu_check.sh) still runs and times them."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ triton = pytest.importorskip("triton")
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from expresslane.engine.models import fused_dot  # noqa: E402
+from expresslane.engine.models import fused, fused_dot  # noqa: E402
 
 
 
@@ -97,6 +98,14 @@ def test_kernel_compiles_for_sm90_without_spilling(case, tmp_path):
     assert not missing, f"the case names no value for {missing}"
     compiled = triton.compile(ASTSource(fn=kernel, signature=_signature(kernel, constexprs), constexprs=constexprs),
                               target=HOPPER, options={"num_warps": warps})
+    if _on_hopper():
+        # Triton built the cubin with the toolchain it runs with; the driver loads it and says what it spills
+        # (what the engine's block-shape picker reads). A standalone ptxas need not accept that PTX's .version
+        # (Triton 3.6 on the H200 writes 9.0; its bundled ptxas binaries take 8.7 and 8.8).
+        spills = fused.spilled_bytes(compiled)
+        print(f"{case}: {compiled.n_regs} registers, {spills} bytes spilled (driver)")
+        assert spills == 0, f"{case} spills {spills} bytes a thread"
+        return
     ptx = tmp_path / "kernel.ptx"
     ptx.write_text(compiled.asm["ptx"])
     out = subprocess.run([PTXAS, "-arch=sm_90a", "-v", str(ptx), "-o", str(tmp_path / "kernel.cubin")],
@@ -106,3 +115,10 @@ def test_kernel_compiles_for_sm90_without_spilling(case, tmp_path):
     regs = re.findall(r"Used (\d+) registers", out.stderr)
     print(f"{case}: {regs} registers, {spills} bytes of spill stores")
     assert spills and not any(spills), out.stderr[-2000:]
+
+
+def _on_hopper() -> bool:
+    """A CUDA device of compute capability 9.0 (H100 / H200) is this process's current device."""
+    import torch
+
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
