@@ -14,7 +14,9 @@ kernels' best. So a plain engine keeps models/fused.py and a speculating one run
 
 The RMSNorm is its own kernel (`rms_rows`: one program a row, each row's statistic in one fixed order), whose
 model-dtype output the projections read: folded into a projection, every program first walked the whole input
-row for the statistic before its first weight tile arrived, about 10 us a layer at the 8B shape. Rounding
+row for the statistic before its first weight tile arrived, about 10 us a layer at the 8B shape; with the
+statistic as per-program partials left by the kernel that writes x, the 8B one-row step took 4.66 ms instead of
+4.22 (docs/bench/2026-12-04-gpu-check-folded-norm/). Rounding
 follows models/fused.py (and so the PyTorch step) at every point: the norm's two roundings, each projection's
 output, RoPE's products and sum, silu before the product with up, the residual sum. float32 models run IEEE
 dots (no TF32), as the split-KV attention does.
