@@ -10,7 +10,8 @@ depends on its own input row only: row r of a verify is the T = 1 step's bits at
 (tests/unit/engine/test_fused_kernels.py checks it with torch.equal; scripts/probe_verify_kernels.py on every
 block shape). Measured per 8B projection on the H200 (docs/bench/2026-12-04-tensor-core-verify/): five rows
 cost 1.01-1.36x one row, against 1.97-3.20x for the CUDA-core kernels; one row costs 1.03-1.23x the CUDA-core
-kernels' best. So a plain engine keeps models/fused.py and a speculating one runs this family for every step.
+kernels' best. So this family is the opt-in for traffic that repeats (--lean-gemv tensor-core: an engine then
+runs it for every step), and `auto` keeps models/fused.py (models/lean.py says why).
 
 The RMSNorm is its own kernel (`rms_rows`: one program a row, each row's statistic in one fixed order), whose
 model-dtype output the projections read: folded into a projection, every program first walked the whole input
