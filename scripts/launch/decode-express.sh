@@ -27,9 +27,10 @@ EXPRESS_ATTENTION="${EXPRESS_ATTENTION:-}"
 # docs/bench/2026-12-01-gpu-adaptive-k-max-autotune/.
 EXPRESS_SPECULATION="${EXPRESS_SPECULATION:-on}"
 EXPRESS_SPEC_K="${EXPRESS_SPEC_K:-}"
-# The lean CUDA step's GEMV kernels: auto | cuda-core | tensor-core (empty = auto: tensor-core where the node
-# speculates on a model of hidden size >= 4096, where a verify of 5 rows costs ~1.1x one row and a one-token step
-# ~4 % more; cuda-core for traffic that never repeats. docs/performance.md#gpu-speculation).
+# The lean CUDA step's GEMV kernels: auto | cuda-core | tensor-core (empty = auto = cuda-core: speculation never
+# slower than none. tensor-core: a verify of 5 rows costs ~1.1x one row instead of 2.5x and a one-token step ~4 %
+# more, for traffic that repeats its prompt, i.e. code edits and agentic tool results.
+# docs/performance.md#gpu-speculation).
 EXPRESS_LEAN_GEMV="${EXPRESS_LEAN_GEMV:-}"
 # Deadlines (seconds; every failure of a request surfaces within a bound). Empty = the node's default.
 EXPRESS_KV_TIMEOUT_S="${EXPRESS_KV_TIMEOUT_S:-}"              # default wait for a request's KV (120)

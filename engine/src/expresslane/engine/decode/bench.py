@@ -241,8 +241,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--lean", choices=["auto", "on", "off"], default="auto",
                     help="the lean T = 1 step (fused Triton kernels, CUDA graph; auto: wherever it applies)")
     ap.add_argument("--lean-gemv", choices=["auto", "cuda-core", "tensor-core"], default="auto",
-                    help="the lean step's GEMV kernels (models/lean.py; auto: tensor-core for a speculating "
-                         "engine of hidden size >= 4096, else cuda-core)")
+                    help="the lean step's GEMV kernels (models/lean.py; auto: cuda-core; tensor-core: the "
+                         "cheap verify, for traffic that repeats)")
     ap.add_argument("--speculation-k", type=int, default=4, help="most drafts per verify step (0: off)")
     ap.add_argument("--oracle-k", default="", help="acceptance sweep: comma-separated k for the oracle drafter")
     ap.add_argument("--lookup", action="store_true",
