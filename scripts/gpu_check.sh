@@ -15,8 +15,8 @@
 # pytest, httpx and aiohttp, and no network: `prepare`'s folder travels with the run (the device tool's carry).
 # Environment: PLAIN_ENGINE (1: also bench an engine built without speculation),
 # SHAPES (llama-8b llama-1b), CONTEXTS (1024,8192,32768), TOKENS (256), ORACLE_K (1,2,3,4),
-# FORCED (llama-1b:tensor-core: shape:family pairs also benched with that GEMV family forced, at FORCED_CONTEXTS
-# 1024,32768; what auto's choice weighs, e.g. llama-8b:cuda-core),
+# FORCED (llama-8b:tensor-core: shape:family pairs also benched with that GEMV family forced, at FORCED_CONTEXTS
+# 1024,32768: the opt-in's numbers, what auto's choice weighs),
 # REPEATS (2), MAX_SEQ_LEN (33100), REPLAY (docs/bench/2026-12-04-copy-acceptance/traces.json; empty: none), TEST_BUDGET_S (330: the tests' share of the run), TEST_WORKERS (4),
 # MODELS_DIR (/tmp/models), EXPRESSLANE_COMMIT (the commit the tree is, for the table's title).
 # Output in OUTDIR: pytest.txt, bench.log, bench.jsonl, summary.txt (the table).
@@ -89,7 +89,7 @@ run_bench() {
   # shapes benched again with the other GEMV family forced (models/lean.py's auto picks one by hidden size), at
   # the shortest and longest context: what auto's threshold weighs (the one-row step against the verify)
   local pair shape family
-  for pair in ${FORCED-llama-1b:tensor-core}; do
+  for pair in ${FORCED-llama-8b:tensor-core}; do
     shape="${pair%%:*}" family="${pair#*:}"
     python3 scripts/gpu_make_shape_model.py "$shape" "$models/$shape" || return 1
     python3 -m expresslane.engine.decode.bench --model "$models/$shape" --device cuda --dtype bfloat16 \
