@@ -10,6 +10,7 @@
 #                                                # with their hashes in images/gpu/check-wheels.lock, into
 #                                                # .carry/gpu-check/ (nixl-cu13 repacked as tar.xz: 59 -> 32 MB)
 #   bash scripts/gpu_check.sh run OUTDIR [PART]  # there: PART all (default) | tests | bench
+#   bash scripts/gpu_check.sh summary OUTDIR     # anywhere: the table again from OUTDIR's pytest.txt, bench.jsonl
 #
 # The GPU machine (see docs/performance.md, "Method") has python3 3.12 with torch, triton, transformers,
 # pytest, httpx and aiohttp, and no network: `prepare`'s folder travels with the run (the device tool's carry).
@@ -108,24 +109,30 @@ summary() {  # one table: the tests' closing line, then one row per bench result
     python3 - "$out/bench.jsonl" <<'EOF'
 import json, sys
 rows = [json.loads(line) for line in open(sys.argv[1]) if line.strip()]
-print(f"{'shape':10} {'gemv':11} {'ctx':>6} {'mode':18} {'tok/s':>8} {'of bound':>8} {'x plain':>7} {'accept':>6} {'exact':>5} "
-      f"{'T=1 ms':>7} {'T=5/T=1':>7}")
+# "x node": against an engine built without speculation at the same shape and context (the speed a node with
+# --speculation off gives; speculation on by default must keep >= 0.97x of it where nothing repeats)
+node = {(r["model"], r["context"]): r["tok_per_s"] for r in rows if not r.get("speculation_k", 1)}
+print(f"{'shape':10} {'gemv':11} {'ctx':>6} {'mode':18} {'tok/s':>8} {'of bound':>8} {'x plain':>7} {'x node':>6} {'accept':>6} "
+      f"{'exact':>5} {'T=1 ms':>7} {'T=5/T=1':>7}")
 for r in rows:
     shape = r["model"].rstrip("/").rsplit("/", 1)[-1]
+    ref = node.get((r["model"], r["context"]))
+    xnode = f"{r['tok_per_s'] / ref:.3f}" if ref else "-"
     spec = r.get("spec") or {}
     times = {int(k): v for k, v in r["step_ms_by_rows"].items()}
     ratio = times[max(times)] / times[1] if len(times) > 1 else float("nan")
     ob = f"{100 * r['of_bound']:.1f}%" if r.get("of_bound") else "-"
     acc = f"{spec.get('mean_acceptance', 0):.2f}" if r["mode"] != "plain" else "-"
     mode = r["mode"] if r.get("speculation_k", 1) else "plain-eng"  # an engine built without speculation
-    print(f"{shape:10} {str(r.get('gemv')):11} {r['context']:>6} {mode:18} {r['tok_per_s']:>8.1f} {ob:>8} {r['speedup']:>6.2f}x {acc:>6} "
-          f"{str(r.get('matches_plain', '-')):>5} {times[1]:>7.3f} {ratio:>7.2f}")
+    print(f"{shape:10} {str(r.get('gemv')):11} {r['context']:>6} {mode:18} {r['tok_per_s']:>8.1f} {ob:>8} {r['speedup']:>6.2f}x {xnode:>6} "
+          f"{acc:>6} {str(r.get('matches_plain', '-')):>5} {times[1]:>7.3f} {ratio:>7.2f}")
 EOF
   } | tee "$out/summary.txt"
 }
 
 case "${1:-}" in
   prepare) prepare ;;
+  summary) summary "${2:?usage: gpu_check.sh summary OUTDIR (with pytest.txt and bench.jsonl)}" ;;
   run)
     out="${2:?usage: gpu_check.sh run OUTDIR [all|tests|bench]}"
     part="${3:-all}"
