@@ -87,8 +87,8 @@ run_bench() {
       --tokens "${TOKENS:-256}" --speculation-k 0 --repeats "${REPEATS:-2}" --json "$out/bench.jsonl" 2>&1 \
       | tee -a "$out/bench.log"
   done
-  # shapes benched again with the other GEMV family forced (models/lean.py's auto picks one by hidden size), at
-  # the shortest and longest context: what auto's threshold weighs (the one-row step against the verify)
+  # shapes benched again with a GEMV family forced (models/lean.py: auto is cuda-core), at the shortest and
+  # longest context: the opt-in's numbers, what auto's choice weighs (the one-row step against the verify)
   local pair shape family
   for pair in ${FORCED-llama-8b:tensor-core}; do
     shape="${pair%%:*}" family="${pair#*:}"
