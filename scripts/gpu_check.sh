@@ -2,9 +2,9 @@
 # The express engine's GPU check, in ONE run on a CUDA machine: every test in the repo that can use CUDA (all of
 # tests/unit/engine and tests/unit/transfer: the lean step and its row-invariant verify, the greedy chain, the
 # first request of a fresh engine in every step mode, the VRAM handoff and injection) and the decode bench (the
-# 8B and 1B shapes, contexts 1k / 8k / 32k, plain, the node's own drafter, the oracle sweep k = 1..4 and the copy
-# model's recorded code-edit / agentic requests replayed (bench --replay), max_seq_len fixed at 33100 as a
-# deployment would set it). Its summary is one table, printed last.
+# 8B and 1B shapes, contexts 1k / 8k / 32k, plain, the node's own drafter, the oracle sweep k = 1..4 and the node's
+# drafter on the copy model's recorded code-edit / agentic text at this engine's measured step costs (bench
+# --replay-text), max_seq_len fixed at 33100 as a deployment would set it). Its summary is one table, printed last.
 #
 #   bash scripts/gpu_check.sh prepare            # here (pip + network): the wheels the GPU machine lacks, pinned
 #                                                # with their hashes in images/gpu/check-wheels.lock, into
@@ -18,7 +18,9 @@
 # SHAPES (llama-8b llama-1b), CONTEXTS (1024,8192,32768), TOKENS (256), ORACLE_K (1,2,3,4),
 # FORCED (llama-8b:tensor-core: shape:family pairs also benched with that GEMV family forced, at FORCED_CONTEXTS
 # 1024,32768: the opt-in's numbers, what auto's choice weighs),
-# REPEATS (2), MAX_SEQ_LEN (33100), REPLAY (docs/bench/2026-12-04-copy-acceptance/traces.json; empty: none), TEST_BUDGET_S (330: the tests' share of the run), TEST_WORKERS (4),
+# REPEATS (2), MAX_SEQ_LEN (33100), REPLAY_TEXT (docs/bench/2026-12-04-cost-aware-drafter/texts.json; empty: none),
+# REPLAY (recorded (drafted, kept) traces, bench --replay; none by default), TEST_BUDGET_S (330: the tests' share
+# of the run), TEST_WORKERS (4),
 # MODELS_DIR (/tmp/models), EXPRESSLANE_COMMIT (the commit the tree is, for the table's title).
 # Output in OUTDIR: pytest.txt, bench.log, bench.jsonl, summary.txt (the table).
 set -uo pipefail
@@ -72,13 +74,13 @@ run_bench() {
   local out="$1" models="${MODELS_DIR:-/tmp/models}"
   mkdir -p "$models"
   : >"$out/bench.jsonl"
-  local replay="${REPLAY-docs/bench/2026-12-04-copy-acceptance/traces.json}"
+  local replay="${REPLAY-}" texts="${REPLAY_TEXT-docs/bench/2026-12-04-cost-aware-drafter/texts.json}"
   for shape in ${SHAPES:-llama-8b llama-1b}; do
     python3 scripts/gpu_make_shape_model.py "$shape" "$models/$shape" || return 1
     echo "== bench $shape"
     python3 -m expresslane.engine.decode.bench --model "$models/$shape" --device cuda --dtype bfloat16 \
       --contexts "${CONTEXTS:-1024,8192,32768}" --max-seq-len "${MAX_SEQ_LEN:-33100}" --tokens "${TOKENS:-256}" \
-      --oracle-k "${ORACLE_K:-1,2,3,4}" --lookup ${replay:+--replay "$replay"} --repeats "${REPEATS:-2}" \
+      --oracle-k "${ORACLE_K:-1,2,3,4}" --lookup ${replay:+--replay "$replay"} ${texts:+--replay-text "$texts"} --repeats "${REPEATS:-2}" \
       --json "$out/bench.jsonl" 2>&1 | tee -a "$out/bench.log"
     # a plain engine (no speculation: the CUDA-core GEMVs, models/lean.py) at the same contexts: the per-user
     # speed of a node that never speculates, the reference for a speculating node's plain steps
@@ -95,7 +97,7 @@ run_bench() {
     python3 scripts/gpu_make_shape_model.py "$shape" "$models/$shape" || return 1
     python3 -m expresslane.engine.decode.bench --model "$models/$shape" --device cuda --dtype bfloat16 \
       --contexts "${FORCED_CONTEXTS:-1024,32768}" --max-seq-len "${MAX_SEQ_LEN:-33100}" --tokens "${TOKENS:-256}" \
-      --lean-gemv "$family" --oracle-k 4 --lookup ${replay:+--replay "$replay"} --repeats "${REPEATS:-2}" \
+      --lean-gemv "$family" --oracle-k 4 --lookup ${replay:+--replay "$replay"} ${texts:+--replay-text "$texts"} --repeats "${REPEATS:-2}" \
       --json "$out/bench.jsonl" 2>&1 | tee -a "$out/bench.log"
   done
 }
@@ -112,7 +114,7 @@ rows = [json.loads(line) for line in open(sys.argv[1]) if line.strip()]
 # "x node": against an engine built without speculation at the same shape and context (the speed a node with
 # --speculation off gives; speculation on by default must keep >= 0.97x of it where nothing repeats)
 node = {(r["model"], r["context"]): r["tok_per_s"] for r in rows if not r.get("speculation_k", 1)}
-print(f"{'shape':10} {'gemv':11} {'ctx':>6} {'mode':18} {'tok/s':>8} {'of bound':>8} {'x plain':>7} {'x node':>6} {'accept':>6} "
+print(f"{'shape':10} {'gemv':11} {'ctx':>6} {'mode':19} {'tok/s':>8} {'of bound':>8} {'x plain':>7} {'x node':>6} {'accept':>6} "
       f"{'exact':>5} {'T=1 ms':>7} {'T=5/T=1':>7}")
 for r in rows:
     shape = r["model"].rstrip("/").rsplit("/", 1)[-1]
@@ -124,7 +126,7 @@ for r in rows:
     ob = f"{100 * r['of_bound']:.1f}%" if r.get("of_bound") else "-"
     acc = f"{spec.get('mean_acceptance', 0):.2f}" if r["mode"] != "plain" else "-"
     mode = r["mode"] if r.get("speculation_k", 1) else "plain-eng"  # an engine built without speculation
-    print(f"{shape:10} {str(r.get('gemv')):11} {r['context']:>6} {mode:18} {r['tok_per_s']:>8.1f} {ob:>8} {r['speedup']:>6.2f}x {xnode:>6} "
+    print(f"{shape:10} {str(r.get('gemv')):11} {r['context']:>6} {mode:19} {r['tok_per_s']:>8.1f} {ob:>8} {r['speedup']:>6.2f}x {xnode:>6} "
           f"{acc:>6} {str(r.get('matches_plain', '-')):>5} {times[1]:>7.3f} {ratio:>7.2f}")
 EOF
   } | tee "$out/summary.txt"

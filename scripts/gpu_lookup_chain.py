@@ -144,7 +144,7 @@ def run_shape(shape: str, contexts: list[int]) -> None:
                 chained = decode(engine, ctx, lookup, chain=True)
                 loop = decode(engine, ctx, lookup, chain=False)
             finally:
-                engine.set_drafter(SpeculationConfig().drafter)
+                engine.set_drafter(None)
             a, b = chained.pop("token_ids"), loop.pop("token_ids")
             row = dict(shape=shape, context=ctx, case=case, chain_tok_per_s=chained["tok_per_s"],
                        loop_tok_per_s=loop["tok_per_s"], speedup=chained["tok_per_s"] / loop["tok_per_s"],

@@ -28,6 +28,9 @@ minutes): 2000-step models gave code-edit 3.27 and 1.58 tokens per forward on tr
 earlier defaults (256-token windows, 1500 steps) it stops copying past the window: code-edit 1.22 tokens per
 forward over 256 output tokens.
 
+--texts FILE: also write each prompt and its greedy output (token ids), for `bench --replay-text FILE`, which
+runs the node's own drafter on that text at any model's step costs (the GPU check: the 8B and 1B shapes).
+
 --trace FILE: also write each prompt's speculation trace, the (drafted, kept) of every step of the node's
 default drafter (adaptive prompt lookup, k <= 4), for `python -m expresslane.engine.decode.bench --replay FILE`,
 which replays it on any model (the GPU check: the 8B shape).
@@ -106,7 +109,8 @@ def train(out: Path, tok_dir: Path, steps: int, seed: int, seq: int = SEQ) -> No
     print(f"copy model in {out} ({time.perf_counter() - t0:.0f}s of training)", flush=True)
 
 
-def measure(out: Path, tokens: int = 100, compile: bool = False, repeats: int = 3, trace: Path | None = None) -> None:
+def measure(out: Path, tokens: int = 100, compile: bool = False, repeats: int = 3, trace: Path | None = None,
+            texts: Path | None = None) -> None:
     sys.path.insert(0, str(REPO / "engine" / "src"))
     import json
 
@@ -138,6 +142,7 @@ def measure(out: Path, tokens: int = 100, compile: bool = False, repeats: int = 
     adaptive = engines["adaptive k<=4"]
     adaptive.set_drafter(lambda: RecordingDrafter(adaptive.speculation.drafter(), steps))
     traces = {}
+    recorded = {}  # name -> (prompt ids, plain greedy output)
     if compile:
         for e in engines.values():
             e.warmup()
@@ -159,6 +164,7 @@ def measure(out: Path, tokens: int = 100, compile: bool = False, repeats: int = 
                     traces[name.split(" ")[0]] = list(steps)  # the same steps every run (greedy, one model)
             runs[label] = best
         ref, _, t_plain = runs["plain"]
+        recorded[name.split(" ")[0]] = (ids, ref)
         print(f"{name}: prompt {len(ids)} tokens, {tokens} generated (best of {repeats}, "
               f"{'compiled' if compile else 'eager'} step)", flush=True)
         for label, (got, s, dt) in runs.items():
@@ -178,6 +184,15 @@ def measure(out: Path, tokens: int = 100, compile: bool = False, repeats: int = 
                     "--replay THIS_FILE", "commit": commit, "tokens": tokens,
             "traces": {k: [list(s) for s in v] for k, v in traces.items()}}, indent=None) + "\n")
         print(f"traces of {', '.join(traces)} in {trace}", flush=True)
+    if texts is not None:
+        commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
+                                text=True).stdout.strip()
+        texts.write_text(json.dumps({
+            "what": "each prompt and its greedy output (token ids, the first token included) on the copy model "
+                    f"{out.name} at commit {commit}; replay with the node's own drafter: python -m "
+                    "expresslane.engine.decode.bench --replay-text THIS_FILE", "commit": commit, "tokens": tokens,
+            "texts": {k: {"prompt": p, "output": o} for k, (p, o) in recorded.items()}}, indent=None) + "\n")
+        print(f"texts of {', '.join(recorded)} in {texts}", flush=True)
 
 
 def main() -> None:
@@ -191,6 +206,8 @@ def main() -> None:
     ap.add_argument("--compile", action="store_true", help="measure with the compiled step (as the launched stack)")
     ap.add_argument("--tokens", type=int, default=100)
     ap.add_argument("--trace", type=Path, default=None, help="write each prompt's speculation trace (JSON)")
+    ap.add_argument("--texts", type=Path, default=None,
+                    help="write each prompt and its greedy output (JSON, for bench --replay-text)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if not args.measure_only:
@@ -198,7 +215,7 @@ def main() -> None:
         if not (tok_dir / "tokenizer.json").exists():
             subprocess.run([sys.executable, str(REPO / "scripts/make_tiny_model.py"), str(tok_dir)], check=True)
         train(args.out, tok_dir, args.steps, args.seed, args.seq)
-    measure(args.out, tokens=args.tokens, compile=args.compile, trace=args.trace)
+    measure(args.out, tokens=args.tokens, compile=args.compile, trace=args.trace, texts=args.texts)
 
 
 if __name__ == "__main__":

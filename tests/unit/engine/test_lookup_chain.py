@@ -129,7 +129,7 @@ def drafter(engine: DecodeEngine, make, log: list):
     try:
         yield
     finally:
-        engine.set_drafter(SpeculationConfig().drafter)
+        engine.set_drafter(None)
 
 
 @contextlib.contextmanager
@@ -271,19 +271,23 @@ def test_lookup_hint_is_never_wrong_when_it_says_no(ngram):
         assert said_no >= 20
 
 
-def test_adaptive_hint_says_no_while_pausing():
-    from expresslane.engine.decode import AdaptiveDrafter, PromptLookupDrafter
+def test_adaptive_hint_says_no_where_drafting_does_not_pay():
+    """The adaptive wrapper's hint: no while drafting does not pay and no probe is due (the chain then queues
+    the next plain step), the inner drafter's answer otherwise (tests/unit/engine/test_adaptive_drafter.py
+    covers the policy)."""
+    from expresslane.engine.decode import AdaptiveDrafter, PromptLookupDrafter, StepCosts
 
-    d = AdaptiveDrafter(PromptLookupDrafter(2, 2), pause=2)
+    costly = StepCosts((0, 1), (1.0, 1.5), (1.0, 1.5))
+    d = AdaptiveDrafter(PromptLookupDrafter(2, 2), costly, pause=2)
     d.start([1, 2, 3, 1, 2])
-    assert d.may_draft_next()  # "2 3" is a key: after a 3, a draft
-    d.k = 1
+    assert d.may_draft_next()  # "2 3" is a key: after a 3, a draft (the prior pays for one)
     assert d.propose(4) == [3]  # "1 2" was followed by 3
-    d.extend([5])  # a miss at k = 1: a pause of 2 steps
-    for tok in (1, 2):
+    d.extend([5])  # a miss: alpha 1.6 / 3.4 = 0.47, and a draft costs half a step: no longer worth it
+    assert d.pause == 4  # and the pause doubles
+    for tok in (1, 2, 3, 1):
         assert not d.may_draft_next() and d.propose(4) == []
         d.extend([tok])
-    assert d.may_draft_next()  # the pause is over; "2 x" heads keys again
+    assert d.may_draft_next()  # the pause is over (a probe is due); "1 x" heads keys again
 
 
 # ------------------------------------------------------------------ every transition, an oracle drafter

@@ -5,12 +5,13 @@ the per-request opt-out, the budget (max_tokens, stop ids, max_seq_len) and the 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
 
 from expresslane.engine.decode import (AdaptiveDrafter, DecodeEngine, DraftModelDrafter, PromptLookupDrafter,
-                                       SamplingParams, SpeculationConfig)
+                                       SamplingParams, SpeculationConfig, StepCosts)
 
 from .test_engine_vs_transformers import dense_kv, hf_greedy
 
@@ -203,59 +204,44 @@ def test_compiled_cpu_step_with_verify_rows(hf_model):
     torch._dynamo.reset()
 
 
-class ScriptedDrafter:
-    """Always proposes k tokens; the test plays the engine (extend with kept drafts + one token)."""
-
-    def __init__(self):
-        self.asked: list[int] = []
-
-    def start(self, context):
-        pass
-
-    def propose(self, k):
-        self.asked.append(k)
-        return [0] * k
-
-    def extend(self, tokens):
-        pass
-
-
-def _step(d: AdaptiveDrafter, kept: int | None) -> int:
-    """One engine step: returns how many drafts were proposed; kept=None: all kept."""
-    drafts = d.propose(4)
-    n = len(drafts) if kept is None else min(kept, len(drafts))
-    d.extend([1] * (n + 1))
-    return len(drafts)
-
-
-def test_adaptive_k_backs_off_pauses_and_recovers():
-    d = AdaptiveDrafter(ScriptedDrafter(), pause=4, max_pause=16)
-    d.start([1, 2])
-    assert [_step(d, None) for _ in range(3)] == [4, 4, 4]  # all kept: full k
-    assert [_step(d, 0) for _ in range(3)] == [4, 2, 1]  # misses halve k
-    assert [_step(d, 0) for _ in range(5)] == [0, 0, 0, 0, 1]  # a miss at k = 1 pauses 4 steps, then probes
-    assert sum(_step(d, 0) for _ in range(9)) == 1  # the next miss pauses 8 steps, then one probe
-    assert [_step(d, 0) for _ in range(17)].count(1) == 1  # and so on, up to max_pause
-    assert [_step(d, 0) for _ in range(17)].count(1) == 1  # capped at 16: one probe per 17 steps
-    assert [_step(d, None) for _ in range(19)][-4:] == [0, 1, 2, 4]  # the probe after the pause is kept: k regrows
-    assert [_step(d, 1), _step(d, None)] == [4, 2]  # partial: kept 1 of 4 -> k = 2
-    d.start([3])  # a new request starts at full k again
-    assert _step(d, None) == 4
-
-
-def test_adaptive_k_is_exact_and_cheap_where_drafts_miss(engines):
-    """Always-wrong drafts behind the adaptive wrapper: output unchanged, and few verify forwards."""
+def test_adaptive_drafter_is_exact_and_cheap_where_drafts_miss(engines):
+    """Always-wrong drafts behind the adaptive wrapper, with verifies that cost what they do on a GPU's CUDA-core
+    step (each row half a step more): output unchanged, and few verify forwards (the first, then probes)."""
     _, spec, plain = engines
-    spec.set_drafter(lambda: AdaptiveDrafter(WrongDrafter(spec.vocab_size)))
+    costs = StepCosts((0, 256), (1.0, 1.5, 2.0, 2.5, 3.0), (1.0, 1.5, 2.0, 2.5, 3.0))
+    spec.set_drafter(lambda: AdaptiveDrafter(WrongDrafter(spec.vocab_size), costs))
     try:
         got, gen = _greedy(spec, LOOP_PROMPT, N_NEW)
     finally:
-        spec.set_drafter(SpeculationConfig().drafter)
+        spec.set_drafter(None)
     assert got == _greedy(plain, LOOP_PROMPT, N_NEW)[0]
     s = gen.spec
-    assert s.verify_steps <= 8 and s.plain_steps >= N_NEW - 10, s.as_dict()
+    assert 1 <= s.verify_steps <= 8 and s.plain_steps >= N_NEW - 10, s.as_dict()
     assert isinstance(SpeculationConfig().drafter(), AdaptiveDrafter)
     assert isinstance(SpeculationConfig(adaptive=False).drafter(), PromptLookupDrafter)
+
+
+def test_warmup_measures_the_step_costs_the_default_drafter_weighs(hf_model):
+    """warmup() times forwards of 1 .. k + 1 rows near the cache's start and end; the engine's default drafter
+    (and only it: a custom factory is the caller's) gets that table and the request's length; capabilities
+    show it."""
+    _, path, _ = hf_model
+    engine = DecodeEngine.from_pretrained(path, max_seq_len=128, speculation=SpeculationConfig(k=2))
+    assert not engine.step_costs.measured
+    engine.warmup(steps=2)
+    c = engine.step_costs
+    assert c.measured and c.lengths == (16, 128 - 3 - 1) and len(c.short) == len(c.long) == 3
+    assert all(a <= b for a, b in zip(c.short, c.short[1:])) and all(a <= b for a, b in zip(c.short, c.long))
+    assert engine.capabilities()["speculation"]["step_costs"] == c.as_dict()
+    d = engine.new_drafter(40)
+    assert isinstance(d, AdaptiveDrafter) and d.costs is c and d.start_length == 40
+    engine.set_drafter(lambda: PromptLookupDrafter())
+    assert isinstance(engine.new_drafter(40), PromptLookupDrafter)
+    engine.set_drafter(None)
+    assert isinstance(engine.new_drafter(40), AdaptiveDrafter)
+    off = DecodeEngine.from_pretrained(path, max_seq_len=64, speculation=None)
+    off.warmup(steps=2)
+    assert off.new_drafter(10) is None and not off.step_costs.measured and off.capabilities()["speculation"] is None
 
 
 def test_a_recorded_trace_replays_step_for_step(engines):
@@ -277,10 +263,77 @@ def test_a_recorded_trace_replays_step_for_step(engines):
         spec.set_drafter(lambda: ReplayDrafter(recorded, trace, spec.vocab_size))
         replayed, rep_gen = _greedy(spec, prompt, N_NEW, lookup=[0])  # no context to look anything up in
     finally:
-        spec.set_drafter(SpeculationConfig().drafter)
+        spec.set_drafter(None)
     assert recorded == replayed == expected
     assert len(trace) == rec_gen.spec.verify_steps + rec_gen.spec.plain_steps
     assert rec_gen.spec.accepted_tokens > 0 and any(d > a for d, a in trace), trace  # kept and missed drafts
     assert rep_gen.spec.as_dict() == rec_gen.spec.as_dict()
     with pytest.raises(ValueError, match="0 <= kept <= drafted"):
         ReplayDrafter(recorded, [(1, 2)], spec.vocab_size)
+
+
+def test_a_recorded_text_replays_the_drafter_and_the_simulation_matches_the_engine(engines):
+    """bench.py's TextReplayDrafter runs the node's drafter on a recorded request's text and has this model
+    verify what it picks there: replaying a request of this very model gives the same counters and tokens as
+    the request itself. And simulate_speedup, which plays the engine's loop over a fixed greedy output
+    without a model, takes the same steps as the engine did (how scripts/spec_policy_sim.py predicts a policy
+    at a GPU's measured costs)."""
+    from expresslane.engine.decode.bench import RecordingDrafter, TextReplayDrafter, simulate_speedup
+
+    model, spec, plain = engines
+    prompt = LOOP_PROMPT
+    expected, _ = hf_greedy(model, prompt, N_NEW)
+    lookup = prompt + expected[N_NEW // 2:]  # drafts kept in the second half, missed before
+    costs = StepCosts((0, 256), (1.0, 1.1, 1.2, 1.3, 1.4), (1.0, 1.2, 1.4, 1.6, 1.8))
+    steps: list[tuple[int, int]] = []
+    spec.set_drafter(lambda: RecordingDrafter(SpeculationConfig().drafter(costs, len(prompt)), steps))
+    try:
+        direct, gen = _greedy(spec, prompt, N_NEW, lookup=lookup)
+        engine_steps = list(steps)
+        spec.set_drafter(lambda: TextReplayDrafter(SpeculationConfig().drafter(costs, len(prompt)), lookup, direct,
+                                                   direct, spec.vocab_size))
+        replayed, rep_gen = _greedy(spec, prompt, N_NEW, lookup=[0])
+    finally:
+        spec.set_drafter(None)
+    assert direct == replayed == expected
+    assert gen.spec.accepted_tokens > 0 and gen.spec.drafted_tokens > gen.spec.accepted_tokens, gen.spec.as_dict()
+    assert rep_gen.spec.as_dict() == gen.spec.as_dict()
+    sim_steps: list[tuple[int, int]] = []
+    speedup = simulate_speedup(RecordingDrafter(SpeculationConfig().drafter(costs, len(prompt)), sim_steps),
+                               lookup, direct, costs, k=spec.speculation.k)
+    assert sim_steps == engine_steps and speedup > 1.0
+
+
+def test_text_replay_translates_drafts_to_this_model():
+    """Kept where the recorded output agrees, this model's continuation in their place, one wrong token where
+    the recorded output disagrees; nothing past the recorded output."""
+    from expresslane.engine.decode.bench import TextReplayDrafter, load_texts
+
+    class Fixed:
+        def __init__(self):
+            self.seen = []
+
+        def start(self, context):
+            self.seen = list(context)
+
+        def propose(self, k):
+            return [5, 6, 99, 8][:k]
+
+        def extend(self, tokens):
+            self.seen += list(tokens)
+
+    inner = Fixed()
+    d = TextReplayDrafter(inner, [1, 2], [4, 5, 6, 7, 8], [40, 50, 60, 70, 80], vocab_size=100)
+    d.start([0])
+    assert inner.seen == [1, 2, 4]
+    assert d.propose(4) == [50, 60, 71, 80]  # 5, 6 kept; 99 is not 7: this model's 70 + 1 there
+    d.extend([50, 60, 70])
+    assert inner.seen == [1, 2, 4, 5, 6, 7] and d.i == 4
+    assert d.propose(4) == [81]  # one recorded token left: one draft at most, wrong (5 is not 8)
+    d.extend([80])
+    assert d.propose(4) == [] and not d.may_draft_next()
+    with pytest.raises(ValueError, match="at least one output token"):
+        TextReplayDrafter(inner, [1], [], [1], vocab_size=10)
+    texts = load_texts(str(Path(__file__).resolve().parents[3] / "docs/bench/2026-12-04-cost-aware-drafter/texts.json"))
+    assert set(texts) == {"code-edit", "agentic", "code-edit-long"}
+    assert all(len(o) == 480 and len(p) > 200 for p, o in texts.values())

@@ -50,7 +50,8 @@ from .engine import (CUDA_GRAPH_CHOICES, DecodeEngine, Generation, default_atten
                      parse_dtype, resolve_cuda_graph)
 from .runner import StepMode, StepRunner
 from .sampling import HONOURED_SAMPLING_OPTIONS, SamplingParams
-from .speculative import AdaptiveDrafter, DraftModelDrafter, Drafter, PromptLookupDrafter, SpecStats, SpeculationConfig
+from .speculative import (AdaptiveDrafter, DraftModelDrafter, Drafter, PromptLookupDrafter, SpecStats,
+                          SpeculationConfig, StepCosts)
 
 __all__ = [
     "DecodeEngine",
@@ -72,4 +73,5 @@ __all__ = [
     "AdaptiveDrafter",
     "SpecStats",
     "SpeculationConfig",
+    "StepCosts",
 ]

@@ -3,7 +3,7 @@
     python -m expresslane.engine.decode.bench --model DIR [--dtype float32] [--device cpu] [--prompt-len 128]
         [--contexts 1024,8192] [--tokens 256] [--attention live|masked|split] [--compile]
         [--cuda-graph auto|on|off] [--lean auto|on|off] [--speculation-k K] [--oracle-k 1,2,3,4] [--lookup]
-        [--replay TRACES.json] [--threads N] [--json F]
+        [--replay TRACES.json] [--replay-text TEXTS.json] [--threads N] [--json F]
 
 For each context (prompt length) it prints tok/s of plain decoding and, with --oracle-k, of speculative
 decoding with an oracle drafter: the model's own greedy continuation (decoded first without speculation)
@@ -18,6 +18,10 @@ lookup on the repo's copy-and-continue model over code-edit and agentic prompts)
 the same number of drafts a step, the first `kept` of them the model's own greedy continuation and the next
 one wrong. So a large model verifies exactly the row counts, and keeps exactly the drafts, that the real
 drafter's request did, on text it cannot be trained to copy here (no checkpoint is downloaded).
+--replay-text runs the node's own drafter, with this engine's measured step costs, on recorded text (a prompt and
+the greedy output of the model it was recorded with: scripts/make_copy_model.py --texts): `TextReplayDrafter`
+plays the recorded request out under the drafter and has this model verify the row counts the drafter's policy
+picks there, keeping what it earned. A trace fixes the row counts; a text lets the policy choose them here.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ import torch
 
 from .engine import ATTENTION_MODES, CUDA_GRAPH_CHOICES, DecodeEngine
 from .sampling import SamplingParams
-from .speculative import SpeculationConfig
+from .speculative import SpeculationConfig, StepCosts
 
 
 def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30, reps: int = 10) -> float:
@@ -125,6 +129,90 @@ class ReplayDrafter:
         self.step += 1
 
 
+class TextReplayDrafter:
+    """A drafter run on a recorded request's text, its drafts translated to this model. The recorded request
+    (a prompt and its greedy output on the model it was recorded with: scripts/make_copy_model.py --texts)
+    plays out step by step under `inner` (the node's own drafter, given this engine's step costs); where it
+    proposes d drafts of which the first `kept` are the recorded output's next tokens, this drafter proposes d
+    tokens of which the first `kept` are this model's greedy continuation and the next one is not. So this
+    model verifies the row counts the drafter's policy picks on that text at this engine's costs, and keeps
+    what the drafter would have earned there. Past the recorded output it proposes nothing."""
+
+    def __init__(self, inner, prompt: list[int], output: list[int], continuation: list[int], vocab_size: int) -> None:
+        if not output:
+            raise ValueError("a recorded text needs at least one output token")
+        self.inner, self.prompt, self.output = inner, prompt, output
+        self.continuation, self.vocab = continuation, vocab_size
+        self.i = 1
+
+    def start(self, context) -> None:
+        self.i = 1  # output[0] / continuation[0]: the first token, already emitted
+        self.inner.start([*self.prompt, self.output[0]])
+
+    def may_draft_next(self) -> bool:
+        may = getattr(self.inner, "may_draft_next", None)
+        return self.i < len(self.output) - 1 and (may is None or may())
+
+    def propose(self, k: int) -> list[int]:
+        k = min(k, len(self.output) - self.i, len(self.continuation) - self.i)
+        if k <= 0:
+            return []
+        drafts = self.inner.propose(k)[:k]
+        kept = 0
+        while kept < len(drafts) and drafts[kept] == self.output[self.i + kept]:
+            kept += 1
+        out = self.continuation[self.i:self.i + kept]
+        if kept < len(drafts):
+            out.append((self.continuation[self.i + kept] + 1) % self.vocab)
+            out += self.continuation[self.i + kept + 1:self.i + len(drafts)]
+        return out
+
+    def extend(self, tokens) -> None:
+        n = min(len(tokens), len(self.output) - self.i)
+        if n > 0:
+            self.inner.extend(self.output[self.i:self.i + n])
+        self.i += len(tokens)
+
+
+def simulate_speedup(drafter, prompt: list[int], output: list[int], costs: StepCosts, k: int,
+                     verify_overhead: float = 0.0) -> float:
+    """Plain decoding's time over speculative decoding's for a recorded greedy request (prompt, output), with
+    `drafter` and step `costs` (at the row's position), without a model: the output is fixed, so a draft is
+    kept exactly where it matches it. verify_overhead: added to each verify's cost (what a host wait costs
+    beyond the costs' own; the engine's measured costs already hold it). The engine's loop, step for step."""
+    drafter.start([*prompt, output[0]])
+    pos, i, spec, plain = len(prompt), 1, 0.0, 0.0
+    while i < len(output):
+        room = len(output) - i - 1
+        drafts = drafter.propose(min(k, room)) if room > 0 else []
+        kept = 0
+        while kept < len(drafts) and drafts[kept] == output[i + kept]:
+            kept += 1
+        step = costs.at(pos, len(drafts) + 1)
+        spec += step[len(drafts)] + (verify_overhead if drafts else 0.0)
+        emitted = output[i:i + kept + 1]
+        plain += sum(costs.at(pos + j, 1)[0] for j in range(len(emitted)))
+        drafter.extend(emitted)
+        i += len(emitted)
+        pos += len(emitted)
+    return plain / spec if spec else 1.0
+
+
+def load_texts(path: str) -> dict[str, tuple[list[int], list[int]]]:
+    """{name: (prompt, output)} from a JSON file of {"texts": {name: {"prompt": [...], "output": [...]}}}."""
+    with open(path) as f:
+        data = json.load(f)
+    texts = data.get("texts") if isinstance(data, dict) else None
+    if not isinstance(texts, dict) or not texts:
+        raise ValueError(f"{path}: no 'texts' object of name -> {{prompt: [ids], output: [ids]}}")
+    out = {}
+    for name, t in texts.items():
+        if not isinstance(t, dict) or not t.get("output") or not isinstance(t.get("prompt"), list):
+            raise ValueError(f"{path}: text {name!r} needs a 'prompt' list and a non-empty 'output' list")
+        out[name] = ([int(x) for x in t["prompt"]], [int(x) for x in t["output"]])
+    return out
+
+
 def load_traces(path: str) -> dict[str, list[tuple[int, int]]]:
     """{name: [(drafted, kept), ...]} from a JSON file of {"traces": {name: [[d, a], ...]}}."""
     with open(path) as f:
@@ -182,7 +270,8 @@ def step_times(engine: DecodeEngine, start: int, reps: int = 50) -> dict[int, fl
 
 def bench_context(engine: DecodeEngine, prompt_len: int, tokens: int, repeats: int, oracle_ks: list[int],
                   bandwidth: float | None, seed: int = 0, lookup: bool = False,
-                  traces: dict[str, list[tuple[int, int]]] | None = None) -> list[dict]:
+                  traces: dict[str, list[tuple[int, int]]] | None = None,
+                  texts: dict[str, tuple[list[int], list[int]]] | None = None) -> list[dict]:
     gen_ = torch.Generator().manual_seed(seed)
     prompt = torch.randint(0, engine.vocab_size, (prompt_len,), generator=gen_).tolist()
     first = int(engine.prefill(prompt).argmax())
@@ -193,7 +282,7 @@ def bench_context(engine: DecodeEngine, prompt_len: int, tokens: int, repeats: i
     plain = time_decode(engine, prompt, first, tokens, repeats, speculative=False)
     rows.append({"context": prompt_len, "mode": "plain", **plain})
     saved = engine._drafter_factory
-    if saved is not None and lookup:
+    if engine.speculation is not None and saved is None and lookup:
         # The node's own drafter (prompt lookup, adaptive) on this prompt: on text that does not repeat it must
         # cost (almost) nothing against plain decoding, and it must not change a token.
         r = time_decode(engine, prompt, first, tokens, repeats, speculative=True, lookup_prompt=True)
@@ -212,6 +301,13 @@ def bench_context(engine: DecodeEngine, prompt_len: int, tokens: int, repeats: i
             r = time_decode(engine, prompt, first, tokens, repeats, speculative=True)
             r["matches_plain"] = r["token_ids"] == cont
             rows.append({"context": prompt_len, "mode": f"replay-{name}", **r})
+        for name, (t_prompt, t_output) in (texts or {}).items():
+            cont = plain["token_ids"]
+            engine.set_drafter(lambda c=cont, p=t_prompt, o=t_output: TextReplayDrafter(
+                engine.speculation.drafter(engine.step_costs, prompt_len), p, o, c, engine.vocab_size))
+            r = time_decode(engine, prompt, first, tokens, repeats, speculative=True)
+            r["matches_plain"] = r["token_ids"] == cont
+            rows.append({"context": prompt_len, "mode": f"text-{name}", **r})
     finally:
         engine._drafter_factory = saved
     engine.prefill(prompt)
@@ -219,6 +315,7 @@ def bench_context(engine: DecodeEngine, prompt_len: int, tokens: int, repeats: i
     for r in rows:
         r.pop("token_ids")
         r["step_ms_by_rows"] = {t: 1e3 * v for t, v in times.items()}
+        r["step_costs"] = engine.step_costs.as_dict()
         r.update(weight_gb=wbytes / 1e9, kv_gb=kv_bytes / 1e9, bound_tok_per_s=bound,
                  of_bound=r["tok_per_s"] / bound if bound else None,
                  speedup=r["tok_per_s"] / plain["tok_per_s"])
@@ -249,6 +346,9 @@ def main(argv: list[str] | None = None) -> None:
                     help="also decode with the engine's own drafter (prompt lookup, adaptive) on the same prompt")
     ap.add_argument("--replay", default=None,
                     help="also decode with each recorded speculation trace of this JSON file (ReplayDrafter)")
+    ap.add_argument("--replay-text", default=None,
+                    help="also decode with the node's own drafter on each recorded text of this JSON file "
+                         "(TextReplayDrafter: its policy, this engine's costs)")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--no-bound", action="store_true", help="skip the copy-bandwidth calibration")
@@ -267,6 +367,12 @@ def main(argv: list[str] | None = None) -> None:
         ap.error(f"--replay: {e}")
     if traces and not args.speculation_k:
         ap.error("--replay needs speculation (--speculation-k >= 1)")
+    try:
+        texts = load_texts(args.replay_text) if args.replay_text else None
+    except (OSError, ValueError) as e:
+        ap.error(f"--replay-text: {e}")
+    if texts and not args.speculation_k:
+        ap.error("--replay-text needs speculation (--speculation-k >= 1)")
     t0 = time.perf_counter()
     try:
         engine = DecodeEngine.from_pretrained(
@@ -287,7 +393,7 @@ def main(argv: list[str] | None = None) -> None:
           + (f" copy_bandwidth={bw / 1e9:.0f}GB/s" if bw else ""), flush=True)
     for ctx in contexts:
         results = bench_context(engine, ctx, args.tokens, args.repeats, oracle_ks, bw, lookup=args.lookup,
-                                traces=traces)
+                                traces=traces, texts=texts)
         times = results[0]["step_ms_by_rows"]
         t1 = times[1]
         print(f"context={ctx} forward ms by rows T: " + " ".join(f"T={t}:{v:.3f}" for t, v in times.items())

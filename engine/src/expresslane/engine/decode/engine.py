@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -18,7 +19,7 @@ from . import logprobs as lp
 from .grammar import BACKEND as GRAMMAR_BACKEND
 from .grammar import GrammarError, RequestGrammar
 from .sampling import HONOURED_SAMPLING_OPTIONS, Sampler, SamplingParams
-from .speculative import Drafter, SpecStats, SpeculationConfig
+from .speculative import Drafter, SpecStats, SpeculationConfig, StepCosts
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 ATTENTION_MODES = tuple(ATTENTION_ALIASES)
@@ -136,7 +137,10 @@ class DecodeEngine:
         # verified in one forward of up to k + 1 rows.
         self.speculation = speculation
         self.spec_stats = SpecStats()  # cumulative over requests (the server exports these)
-        self._drafter_factory = speculation.drafter if speculation else None
+        self._drafter_factory = None  # None: the config's default drafter (speculation.drafter), given step_costs
+        # What a forward of 1 .. max_rows rows costs here: the default drafter verifies as many drafts as pay for
+        # that (decode/speculative.py AdaptiveDrafter). Assumed until warmup() measures it.
+        self.step_costs = StepCosts.assumed()
         self.runner = StepRunner(model, self.cache, self.cos, self.sin, attention=kind, compile=compile,
                                  cuda_graph=cuda_graph, max_rows=1 + (speculation.k if speculation else 0),
                                  compile_mode=compile_mode, lean=lean, lean_gemv=lean_gemv)
@@ -180,10 +184,20 @@ class DecodeEngine:
 
     def set_drafter(self, factory) -> None:
         """Use another drafter (e.g. `lambda: DraftModelDrafter(small_engine)`): a callable returning a fresh
-        `Drafter` per request. Needs speculation configured (its k bounds the drafts)."""
+        `Drafter` per request; None: the default again (the config's, with this engine's step costs). Needs
+        speculation configured (its k bounds the drafts)."""
         if self.speculation is None:
             raise ValueError("speculation is off in this engine (speculation=None)")
         self._drafter_factory = factory
+
+    def new_drafter(self, start_length: int) -> Drafter | None:
+        """A fresh drafter for a request whose next token goes to position start_length (None: speculation
+        off)."""
+        if self.speculation is None:
+            return None
+        if self._drafter_factory is None:
+            return self.speculation.drafter(self.step_costs, start_length)
+        return self._drafter_factory()
 
     # ------------------------------------------------------------------ introspection
     @property
@@ -217,7 +231,8 @@ class DecodeEngine:
             "vocab_size": self.vocab_size,
             "speculative": self.speculation is not None,
             "speculation": ({"method": "prompt_lookup", "k": self.speculation.k,
-                             "ngram_min": self.speculation.ngram_min, "ngram_max": self.speculation.ngram_max}
+                             "ngram_min": self.speculation.ngram_min, "ngram_max": self.speculation.ngram_max,
+                             "adaptive": self.speculation.adaptive, "step_costs": self.step_costs.as_dict()}
                             if self.speculation else None),
             "step": self.runner.mode.value,
             "attention": self.attention,
@@ -251,8 +266,47 @@ class DecodeEngine:
         for _ in self.generate(0, n, SamplingParams(max_tokens=steps, temperature=1.0, top_p=0.9, top_k=5,
                                                     ignore_eos=True, presence_penalty=0.5, seed=0)):
             pass
+        if self.speculation is not None:
+            self.calibrate_step_costs()
         self.cached_tokens = 0
         self.spec_stats = SpecStats()
+
+    @torch.inference_mode()
+    def calibrate_step_costs(self, rounds: int = 3, reps: int = 5) -> StepCosts:
+        """Measure what a forward of 1 .. max_rows rows costs here, near the start of the cache and near its
+        end, keep it as `step_costs` (what the default drafter weighs a verify by) and return it. A one-row step
+        is timed back to back, as the greedy chain runs plain steps (the device a step ahead of the host); a
+        verify with the read of its rows' argmaxes after it, as the engine's verify reads them (the host waits).
+        Each figure is the fastest of `rounds` means of `reps` (noise on a shared host only adds), and costs
+        are made non-decreasing in the rows and in the length. Leaves the cache logically as it was (the rows
+        it writes lie past the live length)."""
+        rows_max = self.runner.max_rows
+        lengths = (min(16, self.max_seq_len - rows_max - 2), self.max_seq_len - rows_max - 1)
+        if lengths[0] < 1 or lengths[0] >= lengths[1]:
+            return self.step_costs  # a cache too short to tell two lengths apart: keep what we have
+        sync = (lambda: torch.cuda.synchronize(self.device)) if self.device.type == "cuda" else (lambda: None)
+        table = []
+        for pos in lengths:
+            costs = []
+            for r in range(1, rows_max + 1):
+                rows = self._arange[:r]
+                self.runner.forward(rows, pos).argmax(dim=-1).tolist()  # warm (graphs are captured already)
+                best = float("inf")
+                for _ in range(rounds):
+                    sync()
+                    t0 = time.perf_counter()
+                    for _ in range(reps):
+                        logits = self.runner.forward(rows, pos)
+                        if r > 1:
+                            logits.argmax(dim=-1).tolist()
+                    sync()
+                    best = min(best, (time.perf_counter() - t0) / reps)
+                costs.append(max(best, costs[-1] if costs else 0.0))
+            table.append(costs)
+        short, long = table
+        long = [max(a, b) for a, b in zip(short, long)]
+        self.step_costs = StepCosts(lengths, tuple(short), tuple(long))
+        return self.step_costs
 
     @torch.inference_mode()
     def prefill(self, token_ids: Sequence[int]) -> torch.Tensor:
@@ -303,8 +357,9 @@ class DecodeEngine:
         # prompt + output <= max_seq_len, like vLLM's max_model_len.
         limit = min(params.max_tokens, self.max_seq_len - gen.num_prompt_tokens)
         drafter: Drafter | None = None
-        if self.speculation and self._drafter_factory and params.speculative and sampler.supports_speculation:
-            drafter = self._drafter_factory()
+        if params.speculative and sampler.supports_speculation:
+            drafter = self.new_drafter(gen.num_prompt_tokens)
+        if drafter is not None:
             drafter.start([*params.prompt_token_ids, first_token_id])
         if k_lp is None and sampler.plain_greedy and self.greedy_chain:
             yield from self._run_chain(gen, first_token_id, limit, stop_ids, drafter)

@@ -8,9 +8,10 @@ written for rejected drafts lie past the new length, are never read (attention r
 and are overwritten by the next step.
 
 Drafters:
-* `AdaptiveDrafter` wraps the default drafter: it lowers k after rejections and stops drafting for a while
-  (probing again later, with growing pauses) where drafts keep missing, so speculation costs little where it
-  does not pay and full k where it does.
+* `AdaptiveDrafter` wraps the default drafter: each step it verifies the number of drafts that earns the most
+  tokens per unit of device time, from the acceptance this request's drafts have had and what a verify of
+  that many rows costs on this engine (`StepCosts`, measured at warm-up); where no number pays it takes plain
+  steps, probing one draft now and then at a cost bounded to 1 % of plain decoding.
 * `PromptLookupDrafter` (the default, wrapped): n-gram lookup over the prompt and the generated text. Agentic and
   code-edit traffic repeats its context, so the continuation of the latest earlier occurrence of the last n
   tokens is a good guess, at no model cost.
@@ -24,6 +25,7 @@ Drafters:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
@@ -55,17 +57,18 @@ class Drafter(Protocol):
 class SpeculationConfig:
     """Engine-wide speculation. k: most drafts per step (a step verifies up to k + 1 rows);
     ngram_min/max: n-gram lengths prompt lookup matches, longest first; adaptive: wrap the drafter in
-    `AdaptiveDrafter` (k follows acceptance, pauses where drafts miss)."""
+    `AdaptiveDrafter` (as many drafts a step as pay for their verify; none where none pays)."""
 
     k: int = 4
     ngram_min: int = 2
     ngram_max: int = 4
     adaptive: bool = True
 
-    def drafter(self) -> "Drafter":
-        """A fresh default drafter for one request."""
+    def drafter(self, costs: "StepCosts | None" = None, start_length: int = 0) -> "Drafter":
+        """A fresh default drafter for one request: costs, the engine's measured step costs (None: assumed);
+        start_length, the position the request's next token goes to (its prompt length)."""
         lookup = PromptLookupDrafter(self.ngram_min, self.ngram_max)
-        return AdaptiveDrafter(lookup) if self.adaptive else lookup
+        return AdaptiveDrafter(lookup, costs, start_length=start_length) if self.adaptive else lookup
 
     def __post_init__(self) -> None:
         if not 1 <= self.k <= 16:
@@ -123,6 +126,48 @@ class SpecStats:
                 "mean_acceptance": round(self.mean_acceptance, 4),
                 "tokens_per_forward": round(self.tokens_per_forward, 4),
                 "accepted_histogram": list(self.accepted_histogram)}
+
+
+@dataclass(frozen=True)
+class StepCosts:
+    """What one forward of R = 1, 2, .. rows costs (any unit; seconds where measured), at two context lengths:
+    `short[r - 1]` at `lengths[0]`, `long[r - 1]` at `lengths[1]`, linear in the length in between and beyond
+    (attention grows with it; at the 8B shape on an H200 a verify of 5 rows costs 1.08x a plain step at 1k and
+    1.41x at 32k with the tensor-core GEMVs). `DecodeEngine.calibrate_step_costs` measures them at warm-up;
+    `assumed()` stands in before that. A row count past the table costs what its last two rows add per row."""
+
+    lengths: tuple[int, int]
+    short: tuple[float, ...]
+    long: tuple[float, ...]
+    measured: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.short or len(self.short) != len(self.long):
+            raise ValueError("StepCosts needs the same non-empty row counts at both lengths")
+        if not self.lengths[0] < self.lengths[1]:
+            raise ValueError(f"StepCosts lengths must increase, got {self.lengths}")
+        if min(self.short + self.long) <= 0:
+            raise ValueError("step costs must be > 0")
+
+    @classmethod
+    def assumed(cls) -> "StepCosts":
+        """Before a measurement: each row past the first costs a quarter of a one-row step (between the GPU's
+        tensor-core GEMVs, about 0.02 at 1k, and its CUDA-core ones and a compiled CPU step, 0.3 - 0.5)."""
+        rows = tuple(1.0 + 0.25 * r for r in range(8))
+        return cls((0, 1), rows, rows, measured=False)
+
+    def at(self, length: int, rows: int) -> list[float]:
+        """Costs of 1 .. rows rows at `length` (clamped at 0 below)."""
+        (l0, l1), n = self.lengths, len(self.short)
+        f = (max(0, length) - l0) / (l1 - l0)
+        out = [max(1e-12, s + (l - s) * f) for s, l in zip(self.short, self.long)]
+        step = out[-1] - out[-2] if n > 1 else 0.0
+        out += [out[-1] + step * (i + 1) for i in range(rows - n)]
+        return out[:rows]
+
+    def as_dict(self) -> dict:
+        return {"lengths": list(self.lengths), "short": list(self.short), "long": list(self.long),
+                "measured": self.measured}
 
 
 class PromptLookupDrafter:
@@ -236,62 +281,109 @@ class DraftModelDrafter:
 
 
 class AdaptiveDrafter:
-    """Adaptive k around another drafter: how many drafts a step verifies follows how many the last verify
-    step kept. All kept: k doubles (up to the engine's k). Some kept (a of d): k = a + 1. None kept: k halves;
-    a miss at k = 1 pauses drafting for `pause` steps (plain forwards, no verify cost), and each further miss
-    at k = 1 doubles the pause up to `max_pause`; any kept draft ends the pauses. Worst case (drafts proposed
-    and always wrong): one 2-row verify every max_pause + 1 steps. The output is the target's either way.
+    """How many of the inner drafter's drafts a step verifies: the number that earns the most tokens per unit of
+    device time, from what this request's drafts have earned and what a verify costs on this engine.
 
-    It reads the outcome from the protocol alone: after a verify step of d drafts the engine extends with
-    the kept drafts plus one token of the target's, so kept = len(tokens) - 1."""
+    Acceptance: each draft is taken to be kept with probability `alpha` once the draft before it was; alpha is
+    kept / (kept + first misses) over this request's verify steps, each verify weighing the older counts by
+    `decay`, starting from the pseudo-counts `prior` (kept, missed), which decay with them (so a run of misses
+    takes alpha towards 0, not towards the prior). Cost: `StepCosts` at the request's current length (the
+    engine measures them at warm-up: a verify of d drafts is a forward of d + 1 rows). A step offered n drafts
+    verifies the d <= n that maximises (1 + alpha + ... + alpha^d) / cost(d + 1); d = 0 is a plain step, taken
+    wherever no d beats it.
 
-    def __init__(self, inner: Drafter, *, pause: int = 4, max_pause: int = 64) -> None:
-        if not 1 <= pause <= max_pause:
-            raise ValueError(f"need 1 <= pause <= max_pause, got {pause}, {max_pause}")
+    Probes: where drafting does not pay, no verify would ever update alpha again. So once `pause` plain steps
+    have run since the last verify, a step offered drafts verifies one (a probe). A probe that keeps nothing
+    and leaves drafting still not worth it doubles the pause, up to the pause at which probes cost `explore`
+    (1 %) of plain decoding: (cost(2) - cost(1)) / max_pause <= explore * cost(1); a kept draft resets it.
+    Worst case (drafts offered at every step and always wrong): the first few verifies (until alpha falls
+    below what a verify costs) plus `explore`. Measured against the previous rule (k doubling / halving with
+    fixed pauses) on the copy model's recorded text at the H200's measured costs:
+    docs/bench/2026-12-04-cost-aware-drafter/. The output is the target's either way.
+
+    It reads each outcome from the protocol alone: after a verify of d drafts the engine extends with the
+    kept drafts plus one token of the target's, so kept = len(tokens) - 1."""
+
+    def __init__(self, inner: Drafter, costs: "StepCosts | None" = None, *, start_length: int = 0,
+                 decay: float = 0.8, prior: tuple[float, float] = (2.0, 1.0), pause: int = 4,
+                 explore: float = 0.01) -> None:
+        if not 0.0 < decay <= 1.0:
+            raise ValueError(f"decay must be in (0, 1], got {decay}")
+        if prior[0] < 0 or prior[1] < 0 or sum(prior) <= 0:
+            raise ValueError(f"prior (kept, missed) must be >= 0 and not both 0, got {prior}")
+        if pause < 1 or not 0.0 < explore < 1.0:
+            raise ValueError(f"need pause >= 1 and 0 < explore < 1, got {pause}, {explore}")
         self.inner = inner
-        self.base_pause, self.max_pause = pause, max_pause
-        self.k: int | None = None  # current cap; None = the engine's k (first proposal)
-        self.pause = pause
-        self.skip = 0  # plain steps left before the next probe
-        self.k_max = 0  # the largest k the engine asked for
+        self.costs = costs if costs is not None else StepCosts.assumed()
+        self.decay, self.prior, self.base_pause, self.explore = decay, prior, pause, explore
+        self.start_length = start_length  # positions before the context's last token (see start)
+        self._reset()
+
+    def _reset(self) -> None:
+        self.kept, self.missed = self.prior  # decayed counts: kept drafts, verifies that missed one
+        self.pause = self.base_pause
+        self.since_verify = 0  # plain steps since the last verify
+        self.length = self.start_length
+        self.k_max = 0  # the most drafts the engine asked for
         self._drafted = 0
 
     def start(self, context: Sequence[int]) -> None:
-        self.k, self.pause, self.skip, self._drafted = None, self.base_pause, 0, 0
+        self._reset()
         self.inner.start(context)
 
+    @property
+    def alpha(self) -> float:
+        return self.kept / (self.kept + self.missed) if self.kept + self.missed > 0 else 0.0
+
+    def drafts_worth(self, offered: int) -> int:
+        """The number of drafts (0 .. offered) that earns the most tokens per unit of cost now."""
+        a = self.alpha
+        cost = self.costs.at(self.length, offered + 1)
+        best, best_d, expected, term = 1.0 / cost[0], 0, 1.0, 1.0
+        for d in range(1, offered + 1):
+            term *= a
+            expected += term
+            if expected / cost[d] > best:
+                best, best_d = expected / cost[d], d
+        return best_d
+
+    def _max_pause(self) -> int:
+        c = self.costs.at(self.length, 2)
+        return max(self.base_pause, math.ceil((c[1] - c[0]) / (self.explore * c[0])))
+
     def may_draft_next(self) -> bool:
-        """Not while pausing (the next proposal only counts the pause down); else as the inner drafter says."""
-        if self.skip > 0:
+        """False where the next proposal is surely empty: drafting does not pay and no probe is due; else as the
+        inner drafter says."""
+        if self.since_verify < self.pause and self.drafts_worth(max(1, self.k_max)) == 0:
             return False
         may = getattr(self.inner, "may_draft_next", None)
         return may is None or may()
 
     def propose(self, k: int) -> list[int]:
         self._drafted = 0
-        if self.skip > 0:
-            self.skip -= 1
-            return []
         self.k_max = max(self.k_max, k)
-        drafts = self.inner.propose(min(k, self.k) if self.k is not None else k)
-        self._drafted = len(drafts)
-        return drafts
+        drafts = self.inner.propose(k)
+        if not drafts:
+            return []
+        d = self.drafts_worth(len(drafts))
+        if d == 0 and self.since_verify >= self.pause:
+            d = 1  # a probe
+        self._drafted = d
+        return drafts[:d]
 
     def extend(self, tokens: Sequence[int]) -> None:
         d = self._drafted
         if d:
             kept = len(tokens) - 1
-            cur = self.k if self.k is not None else self.k_max
-            if kept >= d:
-                self.k = min(self.k_max, 2 * cur)
+            self.kept = self.kept * self.decay + kept
+            self.missed = self.missed * self.decay + (1 if kept < d else 0)
+            self.since_verify = 0
+            if kept:
                 self.pause = self.base_pause
-            elif kept > 0:
-                self.k = kept + 1
-                self.pause = self.base_pause
-            elif cur > 1:
-                self.k = cur // 2
-            else:  # a miss at k = 1: stop drafting for a while, longer each time
-                self.skip = self.pause
-                self.pause = min(self.max_pause, 2 * self.pause)
+            elif self.drafts_worth(1) == 0:
+                self.pause = min(self._max_pause(), 2 * self.pause)
+        else:
+            self.since_verify += 1
         self._drafted = 0
+        self.length += len(tokens)
         self.inner.extend(tokens)
