@@ -22,9 +22,9 @@ EXPRESS_ATTENTION="${EXPRESS_ATTENTION:-}"
 # sampling.speculative=false): on | off. EXPRESS_SPEC_K: most draft tokens per verify step (1-16; empty = 4).
 # On by default: the compiled step no longer compiles mid-stream (every shape a stream takes is compiled at
 # warmup: tests/unit/engine/test_no_recompile.py; a 1,500-token compiled stream's largest gap was 9 ms), and the
-# adaptive k (decode/speculative.py AdaptiveDrafter) pauses drafting where drafts keep missing, so a model or a
-# prompt that does not repeat pays about one 2-row verify every 65 tokens. Numbers:
-# docs/bench/2026-12-01-gpu-adaptive-k-max-autotune/.
+# adaptive drafter (decode/speculative.py AdaptiveDrafter) verifies as many drafts a step as pay for their verify
+# at the step costs the node measures at warm-up, and none where none pays (probes then cost at most 1 % of plain
+# decoding). Numbers: docs/bench/2026-12-04-cost-aware-drafter/.
 EXPRESS_SPECULATION="${EXPRESS_SPECULATION:-on}"
 EXPRESS_SPEC_K="${EXPRESS_SPEC_K:-}"
 # The lean CUDA step's GEMV kernels: auto | cuda-core | tensor-core (empty = auto = cuda-core: speculation never
