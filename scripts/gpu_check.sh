@@ -19,10 +19,11 @@
 # FORCED (llama-8b:tensor-core: shape:family pairs also benched with that GEMV family forced, at FORCED_CONTEXTS
 # 1024,32768: the opt-in's numbers, what auto's choice weighs),
 # REPEATS (2), MAX_SEQ_LEN (33100), REPLAY_TEXT (docs/bench/2026-12-04-cost-aware-drafter/texts.json; empty: none),
-# REPLAY (recorded (drafted, kept) traces, bench --replay; none by default), TEST_BUDGET_S (330: the tests' share
+# REPLAY (recorded (drafted, kept) traces, bench --replay; none by default), PROBE_ATTENTION (1: the verify
+# attention probe first, into verify-attention.jsonl), TEST_BUDGET_S (330: the tests' share
 # of the run), TEST_WORKERS (4),
 # MODELS_DIR (/tmp/models), EXPRESSLANE_COMMIT (the commit the tree is, for the table's title).
-# Output in OUTDIR: pytest.txt, bench.log, bench.jsonl, summary.txt (the table).
+# Output in OUTDIR: pytest.txt, bench.log, bench.jsonl, verify-attention.jsonl, summary.txt (the table).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 CARRY=.carry/gpu-check
@@ -75,6 +76,14 @@ run_bench() {
   mkdir -p "$models"
   : >"$out/bench.jsonl"
   local replay="${REPLAY-}" texts="${REPLAY_TEXT-docs/bench/2026-12-04-cost-aware-drafter/texts.json}"
+  # the verify's attention per row (the lean step's) against one program reading each tile for every row: time
+  # and bits at the 8B / 1B attention shapes (scripts/probe_verify_attention.py)
+  if [[ ${PROBE_ATTENTION:-1} == 1 ]]; then
+    echo "== verify attention: per-row vs shared"
+    : >"$out/verify-attention.jsonl"
+    python3 scripts/probe_verify_attention.py --contexts "${CONTEXTS:-1024,8192,32768}" \
+      --json "$out/verify-attention.jsonl" 2>&1 | tee -a "$out/bench.log"
+  fi
   for shape in ${SHAPES:-llama-8b llama-1b}; do
     python3 scripts/gpu_make_shape_model.py "$shape" "$models/$shape" || return 1
     echo "== bench $shape"
@@ -128,6 +137,16 @@ for r in rows:
     mode = r["mode"] if r.get("speculation_k", 1) else "plain-eng"  # an engine built without speculation
     print(f"{shape:10} {str(r.get('gemv')):11} {r['context']:>6} {mode:19} {r['tok_per_s']:>8.1f} {ob:>8} {r['speedup']:>6.2f}x {xnode:>6} "
           f"{acc:>6} {str(r.get('matches_plain', '-')):>5} {times[1]:>7.3f} {ratio:>7.2f}")
+EOF
+    [[ -s $out/verify-attention.jsonl ]] && python3 - "$out/verify-attention.jsonl" <<'EOF'
+import json, sys
+rows = [json.loads(line) for line in open(sys.argv[1]) if line.strip()]
+print("verify attention (one launch): per-row (the lean step's) vs shared, x the one-row step; exact: every row "
+      "its own one-row launch's bits")
+for r in rows:
+    if r["rows"] > 1:
+        print(f"  {r['shape']:9} ctx {r['context']:>6} R={r['rows']}  per-row {r['per_row_ms']:.4f} ms "
+              f"({r['per_row_x_t1']:.2f}x)  shared {r['shared_ms']:.4f} ms ({r['shared_x_t1']:.2f}x)  exact {r['exact']}")
 EOF
   } | tee "$out/summary.txt"
 }

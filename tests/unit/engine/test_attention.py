@@ -110,6 +110,46 @@ def test_split_kv_half_precision(dtype, request):
         assert err < 1e-2, (t, start, err)
 
 
+# (rows, start): row r is a one-row step at start + r. On CPU (8 splits, BLOCK_N 32 in float32) a split's chunk
+# grows from 32 to 64 rows as the length passes 256, and from 64 to 96 past 512: verifies across both, near the
+# start (most splits empty) and inside one chunk size. On a GPU (64 splits at hkv 2 on an H200, BLOCK_N 64 in
+# bf16) the boundaries are at multiples of 4,096.
+SHARED_CASES = ([(2, 0), (5, 1), (3, 40), (5, 253), (4, 510), (5, 600)] if DEVICE == "cpu" else
+                [(r, s) for r in (2, 3, 4, 5) for s in (0, 37, 4093, 8190, 20000)])
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32] + ([torch.bfloat16] if DEVICE == "cuda" else []))
+def test_the_shared_rows_kernel_is_each_rows_own_launch_bit_for_bit(dtype, request):
+    """split_kv_attention_rows(shared=True) reads each cache tile once for every row of a verify; each row's
+    output must still be the bits of that row's own one-row launch (and of the one-program-per-row kernel),
+    with a row's splits those of its own length, across chunk-size boundaries. Rows past the longest row's
+    length are poisoned: reading them shows as NaN."""
+    if _ran_in_fresh_process(request):
+        return
+    from expresslane.engine.models.triton_decode import SHARED_MAX_ROWS, split_kv_attention_rows
+
+    hkv, g, d = 2, 4, 64
+    s = 700 if DEVICE == "cpu" else 20100
+    k, v, gen = _case(17, s, hkv, g, d, dtype)
+    for rows, start in SHARED_CASES:
+        q = torch.randn(rows, hkv * g, d, generator=gen).to(DEVICE, dtype)
+        kp, vp = k.clone(), v.clone()
+        kp[start + rows:] = float("nan")
+        vp[start + rows:] = float("nan")
+        pos = torch.tensor([start], device=DEVICE)
+        shared = split_kv_attention_rows(q, kp, vp, pos, d ** -0.5, shared=True)
+        per_row = split_kv_attention_rows(q, kp, vp, pos, d ** -0.5)
+        assert not shared.isnan().any(), (rows, start)
+        assert torch.equal(shared, per_row), (rows, start)
+        for r in range(rows):
+            one = split_kv_attention(q[r:r + 1], kp, vp, torch.tensor([start + r], device=DEVICE), d ** -0.5)
+            assert torch.equal(shared[r], one[0]), (rows, start, r)
+    with pytest.raises(ValueError, match="at most"):
+        split_kv_attention_rows(torch.zeros(SHARED_MAX_ROWS + 1, hkv * g, d, device=DEVICE, dtype=dtype), k, v,
+                                torch.tensor([0], device=DEVICE), 1.0, shared=True)
+
+
 @pytest.mark.parametrize("kernel", ["bmm", pytest.param("native", marks=needs_cc)])
 def test_a_wrong_kernel_is_caught(kernel):
     """The bound is tight enough: reading one row too few changes the result far past it."""

@@ -108,6 +108,135 @@ def _split_kv_merge(acc_ptr, ml_ptr, out_ptr, stride_ot, stride_oh,
     tl.store(out_ptr + t * stride_ot + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty))
 
 
+@triton.jit
+def _row_bounds(start_row, split, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The key range [lo, hi) of `split` for a T = 1 step whose token is at start_row: _split_kv_partial's."""
+    kv_len = start_row + 1
+    chunk = tl.cdiv(tl.cdiv(kv_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = split * chunk
+    return lo, tl.minimum(lo + chunk, kv_len)
+
+
+@triton.jit
+def _row_tile(q, k, v, m_i, l_i, acc, cols, hi, row_pos, scale, IEEE: tl.constexpr):
+    """One tile of one row's online softmax, exactly _split_kv_partial's loop body for T = 1. k [D, BLOCK_N] and
+    v [BLOCK_N, D] were read once for every row, up to the longest row's end; the columns at or past this row's
+    hi are zeroed here as that kernel's masked loads zero them, so every operand is the one-row kernel's."""
+    col_ok = cols < hi
+    k = tl.where(col_ok[None, :], k, tl.zeros_like(k))
+    v = tl.where(col_ok[:, None], v, tl.zeros_like(v))
+    if IEEE:
+        s = tl.dot(q, k, input_precision="ieee")
+    else:
+        s = tl.dot(q, k)
+    s = s * scale
+    visible = col_ok[None, :] & (cols[None, :] <= row_pos)
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp(m_i - m_safe)
+    p = tl.exp(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if IEEE:
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _store_row(acc_ptr, ml_ptr, step, hkv, split, m_i, l_i, acc, rows, dims, NUM_SPLITS: tl.constexpr,
+               BLOCK_M: tl.constexpr, D: tl.constexpr):
+    base = ((step * tl.num_programs(0) + hkv) * NUM_SPLITS + split) * BLOCK_M
+    tl.store(acc_ptr + (base + rows)[:, None] * D + dims[None, :], acc)
+    tl.store(ml_ptr + (base + rows) * 2, m_i)
+    tl.store(ml_ptr + (base + rows) * 2 + 1, l_i)
+
+
+@triton.jit
+def _split_kv_partial_shared(q_ptr, k_ptr, v_ptr, start_ptr, acc_ptr, ml_ptr, scale,
+                             stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh,
+                             ROWS: tl.constexpr, G: tl.constexpr, D: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
+    """`_split_kv_partial` for ROWS (2 .. 5) one-row steps at start .. start + ROWS - 1 in ONE program per
+    (KV head, split): each cache tile of the split is read once, and each row's online softmax runs over it
+    with exactly the operations, operands and order of that row's own one-row program (the tiles in its own
+    range [lo_r, hi_r), which lie on the same BLOCK_N grid for every row), so each row's partials, and the merge
+    after them, are bit-identical to a one-row launch's. Same partial buffer layout as a rows launch."""
+    pdl_wait(PDL)
+    hkv = tl.program_id(0)
+    split = tl.program_id(1)
+    start = tl.load(start_ptr)
+    rows = tl.arange(0, BLOCK_M)  # row g: query head hkv * G + g
+    head = hkv * G + rows
+    row_ok = rows < G
+    dims = tl.arange(0, D)
+    q_off = head[:, None] * stride_qh + dims[None, :]
+    q0 = tl.load(q_ptr + q_off, mask=row_ok[:, None], other=0.0)
+    lo0, hi0 = _row_bounds(start, split, NUM_SPLITS, BLOCK_N)
+    m0 = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l0 = tl.zeros([BLOCK_M], tl.float32)
+    a0 = tl.zeros([BLOCK_M, D], tl.float32)
+    q1, q2, q3, q4 = q0, q0, q0, q0
+    lo1, lo2, lo3, lo4 = lo0, lo0, lo0, lo0
+    hi1, hi2, hi3, hi4 = hi0, hi0, hi0, hi0
+    m1, m2, m3, m4 = m0, m0, m0, m0
+    l1, l2, l3, l4 = l0, l0, l0, l0
+    a1, a2, a3, a4 = a0, a0, a0, a0
+    hi_all = hi0
+    if ROWS > 1:
+        q1 = tl.load(q_ptr + stride_qt + q_off, mask=row_ok[:, None], other=0.0)
+        lo1, hi1 = _row_bounds(start + 1, split, NUM_SPLITS, BLOCK_N)
+        hi_all = tl.maximum(hi_all, hi1)
+    if ROWS > 2:
+        q2 = tl.load(q_ptr + 2 * stride_qt + q_off, mask=row_ok[:, None], other=0.0)
+        lo2, hi2 = _row_bounds(start + 2, split, NUM_SPLITS, BLOCK_N)
+        hi_all = tl.maximum(hi_all, hi2)
+    if ROWS > 3:
+        q3 = tl.load(q_ptr + 3 * stride_qt + q_off, mask=row_ok[:, None], other=0.0)
+        lo3, hi3 = _row_bounds(start + 3, split, NUM_SPLITS, BLOCK_N)
+        hi_all = tl.maximum(hi_all, hi3)
+    if ROWS > 4:
+        q4 = tl.load(q_ptr + 4 * stride_qt + q_off, mask=row_ok[:, None], other=0.0)
+        lo4, hi4 = _row_bounds(start + 4, split, NUM_SPLITS, BLOCK_N)
+        hi_all = tl.maximum(hi_all, hi4)
+    # lo_r = split * chunk_r and chunk_r never shrinks as the row's length grows: row 0's lo is the smallest
+    for n0 in range(lo0, hi_all, BLOCK_N):
+        cols = n0 + tl.arange(0, BLOCK_N)
+        in_any = cols < hi_all
+        k = tl.load(k_ptr + cols[None, :] * stride_ks + hkv * stride_kh + dims[:, None],
+                    mask=in_any[None, :], other=0.0)  # [D, BLOCK_N]
+        v = tl.load(v_ptr + cols[:, None] * stride_vs + hkv * stride_vh + dims[None, :],
+                    mask=in_any[:, None], other=0.0)  # [BLOCK_N, D]
+        if n0 < hi0:
+            m0, l0, a0 = _row_tile(q0, k, v, m0, l0, a0, cols, hi0, start, scale, IEEE)
+        if ROWS > 1:
+            if (n0 >= lo1) & (n0 < hi1):
+                m1, l1, a1 = _row_tile(q1, k, v, m1, l1, a1, cols, hi1, start + 1, scale, IEEE)
+        if ROWS > 2:
+            if (n0 >= lo2) & (n0 < hi2):
+                m2, l2, a2 = _row_tile(q2, k, v, m2, l2, a2, cols, hi2, start + 2, scale, IEEE)
+        if ROWS > 3:
+            if (n0 >= lo3) & (n0 < hi3):
+                m3, l3, a3 = _row_tile(q3, k, v, m3, l3, a3, cols, hi3, start + 3, scale, IEEE)
+        if ROWS > 4:
+            if (n0 >= lo4) & (n0 < hi4):
+                m4, l4, a4 = _row_tile(q4, k, v, m4, l4, a4, cols, hi4, start + 4, scale, IEEE)
+    _store_row(acc_ptr, ml_ptr, 0, hkv, split, m0, l0, a0, rows, dims, NUM_SPLITS, BLOCK_M, D)
+    if ROWS > 1:
+        _store_row(acc_ptr, ml_ptr, 1, hkv, split, m1, l1, a1, rows, dims, NUM_SPLITS, BLOCK_M, D)
+    if ROWS > 2:
+        _store_row(acc_ptr, ml_ptr, 2, hkv, split, m2, l2, a2, rows, dims, NUM_SPLITS, BLOCK_M, D)
+    if ROWS > 3:
+        _store_row(acc_ptr, ml_ptr, 3, hkv, split, m3, l3, a3, rows, dims, NUM_SPLITS, BLOCK_M, D)
+    if ROWS > 4:
+        _store_row(acc_ptr, ml_ptr, 4, hkv, split, m4, l4, a4, rows, dims, NUM_SPLITS, BLOCK_M, D)
+
+
+#: The most rows `split_kv_attention_rows(..., shared=True)` takes in one program (a verify of 4 drafts).
+SHARED_MAX_ROWS = 5
+
+
 def num_splits_for(num_kv_heads: int, device: torch.device) -> int:
     """Enough programs to fill the GPU twice over: a power of two in [1, 64]."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
@@ -116,8 +245,9 @@ def num_splits_for(num_kv_heads: int, device: torch.device) -> int:
 
 
 def _split_kv(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start_pos: torch.Tensor,
-              scale: float, t: int, steps: int) -> torch.Tensor:
-    """q [t * steps, H, D]: `steps` launches' worth of T = t query rows (steps > 1 only with t = 1)."""
+              scale: float, t: int, steps: int, shared: bool = False) -> torch.Tensor:
+    """q [t * steps, H, D]: `steps` launches' worth of T = t query rows (steps > 1 only with t = 1). shared:
+    the steps in one program per (KV head, split) (_split_kv_partial_shared) instead of one each."""
     h, d = q.shape[1], q.shape[2]
     hkv = k_cache.shape[1]
     g = h // hkv
@@ -129,11 +259,17 @@ def _split_kv(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, sta
     out = torch.empty_like(q)
     ieee = q.dtype == torch.float32
     pdl, pdl_merge = use_pdl(q.device, "attn_partial"), use_pdl(q.device, "attn_merge")
-    _split_kv_partial[(steps, hkv, splits)](
-        q, k_cache, v_cache, start_pos, acc, ml, scale,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        T=t, G=g, D=d, NUM_SPLITS=splits, BLOCK_M=block_m, BLOCK_N=32 if ieee else 64, IEEE=ieee, PDL=pdl,
-        num_warps=4, launch_pdl=pdl)
+    strides = (q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1))
+    if shared and steps > 1:
+        _split_kv_partial_shared[(hkv, splits)](
+            q, k_cache, v_cache, start_pos, acc, ml, scale, *strides,
+            ROWS=steps, G=g, D=d, NUM_SPLITS=splits, BLOCK_M=block_m, BLOCK_N=32 if ieee else 64, IEEE=ieee,
+            PDL=pdl, num_warps=4, launch_pdl=pdl)
+    else:
+        _split_kv_partial[(steps, hkv, splits)](
+            q, k_cache, v_cache, start_pos, acc, ml, scale, *strides,
+            T=t, G=g, D=d, NUM_SPLITS=splits, BLOCK_M=block_m, BLOCK_N=32 if ieee else 64, IEEE=ieee, PDL=pdl,
+            num_warps=4, launch_pdl=pdl)
     _split_kv_merge[(hkv, g * t, steps)](acc, ml, out, out.stride(0), out.stride(1), T=t, G=g, D=d,
                                          NUM_SPLITS=splits, BLOCK_M=block_m, PDL=pdl_merge, num_warps=1,
                                          launch_pdl=pdl_merge)
@@ -148,10 +284,16 @@ def split_kv_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
 
 
 def split_kv_attention_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start_pos: torch.Tensor,
-                            scale: float) -> torch.Tensor:
+                            scale: float, shared: bool = False) -> torch.Tensor:
     """q [R, H, D]: R one-row steps in one launch, row r a T = 1 step at start_pos + r (its keys: rows
-    0 .. start_pos + r), each bit-identical to `split_kv_attention(q[r:r+1], ..., start_pos + r)`."""
-    return _split_kv(q, k_cache, v_cache, start_pos, scale, 1, q.shape[0])
+    0 .. start_pos + r), each bit-identical to `split_kv_attention(q[r:r+1], ..., start_pos + r)`.
+    shared (R <= SHARED_MAX_ROWS): one program per (KV head, split) reads each cache tile once for all R rows
+    instead of R programs reading it through L2 (the long-context verify's cost; not yet measured on a GPU,
+    so not the lean step's choice: scripts/probe_verify_attention.py times and compares the two)."""
+    r = q.shape[0]
+    if shared and r > SHARED_MAX_ROWS:
+        raise ValueError(f"the shared rows kernel takes at most {SHARED_MAX_ROWS} rows, got {r}")
+    return _split_kv(q, k_cache, v_cache, start_pos, scale, 1, r, shared=shared)
 
 
 @split_kv_attention.register_fake
