@@ -16,8 +16,9 @@
 # pytest, httpx and aiohttp, and no network: `prepare`'s folder travels with the run (the device tool's carry).
 # Environment: PLAIN_ENGINE (1: also bench an engine built without speculation),
 # SHAPES (llama-8b llama-1b), CONTEXTS (1024,8192,32768), TOKENS (256), ORACLE_K (1,2,3,4),
-# FORCED (llama-8b:tensor-core: shape:family pairs also benched with that GEMV family forced, at FORCED_CONTEXTS
-# 1024,32768: the opt-in's numbers, what auto's choice weighs),
+# FORCED (llama-8b:tensor-core:shared: shape:family[:verify attention] also benched with that GEMV family (and
+# verify attention, models/lean.py; per-row when absent) forced, at FORCED_CONTEXTS 1024,32768: the opt-in's
+# numbers, what auto's choice weighs; the tensor-core per-row rows are docs/bench/2026-12-04-gpu-check/'s),
 # REPEATS (2), MAX_SEQ_LEN (33100), REPLAY_TEXT (docs/bench/2026-12-04-cost-aware-drafter/texts.json; empty: none),
 # REPLAY (recorded (drafted, kept) traces, bench --replay; none by default), PROBE_ATTENTION (1: the verify
 # attention probe first, into verify-attention.jsonl), TEST_BUDGET_S (330: the tests' share
@@ -100,13 +101,15 @@ run_bench() {
   done
   # shapes benched again with a GEMV family forced (models/lean.py: auto is cuda-core), at the shortest and
   # longest context: the opt-in's numbers, what auto's choice weighs (the one-row step against the verify)
-  local pair shape family
-  for pair in ${FORCED-llama-8b:tensor-core}; do
-    shape="${pair%%:*}" family="${pair#*:}"
+  local pair shape family attn rest
+  for pair in ${FORCED-llama-8b:tensor-core:shared}; do
+    shape="${pair%%:*}" rest="${pair#*:}"
+    family="${rest%%:*}" attn="per-row"
+    [[ $rest == *:* ]] && attn="${rest#*:}"
     python3 scripts/gpu_make_shape_model.py "$shape" "$models/$shape" || return 1
     python3 -m expresslane.engine.decode.bench --model "$models/$shape" --device cuda --dtype bfloat16 \
       --contexts "${FORCED_CONTEXTS:-1024,32768}" --max-seq-len "${MAX_SEQ_LEN:-33100}" --tokens "${TOKENS:-256}" \
-      --lean-gemv "$family" --oracle-k 4 --lookup ${replay:+--replay "$replay"} ${texts:+--replay-text "$texts"} --repeats "${REPEATS:-2}" \
+      --lean-gemv "$family" --verify-attention "$attn" --oracle-k 4 --lookup ${replay:+--replay "$replay"} ${texts:+--replay-text "$texts"} --repeats "${REPEATS:-2}" \
       --json "$out/bench.jsonl" 2>&1 | tee -a "$out/bench.log"
   done
 }
@@ -135,7 +138,8 @@ for r in rows:
     ob = f"{100 * r['of_bound']:.1f}%" if r.get("of_bound") else "-"
     acc = f"{spec.get('mean_acceptance', 0):.2f}" if r["mode"] != "plain" else "-"
     mode = r["mode"] if r.get("speculation_k", 1) else "plain-eng"  # an engine built without speculation
-    print(f"{shape:10} {str(r.get('gemv')):11} {r['context']:>6} {mode:19} {r['tok_per_s']:>8.1f} {ob:>8} {r['speedup']:>6.2f}x {xnode:>6} "
+    gemv = str(r.get('gemv')) + ("+sh" if r.get("verify_attention") == "shared" else "")
+    print(f"{shape:10} {gemv:11} {r['context']:>6} {mode:19} {r['tok_per_s']:>8.1f} {ob:>8} {r['speedup']:>6.2f}x {xnode:>6} "
           f"{acc:>6} {str(r.get('matches_plain', '-')):>5} {times[1]:>7.3f} {ratio:>7.2f}")
 EOF
     [[ -s $out/verify-attention.jsonl ]] && python3 - "$out/verify-attention.jsonl" <<'EOF'

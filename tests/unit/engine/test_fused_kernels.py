@@ -464,15 +464,18 @@ VERIFY_CASES = ([(torch.float32, 3, 37)] if DEVICE == "cpu" else
                 [(dt, r, pos) for dt in DTYPES for r in range(2, fused.MAX_ROWS + 1) for pos in (37, 63, 64, 126)])
 
 
-@pytest.mark.parametrize("gemv", ["tensor-core", "cuda-core"])
+@pytest.mark.parametrize("gemv,attn", [("tensor-core", "per-row"), ("cuda-core", "per-row"), ("cuda-core", "shared")]
+                         + ([("tensor-core", "shared")] if DEVICE == "cuda" else []))
 @pytest.mark.parametrize("dtype,rows,pos", VERIFY_CASES)
 @pytest.mark.parametrize("bias,tied", [(True, True)] + ([(False, False)] if DEVICE == "cuda" else []))
-def test_each_verify_row_is_the_one_row_step_bit_for_bit(dtype, rows, pos, bias, tied, gemv):
+def test_each_verify_row_is_the_one_row_step_bit_for_bit(dtype, rows, pos, bias, tied, gemv, attn):
+    """attn: the verify's attention (models/lean.py VERIFY_ATTENTION); the one-row step is the same either way."""
     cfg, model, cos, sin, k, v = _lean_case(bias, tied, dtype, seed=11, s=160)
     k1, v1 = k.clone(), v.clone()
     tokens = torch.tensor([11, 3, 90, 42, 7][:rows], device=DEVICE)
     with torch.no_grad():
         lean = LeanStep(model, cos, sin, list(k.unbind(0)), list(v.unbind(0)), max_rows=fused.MAX_ROWS, gemv=gemv)
+        lean.set_verify_attention(attn)
         verify = lean.forward(tokens, torch.tensor([pos], device=DEVICE)).clone()
         # the one-row step of a lean step built for the same rows (the engine's: one block shape for every row
         # count), on a cache of its own
@@ -534,3 +537,8 @@ def test_the_lean_step_refuses_more_rows_than_it_was_built_for():
         lean.forward(torch.tensor([1, 2, 3], device=DEVICE), torch.tensor([0], device=DEVICE))
     with pytest.raises(ValueError, match="takes 1..5 rows"):
         LeanStep(model, cos, sin, [], [], max_rows=fused.MAX_ROWS + 1)
+    assert lean.verify_attention == "per-row"
+    lean.set_verify_attention("shared")
+    assert lean.verify_attention == "shared"
+    with pytest.raises(ValueError, match="one of per-row, shared"):
+        lean.set_verify_attention("fused")

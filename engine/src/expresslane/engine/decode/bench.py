@@ -340,6 +340,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--lean-gemv", choices=["auto", "cuda-core", "tensor-core"], default="auto",
                     help="the lean step's GEMV kernels (models/lean.py; auto: cuda-core; tensor-core: the "
                          "cheap verify, for traffic that repeats)")
+    ap.add_argument("--verify-attention", choices=["per-row", "shared"], default="per-row",
+                    help="the lean step's verify attention (models/lean.py VERIFY_ATTENTION)")
     ap.add_argument("--speculation-k", type=int, default=4, help="most drafts per verify step (0: off)")
     ap.add_argument("--oracle-k", default="", help="acceptance sweep: comma-separated k for the oracle drafter")
     ap.add_argument("--lookup", action="store_true",
@@ -381,6 +383,8 @@ def main(argv: list[str] | None = None) -> None:
             speculation=SpeculationConfig(k=args.speculation_k) if args.speculation_k else None,
             lean_gemv=args.lean_gemv)
         engine.runner.set_lean(CUDA_GRAPH_CHOICES[args.lean])
+        if args.verify_attention != "per-row":
+            engine.runner.set_verify_attention(args.verify_attention)
         engine.warmup()
     except (OSError, ValueError) as e:  # missing checkpoint, unsupported model, bad option combination
         ap.error(str(e))
@@ -388,7 +392,8 @@ def main(argv: list[str] | None = None) -> None:
     gemv = engine.runner.lean_gemv
     bw = None if args.no_bound else copy_bandwidth(engine.device)
     print(f"model={args.model} type={engine.config.model_type} dtype={args.dtype} device={args.device} "
-          f"attention={engine.attention} step={engine.runner.mode.value} gemv={gemv} compile_mode={args.compile_mode} threads={torch.get_num_threads()} "
+          f"attention={engine.attention} step={engine.runner.mode.value} gemv={gemv} "
+          f"verify_attention={engine.runner.verify_attention} compile_mode={args.compile_mode} threads={torch.get_num_threads()} "
           f"max_seq_len={max_seq_len} load+warmup_s={load_s:.1f} weights={engine.weight_bytes() / 1e9:.3f}GB"
           + (f" copy_bandwidth={bw / 1e9:.0f}GB/s" if bw else ""), flush=True)
     for ctx in contexts:
@@ -410,6 +415,7 @@ def main(argv: list[str] | None = None) -> None:
                 with open(args.json, "a") as f:
                     f.write(json.dumps({"model": args.model, "dtype": args.dtype, "attention": engine.attention,
                                         "step": engine.runner.mode.value, "gemv": gemv,
+                                        "verify_attention": engine.runner.verify_attention,
                                         "speculation_k": args.speculation_k, **r}) + "\n")
 
 

@@ -114,6 +114,18 @@ class StepRunner:
         else:
             self._lean = None
 
+    def set_verify_attention(self, kind: str) -> None:
+        """The lean step's verify attention (models/lean.py VERIFY_ATTENTION: per-row, the default, or shared);
+        the graphs are captured again. ValueError without the lean step."""
+        if self._lean is None:
+            raise ValueError("the verify attention is the lean step's: no lean step here")
+        self._lean.set_verify_attention(kind)
+        self._graphs.clear()
+
+    @property
+    def verify_attention(self) -> str | None:
+        return self._lean.verify_attention if self._lean is not None else None
+
     @property
     def lean(self) -> bool:
         return self._lean is not None

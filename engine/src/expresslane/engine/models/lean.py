@@ -46,6 +46,10 @@ from .triton_decode import split_kv_attention_rows
 
 
 GEMV_FAMILIES = ("auto", "cuda-core", "tensor-core")
+#: How a verify's attention runs (models/triton_decode.py split_kv_attention_rows): per-row (the default: one
+#: program per row, side by side so the rows share the cache reads through L2) or shared (one program reads each
+#: cache tile once for every row; each row's bits the same; a candidate until the GPU check measures it).
+VERIFY_ATTENTION = ("per-row", "shared")
 
 
 def gemv_family(choice: str = "auto") -> str:
@@ -74,6 +78,7 @@ class LeanStep:
         self.k_layers, self.v_layers = k_layers, v_layers
         self.max_rows = max_rows
         self.gemv = gemv_family(gemv)
+        self.verify_attention = "per-row"
         p = next(model.parameters())
         dtype, device = p.dtype, p.device
         # Each row count's own buffers (a captured graph's output stays valid until that graph replays again).
@@ -95,6 +100,12 @@ class LeanStep:
         self.token_ring = torch.full((self.RING,), -1, dtype=torch.int64, pin_memory=device.type == "cuda")
         if device.type != "cuda":
             self.token_ring = self.token_ring.to(device)
+
+    def set_verify_attention(self, kind: str) -> None:
+        """per-row or shared (VERIFY_ATTENTION); a captured graph keeps the kernel it was captured with."""
+        if kind not in VERIFY_ATTENTION:
+            raise ValueError(f"verify attention {kind!r}: one of {', '.join(VERIFY_ATTENTION)}")
+        self.verify_attention = kind
 
     @staticmethod
     def unsupported_reason(model: Transformer) -> str | None:
@@ -120,15 +131,16 @@ class LeanStep:
             raise ValueError("the greedy step takes one row")
         x, q, h, logits = self._bufs[r]
         torch.index_select(m.embed_tokens.weight, 0, tokens, out=x)
+        shared = r > 1 and self.verify_attention == "shared"
         if self.gemv == "tensor-core":
-            return self._forward_dot(tokens, start, greedy, x, q, h, logits, self._normed[r])
+            return self._forward_dot(tokens, start, greedy, x, q, h, logits, self._normed[r], shared)
         q3 = q.view(r, cfg.num_heads, cfg.head_dim)
         for layer, kc, vc in zip(m.layers, self.k_layers, self.v_layers):
             att = layer.self_attn
             fused.norm_qkv_rope(x, layer.input_layernorm.weight, layer.input_layernorm.eps,
                                 att.qkv_proj.weight, att.qkv_proj.bias, self.cos, self.sin, start, q, kc, vc,
                                 cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, max_rows=self.max_rows)
-            out = split_kv_attention_rows(q3, kc, vc, start, att.scale)
+            out = split_kv_attention_rows(q3, kc, vc, start, att.scale, shared=shared)
             fused.gemv_residual(out.view(r, -1), att.o_proj.weight, att.o_proj.bias, x, max_rows=self.max_rows)
             mlp = layer.mlp
             fused.norm_gate_up_silu(x, layer.post_attention_layernorm.weight,
@@ -141,7 +153,7 @@ class LeanStep:
             fused.greedy_advance(self.argmax_keys, keys, tokens, start, self.token_ring, self.greedy_seq)
         return logits
 
-    def _forward_dot(self, tokens, start, greedy, x, q, h, logits, xn) -> torch.Tensor:
+    def _forward_dot(self, tokens, start, greedy, x, q, h, logits, xn, shared) -> torch.Tensor:
         """forward's layers with the tensor-core family (models/fused_dot.py)."""
         m, cfg = self.model, self.cfg
         r = tokens.shape[0]
@@ -151,7 +163,7 @@ class LeanStep:
             fused_dot.rms_rows(x, layer.input_layernorm.weight, layer.input_layernorm.eps, xn)
             fused_dot.qkv_rope(xn, att.qkv_proj.weight, att.qkv_proj.bias, self.cos, self.sin, start, q, kc, vc,
                                cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
-            out = split_kv_attention_rows(q3, kc, vc, start, att.scale)
+            out = split_kv_attention_rows(q3, kc, vc, start, att.scale, shared=shared)
             fused_dot.gemv_residual(out.view(r, -1), att.o_proj.weight, att.o_proj.bias, x)
             fused_dot.rms_rows(x, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps, xn)
             fused_dot.gate_up_silu(xn, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, h)
