@@ -60,6 +60,16 @@ def build_engine(config: ServerConfig) -> DecodeEngine:
              time.perf_counter() - t0, engine.config.model_type, config.dtype, config.device, config.max_seq_len,
              engine.weight_bytes() / 1e6, engine.attention, engine.compile, engine.cuda_graph,
              engine.runner.lean, engine.runner.lean_gemv, f"k={config.spec_k}" if config.speculation else "off")
+    if engine.speculation is not None:
+        c = engine.step_costs
+        rel = lambda costs: " ".join(f"{t / costs[0]:.2f}" for t in costs)  # noqa: E731
+        if c.measured:
+            log.info("step costs, what the drafter weighs a verify by (1..%d rows, x one row): at %d tokens %s "
+                     "(one row %.3f ms), at %d tokens %s (one row %.3f ms)", len(c.short), c.lengths[0], rel(c.short),
+                     1e3 * c.short[0], c.lengths[1], rel(c.long), 1e3 * c.long[0])
+        else:
+            log.info("step costs assumed, not measured (no warm-up): 1..%d rows cost %s x one row", len(c.short),
+                     rel(c.short))
     return engine
 
 
