@@ -21,7 +21,7 @@
 # numbers, what auto's choice weighs; the tensor-core per-row rows are docs/bench/2026-12-04-gpu-check/'s),
 # REPEATS (2), MAX_SEQ_LEN (33100), REPLAY_TEXT (docs/bench/2026-12-04-cost-aware-drafter/texts.json; empty: none),
 # REPLAY (recorded (drafted, kept) traces, bench --replay; none by default), PROBE_ATTENTION (1: the verify
-# attention probe first, into verify-attention.jsonl), TEST_BUDGET_S (330: the tests' share
+# attention probe first, into verify-attention.jsonl), TEST_BUDGET_S (400: the tests' share
 # of the run), TEST_WORKERS (4),
 # MODELS_DIR (/tmp/models), EXPRESSLANE_COMMIT (the commit the tree is, for the table's title).
 # Output in OUTDIR: pytest.txt, bench.log, bench.jsonl, verify-attention.jsonl, summary.txt (the table).
@@ -62,7 +62,7 @@ install_carried() {  # into /tmp/site, once per machine
 }
 
 run_tests() {
-  local out="$1" budget="${TEST_BUDGET_S:-330}"
+  local out="$1" budget="${TEST_BUDGET_S:-400}"
   echo "== tests (at most ${budget} s)"
   # -p no:cacheprovider: the tree is a copy; --timeout: a hung test fails and the rest still run; -n: xdist
   # workers (the machine's 16 cores compile the Triton kernels; a worker that crashes is named with its test and
