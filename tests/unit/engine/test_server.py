@@ -367,6 +367,13 @@ def test_speculation_histogram_and_capabilities(node, reference):
     buckets = [metric(client, f"{name}_bucket", f'le="{le}"') for le in ("0", "1", "2", "3", "4", "+Inf")]
     assert buckets == sorted(buckets) and buckets[-1] == buckets[-2] == steps  # k=4: nothing above 4
     assert buckets[-1] > buckets[0]  # some verify steps kept drafts
+    # the step costs the drafter weighs a verify by: measured at warm-up, in capabilities and as a gauge
+    costs = caps["speculation"]["step_costs"]
+    assert costs["measured"] and len(costs["short"]) == len(costs["long"]) == 5
+    for length, row_costs in zip(costs["lengths"], (costs["short"], costs["long"])):
+        for rows, seconds in enumerate(row_costs, start=1):
+            got = metric(client, "expresslane_decode_spec_step_seconds", f'context_tokens="{length}",rows="{rows}"')
+            assert got == pytest.approx(seconds), (rows, length)
 
 
 def test_speculative_must_be_a_boolean(node):

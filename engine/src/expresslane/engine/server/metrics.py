@@ -6,10 +6,10 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from ..decode import SpecStats
+from ..decode import SpecStats, StepCosts
 
 STATUSES = ("ok", "bad_request", "busy", "not_reserved", "not_ready", "cancelled", "kv_timeout", "kv_transfer_failed",
             "stalled", "deadline", "unsupported", "error")
@@ -78,12 +78,14 @@ class SpeculationCollector(Collector):
     """The engine's cumulative speculation counters (DecodeEngine.spec_stats), read at scrape time: the engine is
     the one place they are counted, so the node can never count a step twice or miss a cancelled request's steps.
     The engine adds a request's counters when its generation ends. accepted_per_verify_step: a histogram of
-    draft tokens kept per verify step (buckets 0..k), from the engine's accepted_histogram."""
+    draft tokens kept per verify step (buckets 0..k), from the engine's accepted_histogram. step_seconds{rows,
+    context_tokens}: what a forward of that many rows took at warm-up near the cache's start and end (the step
+    costs the drafter weighs a verify by: DecodeEngine.calibrate_step_costs); absent until measured."""
 
     PREFIX = "expresslane_decode_spec_"
 
-    def __init__(self, stats: Callable[[], SpecStats], k: int) -> None:
-        self._stats, self._k = stats, k
+    def __init__(self, stats: Callable[[], SpecStats], k: int, costs: Callable[[], StepCosts] | None = None) -> None:
+        self._stats, self._k, self._costs = stats, k, costs
 
     def describe(self) -> list[Metric]:
         return []  # collected lazily: the engine's numbers, not samples the registry must know up front
@@ -107,3 +109,12 @@ class SpeculationCollector(Collector):
         total = sum(n * c for n, c in enumerate(hist))
         yield HistogramMetricFamily(p + "accepted_per_verify_step", "Draft tokens kept per verify step",
                                     buckets=buckets, sum_value=total)
+        costs = self._costs() if self._costs is not None else None
+        if costs is not None and costs.measured:
+            g = GaugeMetricFamily(p + "step_seconds", "Seconds of a forward of `rows` rows at `context_tokens`, "
+                                  "measured at warm-up (what the drafter weighs a verify by)",
+                                  labels=["rows", "context_tokens"])
+            for length, row_costs in zip(costs.lengths, (costs.short, costs.long)):
+                for rows, seconds in enumerate(row_costs, start=1):
+                    g.add_metric([str(rows), str(length)], seconds)
+            yield g
