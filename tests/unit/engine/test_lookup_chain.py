@@ -284,10 +284,14 @@ def test_adaptive_hint_says_no_where_drafting_does_not_pay():
     assert d.propose(4) == [3]  # "1 2" was followed by 3
     d.extend([5])  # a miss: alpha 1.6 / 3.4 = 0.47, and a draft costs half a step: no longer worth it
     assert d.pause == 4  # and the pause doubles
-    for tok in (1, 2, 3, 1):
+    for tok in (1, 2, 3):
         assert not d.may_draft_next() and d.propose(4) == []
         d.extend([tok])
-    assert d.may_draft_next()  # the pause is over (a probe is due); "1 x" heads keys again
+    # asked after the third plain step: the next proposal follows a fourth, when a probe is due; "3 x" heads keys
+    assert d.may_draft_next()
+    assert d.propose(4) == [] and d.since_verify == 3  # this step's own proposal is still inside the pause
+    d.extend([1])
+    assert d.propose(4) == [2]  # the probe: "3 1" was followed by 2
 
 
 # ------------------------------------------------------------------ every transition, an oracle drafter

@@ -18,7 +18,7 @@ Drafters:
 * `DraftModelDrafter`: a smaller model of the same vocabulary, run greedily by its own DecodeEngine.
 * A drafter may also say where it cannot draft at the next step (`may_draft_next`, optional): there the engine's
   greedy chain queues the plain step ahead of the host (decode/chain.py). Prompt lookup answers it from its
-  index, the adaptive wrapper from its pauses.
+  index, the adaptive wrapper from whether drafting pays and when its next probe is due.
 * An MTP / EAGLE head implements the same protocol (it would take the target's hidden states through
   `observe_hidden`, which the engine does not produce yet: no supported checkpoint ships such a head).
 """
@@ -352,9 +352,11 @@ class AdaptiveDrafter:
         return max(self.base_pause, math.ceil((c[1] - c[0]) / (self.explore * c[0])))
 
     def may_draft_next(self) -> bool:
-        """False where the next proposal is surely empty: drafting does not pay and no probe is due; else as the
-        inner drafter says."""
-        if self.since_verify < self.pause and self.drafts_worth(max(1, self.k_max)) == 0:
+        """False where the next proposal is surely empty: drafting does not pay and no probe is due then; else as
+        the inner drafter says. Asked after a step without drafts (decode/chain.py), before its extend: the next
+        proposal comes one plain step later."""
+        upcoming = self.since_verify + (0 if self._drafted else 1)
+        if upcoming < self.pause and self.drafts_worth(max(1, self.k_max)) == 0:
             return False
         may = getattr(self.inner, "may_draft_next", None)
         return may is None or may()
