@@ -34,20 +34,16 @@ GPU = {
 
 
 class Scripted:
-    """Proposes k tokens a step; `right(step)` says whether they are the target's (the test keeps them all or
-    none)."""
-
-    def __init__(self, right):
-        self.right, self.step = right, 0
+    """Proposes k tokens at every step; the test plays the engine and decides how many of them are kept."""
 
     def start(self, context):
-        self.step = 0
+        pass
 
     def propose(self, k):
         return [0] * k
 
     def extend(self, tokens):
-        self.step += 1
+        pass
 
 
 def play(d: AdaptiveDrafter, right, steps: int, costs: StepCosts, k: int = 4) -> tuple[float, list[int]]:
@@ -92,7 +88,7 @@ def test_step_costs_interpolate_in_the_length_and_extend_past_the_rows():
     ("1b-cuda-core", 0.38, 0),  # 1.38 / 1.39 < 1
 ])
 def test_the_drafts_verified_are_those_that_pay(table, alpha, want):
-    d = AdaptiveDrafter(Scripted(lambda s: True), GPU[table], start_length=1024)
+    d = AdaptiveDrafter(Scripted(), GPU[table], start_length=1024)
     d.start([1])
     d.kept, d.missed = alpha, 1 - alpha
     assert d.alpha == pytest.approx(alpha)
@@ -108,7 +104,7 @@ def test_drafts_that_are_always_right_reach_the_count_that_pays_best(table):
     costs = GPU[table]
     c = costs.at(1024, 5)
     best = max(range(5), key=lambda d: (d + 1) / c[d])
-    ratio, verified = play(AdaptiveDrafter(Scripted(lambda s: True), costs), lambda s: True, 200, costs)
+    ratio, verified = play(AdaptiveDrafter(Scripted(), costs), lambda s: True, 200, costs)
     assert verified[0] >= 1 and verified[10:] == [best] * 190, verified[:12]
     assert ratio < 0.65
 
@@ -119,7 +115,7 @@ def test_drafts_that_are_always_wrong_cost_little_and_are_still_probed(table):
     falls below what a verify costs) plus probes bounded to `explore` (1 %) of plain time; and the probes go
     on (drafting would resume if drafts turned right)."""
     costs = GPU[table]
-    d = AdaptiveDrafter(Scripted(lambda s: False), costs)
+    d = AdaptiveDrafter(Scripted(), costs)
     ratio, verified = play(d, lambda s: False, 3000, costs)
     assert ratio <= 1.02, ratio
     late = verified[1000:]
@@ -131,7 +127,7 @@ def test_drafts_that_are_always_wrong_cost_little_and_are_still_probed(table):
 @pytest.mark.parametrize("table", ["8b-cuda-core", "1b-cuda-core"])
 def test_drafting_resumes_when_drafts_turn_right(table):
     costs = GPU[table]
-    d = AdaptiveDrafter(Scripted(None), costs)
+    d = AdaptiveDrafter(Scripted(), costs)
     turn = 1500
     c = costs.at(1024, 5)
     best = max(range(5), key=lambda d: (d + 1) / c[d])
@@ -147,10 +143,7 @@ def test_a_partial_acceptance_lowers_the_drafts_on_costly_rows():
     drafts pay on the CUDA-core 8B's costs and four do not."""
     costs = GPU["8b-cuda-core"]
 
-    class Half(Scripted):
-        pass
-
-    d = AdaptiveDrafter(Half(None), costs)
+    d = AdaptiveDrafter(Scripted(), costs)
     d.start([1])
     seen = []
     for _ in range(60):
