@@ -26,6 +26,32 @@ from .pdl import pdl_wait, use_pdl
 
 
 @triton.jit
+def _softmax_step(s, visible, m_i, l_i, scale):
+    """One tile's online-softmax update of the scores s (q . k, unscaled): the masked, scaled scores' running max,
+    the factor the old sums are scaled by, the tile's probabilities and the new running sum. Both partial kernels
+    run exactly this, which is part of what keeps a shared verify row's bits its own one-row program's."""
+    s = s * scale
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp(m_i - m_safe)
+    p = tl.exp(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    return m_new, alpha, p, l_i
+
+
+@triton.jit
+def _store_partial(acc_ptr, ml_ptr, step, hkv, num_kv, split, m_i, l_i, acc, rows, dims, NUM_SPLITS: tl.constexpr,
+                   BLOCK_M: tl.constexpr, D: tl.constexpr):
+    """A (step, KV head, split) partial: acc [BLOCK_M, D] and (m, l) per row, where the merge reads them (num_kv:
+    the KV heads of the grid)."""
+    base = ((step * num_kv + hkv) * NUM_SPLITS + split) * BLOCK_M
+    tl.store(acc_ptr + (base + rows)[:, None] * D + dims[None, :], acc)
+    tl.store(ml_ptr + (base + rows) * 2, m_i)
+    tl.store(ml_ptr + (base + rows) * 2 + 1, l_i)
+
+
+@triton.jit
 def _split_kv_partial(q_ptr, k_ptr, v_ptr, start_ptr, acc_ptr, ml_ptr, scale,
                       stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh,
                       T: tl.constexpr, G: tl.constexpr, D: tl.constexpr, NUM_SPLITS: tl.constexpr,
@@ -64,14 +90,8 @@ def _split_kv_partial(q_ptr, k_ptr, v_ptr, start_ptr, acc_ptr, ml_ptr, scale,
             s = tl.dot(q, k, input_precision="ieee")
         else:
             s = tl.dot(q, k)
-        s = s * scale
         visible = col_ok[None, :] & (cols[None, :] <= row_pos[:, None])
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m_i - m_safe)
-        p = tl.exp(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
+        m_new, alpha, p, l_i = _softmax_step(s, visible, m_i, l_i, scale)
         v = tl.load(v_ptr + cols[:, None] * stride_vs + hkv * stride_vh + dims[None, :],
                     mask=col_ok[:, None], other=0.0)  # [BLOCK_N, D]
         if IEEE:
@@ -79,10 +99,8 @@ def _split_kv_partial(q_ptr, k_ptr, v_ptr, start_ptr, acc_ptr, ml_ptr, scale,
         else:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
-    base = ((step * tl.num_programs(1) + hkv) * NUM_SPLITS + split) * BLOCK_M
-    tl.store(acc_ptr + (base + rows)[:, None] * D + dims[None, :], acc)
-    tl.store(ml_ptr + (base + rows) * 2, m_i)
-    tl.store(ml_ptr + (base + rows) * 2 + 1, l_i)
+    _store_partial(acc_ptr, ml_ptr, step, hkv, tl.num_programs(1), split, m_i, l_i, acc, rows, dims, NUM_SPLITS,
+                   BLOCK_M, D)
 
 
 @triton.jit
@@ -129,28 +147,13 @@ def _row_tile(q, k, v, m_i, l_i, acc, cols, hi, row_pos, scale, IEEE: tl.constex
         s = tl.dot(q, k, input_precision="ieee")
     else:
         s = tl.dot(q, k)
-    s = s * scale
     visible = col_ok[None, :] & (cols[None, :] <= row_pos)
-    s = tl.where(visible, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp(m_i - m_safe)
-    p = tl.exp(s - m_safe[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
+    m_new, alpha, p, l_i = _softmax_step(s, visible, m_i, l_i, scale)
     if IEEE:
         acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
     else:
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
     return m_new, l_i, acc
-
-
-@triton.jit
-def _store_row(acc_ptr, ml_ptr, step, hkv, split, m_i, l_i, acc, rows, dims, NUM_SPLITS: tl.constexpr,
-               BLOCK_M: tl.constexpr, D: tl.constexpr):
-    base = ((step * tl.num_programs(0) + hkv) * NUM_SPLITS + split) * BLOCK_M
-    tl.store(acc_ptr + (base + rows)[:, None] * D + dims[None, :], acc)
-    tl.store(ml_ptr + (base + rows) * 2, m_i)
-    tl.store(ml_ptr + (base + rows) * 2 + 1, l_i)
 
 
 @triton.jit
@@ -222,15 +225,16 @@ def _split_kv_partial_shared(q_ptr, k_ptr, v_ptr, start_ptr, acc_ptr, ml_ptr, sc
         if ROWS > 4:
             if (n0 >= lo4) & (n0 < hi4):
                 m4, l4, a4 = _row_tile(q4, k, v, m4, l4, a4, cols, hi4, start + 4, scale, IEEE)
-    _store_row(acc_ptr, ml_ptr, 0, hkv, split, m0, l0, a0, rows, dims, NUM_SPLITS, BLOCK_M, D)
+    num_kv = tl.num_programs(0)
+    _store_partial(acc_ptr, ml_ptr, 0, hkv, num_kv, split, m0, l0, a0, rows, dims, NUM_SPLITS, BLOCK_M, D)
     if ROWS > 1:
-        _store_row(acc_ptr, ml_ptr, 1, hkv, split, m1, l1, a1, rows, dims, NUM_SPLITS, BLOCK_M, D)
+        _store_partial(acc_ptr, ml_ptr, 1, hkv, num_kv, split, m1, l1, a1, rows, dims, NUM_SPLITS, BLOCK_M, D)
     if ROWS > 2:
-        _store_row(acc_ptr, ml_ptr, 2, hkv, split, m2, l2, a2, rows, dims, NUM_SPLITS, BLOCK_M, D)
+        _store_partial(acc_ptr, ml_ptr, 2, hkv, num_kv, split, m2, l2, a2, rows, dims, NUM_SPLITS, BLOCK_M, D)
     if ROWS > 3:
-        _store_row(acc_ptr, ml_ptr, 3, hkv, split, m3, l3, a3, rows, dims, NUM_SPLITS, BLOCK_M, D)
+        _store_partial(acc_ptr, ml_ptr, 3, hkv, num_kv, split, m3, l3, a3, rows, dims, NUM_SPLITS, BLOCK_M, D)
     if ROWS > 4:
-        _store_row(acc_ptr, ml_ptr, 4, hkv, split, m4, l4, a4, rows, dims, NUM_SPLITS, BLOCK_M, D)
+        _store_partial(acc_ptr, ml_ptr, 4, hkv, num_kv, split, m4, l4, a4, rows, dims, NUM_SPLITS, BLOCK_M, D)
 
 
 #: The most rows `split_kv_attention_rows(..., shared=True)` takes in one program (a verify of 4 drafts).
