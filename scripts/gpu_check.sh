@@ -22,7 +22,7 @@
 # REPEATS (2), MAX_SEQ_LEN (33100), REPLAY_TEXT (docs/bench/2026-12-04-cost-aware-drafter/texts.json; empty: none),
 # REPLAY (recorded (drafted, kept) traces, bench --replay; none by default), PROBE_ATTENTION (1: the verify
 # attention probe first, into verify-attention.jsonl), TEST_BUDGET_S (400: the tests' share
-# of the run), TEST_WORKERS (4),
+# of the run), TEST_WORKERS (8),
 # MODELS_DIR (/tmp/models), EXPRESSLANE_COMMIT (the commit the tree is, for the table's title).
 # Output in OUTDIR: pytest.txt, bench.log, bench.jsonl, verify-attention.jsonl, summary.txt (the table).
 set -uo pipefail
@@ -66,9 +66,10 @@ run_tests() {
   echo "== tests (at most ${budget} s)"
   # -p no:cacheprovider: the tree is a copy; --timeout: a hung test fails and the rest still run; -n: xdist
   # workers (the machine's 16 cores compile the Triton kernels; a worker that crashes is named with its test and
-  # replaced, the rest still run); -v: every test's outcome by name in pytest.txt.
+  # replaced, the rest still run), --dist worksteal: an idle worker takes queued tests from a busy one (a few
+  # tests take a minute each); -v: every test's outcome by name in pytest.txt.
   timeout --signal=INT "$budget" python3 -m pytest -v -o addopts= -p no:cacheprovider --timeout 180 -rfE \
-    -n "${TEST_WORKERS:-4}" --durations 15 tests/unit/engine tests/unit/transfer 2>&1 | tee "$out/pytest.txt" \
+    -n "${TEST_WORKERS:-8}" --dist worksteal --durations 15 tests/unit/engine tests/unit/transfer 2>&1 | tee "$out/pytest.txt" \
     | grep -vE " (PASSED|SKIPPED) " | tail -80
 }
 
@@ -120,6 +121,7 @@ summary() {  # one table: the tests' closing line, then one row per bench result
     # the device's copy of the tree may carry an older .git: the caller names the commit it sent
     echo "== GPU check $(date -u +%FT%TZ) commit ${EXPRESSLANE_COMMIT:-unknown (set EXPRESSLANE_COMMIT)}"
     echo "tests: $(grep -E "(passed|failed|error)" "$out/pytest.txt" 2>/dev/null | tail -1)"
+    [[ -s $out/phases.txt ]] && echo "wall: $(paste -sd, "$out/phases.txt" | sed 's/,/, /g')"
     python3 - "$out/bench.jsonl" <<'EOF'
 import json, sys
 rows = [json.loads(line) for line in open(sys.argv[1]) if line.strip()]
@@ -141,6 +143,21 @@ for r in rows:
     gemv = str(r.get('gemv')) + ("+sh" if r.get("verify_attention") == "shared" else "")
     print(f"{shape:10} {gemv:11} {r['context']:>6} {mode:19} {r['tok_per_s']:>8.1f} {ob:>8} {r['speedup']:>6.2f}x {xnode:>6} "
           f"{acc:>6} {str(r.get('matches_plain', '-')):>5} {times[1]:>7.3f} {ratio:>7.2f}")
+# where each engine's start went (decode/engine.py warmup_report): Triton compiles (on the compile threads) and
+# block-shape timing within its warm-up
+seen = set()
+for r in rows:
+    w = r.get("warmup")
+    key = (r["model"], r.get("gemv"), r.get("speculation_k"), r.get("verify_attention"))
+    if not w or key in seen:
+        continue
+    seen.add(key)
+    shape = r["model"].rstrip("/").rsplit("/", 1)[-1]
+    phases = " ".join(f"{k} {v:.1f}" for k, v in w.get("phases", {}).items())
+    print(f"start {shape:9} {str(r.get('gemv')):11} k={r.get('speculation_k')}: load+warm-up {r.get('load_warmup_s', 0):.1f} s, "
+          f"warm-up {w['seconds']:.1f} s ({phases}); compiles {w.get('compile_s', 0):.1f} s "
+          f"({w.get('compile_jobs', 0)} kernels, {w.get('compile_threads', '?')} threads), "
+          f"block-shape timing {w.get('pick_timing_s', 0):.1f} s ({w.get('picks', 0)} picks)")
 EOF
     [[ -s $out/verify-attention.jsonl ]] && python3 - "$out/verify-attention.jsonl" <<'EOF'
 import json, sys
@@ -164,8 +181,13 @@ case "${1:-}" in
     mkdir -p "$out"
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
     install_carried || exit 1
-    [[ $part == all || $part == tests ]] && run_tests "$out"
-    [[ $part == all || $part == bench ]] && run_bench "$out"
+    : >"$out/phases.txt"
+    if [[ $part == all || $part == tests ]]; then
+      t0=$SECONDS; run_tests "$out"; echo "tests $((SECONDS - t0)) s" >>"$out/phases.txt"
+    fi
+    if [[ $part == all || $part == bench ]]; then
+      t0=$SECONDS; run_bench "$out"; echo "bench $((SECONDS - t0)) s" >>"$out/phases.txt"
+    fi
     summary "$out"
     ;;
   *) sed -n '2,20p' "$0"; exit 2 ;;

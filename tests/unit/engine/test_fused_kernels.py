@@ -526,6 +526,63 @@ def test_the_lean_steps_picks_for_a_verify_of_five_rows_do_not_spill():
         assert set(e["us"]) == {c for c, b in e["spilled"].items() if b == e["spilled"][best]}, e
 
 
+@pytest.mark.skipif(DEVICE != "cuda", reason="the block-shape picker compiles and times only on a GPU")
+@pytest.mark.parametrize("gemv", ["cuda-core", "tensor-core"])
+def test_the_picker_compiles_every_kernel_it_loads_in_parallel_first(gemv):
+    """A lean step built for a verify of five rows compiles, for each kernel it picks a block shape for, every
+    kernel the pick loads (the candidates' five-row kernels for their spills, their one-row kernels for the
+    timing, the picked shape's kernels of 2 .. 4 rows for the verify's graphs) in models/precompile.py's batches,
+    on its thread pool: no kernel of theirs is compiled one at a time at a launch, in the pick or after it."""
+    import triton
+    from triton.runtime import _async_compile
+
+    from expresslane.engine.models import precompile
+
+    if precompile.threads() < 2:
+        pytest.skip("one compile thread on this host (or a Triton without AsyncCompileMode)")
+    picked = ({"_norm_qkv_rope_kernel", "_gemv_residual_kernel", "_norm_gate_up_silu_kernel", "_norm_gemv_kernel"}
+              if gemv == "cuda-core" else
+              {"_qkv_rope_kernel", "_gemv_residual_kernel", "_gate_up_silu_kernel", "_gemv_kernel"})
+    module = fused if gemv == "cuda-core" else fused_dot
+    kernels = [getattr(module, name) for name in picked]
+    compiles = []
+
+    def hook(*args, fn=None, **kwargs):
+        name = getattr(fn, "name", "")
+        if name.rsplit(".", 1)[-1] in picked:
+            compiles.append((name, _async_compile.active_mode.get() is not None))
+        return False
+
+    cfg = _config(bias=False, tied=False)
+    model = _model(cfg, torch.bfloat16, seed=14)
+    cos, sin = rope_tables(cfg.rope, cfg.head_dim, 64, torch.bfloat16, DEVICE)
+    shape = (cfg.num_layers, 64, cfg.num_kv_heads, cfg.head_dim)
+    kv = [torch.zeros(shape, device=DEVICE, dtype=torch.bfloat16) for _ in range(2)]
+    saved = dict(fused._PICKED)
+    fused._PICKED.clear()  # picked afresh
+    for k in kernels:
+        k.device_caches.clear()  # and compiled afresh (Triton's disk cache may still answer: the hook sees it)
+    jobs = precompile.STATS.jobs
+    old_hook = triton.knobs.runtime.jit_cache_hook
+    triton.knobs.runtime.jit_cache_hook = hook
+    try:
+        with torch.no_grad():
+            lean = LeanStep(model, cos, sin, list(kv[0].unbind(0)), list(kv[1].unbind(0)), max_rows=fused.MAX_ROWS,
+                            gemv=gemv)
+            lean.forward(torch.tensor([1], device=DEVICE), torch.tensor([3], device=DEVICE))
+            for rows in range(2, fused.MAX_ROWS + 1):  # the verify's launches: compiled already
+                lean.forward(torch.arange(rows, device=DEVICE), torch.tensor([4], device=DEVICE))
+        _sync()
+    finally:
+        triton.knobs.runtime.jit_cache_hook = old_hook
+        fused._PICKED.clear()
+        fused._PICKED.update(saved)
+    assert precompile.STATS.jobs > jobs
+    assert {name.rsplit(".", 1)[-1] for name, _ in compiles} == picked, compiles
+    late = [name for name, batched in compiles if not batched]
+    assert not late, f"compiled one at a time, outside the parallel batches: {late}"
+
+
 def test_the_lean_step_refuses_more_rows_than_it_was_built_for():
     cfg = _config(bias=False, tied=False)
     model = _model(cfg, torch.float32, seed=12)

@@ -122,3 +122,39 @@ def _on_hopper() -> bool:
     import torch
 
     return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+# The lean step's warm-up compiles a pick's candidate block shapes on a thread pool (models/precompile.py):
+# Triton's compile releases the GIL. That is only sound if compiling on threads builds the very kernels compiling
+# one after another does.
+PARALLEL_CASES = [
+    (fused._gemv_residual_kernel, dict(HAS_BIAS=False, BLOCK_N=bn, BLOCK_K=bk, PREFETCH=pre), warps)
+    for bn, bk, pre, *w in fused.GEMV_CONFIGS[:3] + fused.GEMV_CONFIGS[7:8] for warps in [w[0] if w else 4]
+] + [
+    (fused._norm_gate_up_silu_kernel, dict(HAS_BIAS=False, BJ=bj, BLOCK_K=bk, PREFETCH=pre, K_POW2=4096), warps)
+    for bj, bk, pre, *w in fused.PAIR_CONFIGS[4:6] for warps in [w[0] if w else 4]
+]
+
+
+def _compile_case(kernel, constexprs, warps, rows):
+    constexprs = dict(constexprs, PDL=True, ROWS=rows)
+    return triton.compile(ASTSource(fn=kernel, signature=_signature(kernel, constexprs), constexprs=constexprs),
+                          target=HOPPER, options={"num_warps": warps})
+
+
+def test_compiling_on_threads_builds_the_same_kernels(tmp_path, monkeypatch):
+    from concurrent.futures import ThreadPoolExecutor
+
+    jobs = [(kernel, cx, warps, rows) for kernel, cx, warps in PARALLEL_CASES for rows in (1, 5)]
+    built = {}
+    for mode in ("one after another", "on threads"):
+        # a cache of its own: each mode compiles every kernel
+        monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / mode.replace(" ", "-")))
+        if mode == "on threads":
+            with ThreadPoolExecutor(4) as pool:
+                built[mode] = list(pool.map(lambda job: _compile_case(*job), jobs))
+        else:
+            built[mode] = [_compile_case(*job) for job in jobs]
+    assert len(os.listdir(tmp_path / "on-threads")) >= len(jobs), "the threads' run compiled nothing"
+    for job, a, b in zip(jobs, built["one after another"], built["on threads"]):
+        assert a.asm["cubin"] == b.asm["cubin"], f"{job[0].fn.__name__} {job[1]} rows={job[3]}: other binary"

@@ -242,6 +242,13 @@ def test_warmup_measures_the_step_costs_the_default_drafter_weighs(hf_model):
     off = DecodeEngine.from_pretrained(path, max_seq_len=64, speculation=None)
     off.warmup(steps=2)
     assert off.new_drafter(10) is None and not off.step_costs.measured and off.capabilities()["speculation"] is None
+    # where each warm-up's time went, by phase (the calibration only where the engine speculates)
+    for e, phases in ((engine, ["prefill", "capture", "verify_rows", "generate", "calibrate"]),
+                      (off, ["prefill", "capture", "verify_rows", "generate"])):
+        report = e.warmup_report
+        assert list(report["phases"]) == phases, report
+        assert 0 < sum(report["phases"].values()) <= report["seconds"] + 1e-3
+        assert report["phases"]["calibrate" if e is engine else "generate"] > 0
 
 
 def test_a_recorded_trace_replays_step_for_step(engines):

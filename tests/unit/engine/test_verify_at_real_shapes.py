@@ -30,7 +30,7 @@ def first_fitting_picks(monkeypatch):
     real = fused.pick_config
 
     def first(name, n, k, candidates, launch, max_block_rows=None, restore=None, device=None, config=None, rows=1,
-              spills=None):
+              spills=None, compile=None):
         return real(name, n, k, candidates, launch, max_block_rows=max_block_rows, config=config, rows=rows)
 
     monkeypatch.setattr(fused, "pick_config", first)

@@ -396,6 +396,8 @@ def main(argv: list[str] | None = None) -> None:
           f"verify_attention={engine.runner.verify_attention} compile_mode={args.compile_mode} threads={torch.get_num_threads()} "
           f"max_seq_len={max_seq_len} load+warmup_s={load_s:.1f} weights={engine.weight_bytes() / 1e9:.3f}GB"
           + (f" copy_bandwidth={bw / 1e9:.0f}GB/s" if bw else ""), flush=True)
+    if engine.warmup_report:
+        print("warmup " + json.dumps(engine.warmup_report), flush=True)
     for ctx in contexts:
         results = bench_context(engine, ctx, args.tokens, args.repeats, oracle_ks, bw, lookup=args.lookup,
                                 traces=traces, texts=texts)
@@ -416,7 +418,8 @@ def main(argv: list[str] | None = None) -> None:
                     f.write(json.dumps({"model": args.model, "dtype": args.dtype, "attention": engine.attention,
                                         "step": engine.runner.mode.value, "gemv": gemv,
                                         "verify_attention": engine.runner.verify_attention,
-                                        "speculation_k": args.speculation_k, **r}) + "\n")
+                                        "speculation_k": args.speculation_k, "load_warmup_s": round(load_s, 2),
+                                        "warmup": engine.warmup_report, **r}) + "\n")
 
 
 if __name__ == "__main__":

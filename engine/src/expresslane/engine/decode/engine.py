@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -114,6 +115,38 @@ class Generation:
         return next(self._it)
 
 
+class _PhaseClock:
+    """Seconds by phase of a warm-up, and what the lean step's kernels cost within them: Triton compiles
+    (models/precompile.py) and block-shape timing (models/fused.py), counted in this process while it ran."""
+
+    def __init__(self) -> None:
+        self.t0 = self.t = time.perf_counter()
+        self.phases: dict[str, float] = {}
+        self.start = self._counters()
+
+    @staticmethod
+    def _counters() -> dict[str, float]:
+        # the lean step's modules are imported only where it runs (Triton's jit is not set up on a CPU host)
+        pre = sys.modules.get("expresslane.engine.models.precompile")
+        fused = sys.modules.get("expresslane.engine.models.fused")
+        out = {}
+        if pre is not None:
+            out.update(compile_s=pre.STATS.seconds, compile_jobs=pre.STATS.jobs, compile_threads=pre.threads())
+        if fused is not None:
+            out.update(pick_timing_s=fused.PICK_STATS.timing_s, picks=fused.PICK_STATS.picks)
+        return out
+
+    def mark(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.phases[phase] = round(now - self.t, 3)
+        self.t = now
+
+    def report(self) -> dict:
+        end = self._counters()
+        within = {k: (round(v - self.start.get(k, 0), 3) if k != "compile_threads" else v) for k, v in end.items()}
+        return {"seconds": round(time.perf_counter() - self.t0, 3), "phases": self.phases, **within}
+
+
 class DecodeEngine:
     def __init__(self, model: Transformer, config: ModelConfig, *, dtype: torch.dtype, device: torch.device,
                  max_seq_len: int, attention: str | AttentionKind = "live", compile: bool = False,
@@ -141,6 +174,7 @@ class DecodeEngine:
         # What a forward of 1 .. max_rows rows costs here: the default drafter verifies as many drafts as pay for
         # that (decode/speculative.py AdaptiveDrafter). Assumed until warmup() measures it.
         self.step_costs = StepCosts.assumed()
+        self.warmup_report: dict | None = None  # warmup(): seconds by phase, compiles and block-shape timing
         self.runner = StepRunner(model, self.cache, self.cos, self.sin, attention=kind, compile=compile,
                                  cuda_graph=cuda_graph, max_rows=1 + (speculation.k if speculation else 0),
                                  compile_mode=compile_mode, lean=lean, lean_gemv=lean_gemv)
@@ -253,23 +287,32 @@ class DecodeEngine:
 
     def warmup(self, steps: int = 4) -> None:
         """Run a short prefill + decode so the first request does not pay one-time costs (allocator,
-        kernels, torch.compile, each verify bucket's CUDA graph). Leaves the cache logically empty."""
+        kernels, torch.compile, each verify bucket's CUDA graph). Leaves the cache logically empty.
+        `warmup_report` says where its time went (seconds by phase; on a GPU the lean step's kernel compiles
+        and block-shape timing within them)."""
+        clock = _PhaseClock()
         n = min(8, self.max_seq_len - steps - 1)
         self.prefill(list(range(n)))
+        clock.mark("prefill")
         self.runner.capture()
+        clock.mark("capture")
         with torch.inference_mode():
             for t in range(1, self.runner.max_rows + 1):  # every T the speculative path can take
                 if n + t < self.max_seq_len:
                     self.runner.forward(self._arange[:t], n)
+        clock.mark("verify_rows")
         for _ in self.generate(0, n, SamplingParams(max_tokens=steps, ignore_eos=True)):
             pass
         for _ in self.generate(0, n, SamplingParams(max_tokens=steps, temperature=1.0, top_p=0.9, top_k=5,
                                                     ignore_eos=True, presence_penalty=0.5, seed=0)):
             pass
+        clock.mark("generate")
         if self.speculation is not None:
             self.calibrate_step_costs()
+            clock.mark("calibrate")
         self.cached_tokens = 0
         self.spec_stats = SpecStats()
+        self.warmup_report = clock.report()
 
     @torch.inference_mode()
     def calibrate_step_costs(self, rounds: int = 3, reps: int = 5) -> StepCosts:

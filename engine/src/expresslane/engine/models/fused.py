@@ -27,6 +27,9 @@ device's timing finds it faster. Both compute the same sums in the same order.
 
 from __future__ import annotations
 
+import functools
+import time
+
 import torch
 import triton
 import triton.language as tl
@@ -34,6 +37,7 @@ import triton.testing
 from triton.runtime.errors import OutOfResources
 
 from .pdl import pdl_wait, use_pdl
+from .precompile import precompile
 
 # (rows per program, K per iteration, prefetch): 8,192 weights (16 KB of bf16) a program and iteration; with
 # prefetch (1) the next iteration's tile is loaded before this one's products, so two tiles of half the size
@@ -447,6 +451,21 @@ _PICKED: dict[tuple, tuple[int, ...]] = {}
 TUNING_LOG: list[dict] = []  # what pick_config measured (the GPU bench writes it out)
 
 
+class PickStats:
+    """The timed picks of this process: how many, and the seconds their timing took (compiles not included:
+    precompile.STATS counts those)."""
+
+    def __init__(self) -> None:
+        self.picks = 0
+        self.timing_s = 0.0
+
+    def as_dict(self) -> dict:
+        return {"picks": self.picks, "timing_s": round(self.timing_s, 3)}
+
+
+PICK_STATS = PickStats()
+
+
 def _warps(cfg: tuple[int, ...]) -> int:
     return cfg[3] if len(cfg) > 3 else 4
 
@@ -488,7 +507,8 @@ def least_spilling(candidates, spills) -> tuple[list, dict]:
 
 def pick_config(name: str, n: int, k: int, candidates, launch, max_block_rows: int | None = None,
                 restore: torch.Tensor | None = None, device: torch.device | None = None,
-                config: tuple[int, ...] | None = None, rows: int = 1, spills=None) -> tuple[int, ...]:
+                config: tuple[int, ...] | None = None, rows: int = 1, spills=None,
+                compile=None) -> tuple[int, ...]:
     """The fastest candidate for (name, n, k) on this device, timed once (`launch(cfg)` runs the kernel);
     `restore`: a tensor the kernel updates in place, put back after the timing runs; `config`: use this one.
 
@@ -498,7 +518,11 @@ def pick_config(name: str, n: int, k: int, candidates, launch, max_block_rows: i
     (`spills(cfg)`: the bytes that kernel spills). Each row keeps its own accumulators, so a large tile times
     five rows no longer fits the registers: on the H200 the 8B's verify of five rows took 2.96x the one-row
     step with the one-row picks, whose five-row kernels spilled 2.5-4.6 KB a thread
-    (docs/bench/2026-12-04-row-invariant-verify). The fastest of the rest is then picked by one-row timing."""
+    (docs/bench/2026-12-04-row-invariant-verify). The fastest of the rest is then picked by one-row timing.
+
+    compile(cfg, r): compile (not run) cfg's kernel of r rows. Given, the kernels the pick reads are compiled in
+    parallel first (models/precompile.py): the `rows`-row kernels the spill check loads, then the one-row
+    kernels it times, then the picked shape's kernels of the row counts in between (the verify's graphs)."""
     if config is not None:
         return config
     key = (name, n, k, rows, str(device), use_pdl(device) if device is not None else False)
@@ -510,7 +534,12 @@ def pick_config(name: str, n: int, k: int, candidates, launch, max_block_rows: i
         return fitting[0]
     spilled = {}
     if rows > 1 and spills is not None:
+        if compile is not None:
+            precompile([functools.partial(compile, c, rows) for c in fitting])
         fitting, spilled = least_spilling(fitting, spills)
+    if compile is not None:
+        precompile([functools.partial(compile, c, 1) for c in fitting])
+    t0 = time.perf_counter()
     saved = restore.clone() if restore is not None else None
     times: dict[tuple[int, ...], float] = {}
     # Two rounds over the candidates, each one's best: one round once timed every candidate of the 8B's
@@ -522,10 +551,14 @@ def pick_config(name: str, n: int, k: int, candidates, launch, max_block_rows: i
     if saved is not None:
         restore.copy_(saved)
     best = min(times, key=times.get)
+    PICK_STATS.picks += 1
+    PICK_STATS.timing_s += time.perf_counter() - t0
     TUNING_LOG.append({"kernel": name, "n": n, "k": k, "rows": rows, "best": list(best),
                        "us": {_label(c): round(1e3 * t, 2) for c, t in times.items()},
                        "spilled": {_label(c): b for c, b in spilled.items()}})
     _PICKED[key] = best
+    if compile is not None:  # the verify's row counts, before their graphs are captured one by one
+        precompile([functools.partial(compile, best, r) for r in range(2, rows)])
     return best
 
 
@@ -535,6 +568,12 @@ def _spills(launch, rows: int):
     if rows <= 1:
         return None
     return lambda cfg: spilled_bytes(launch(cfg, rows=rows, compile_only=True))
+
+
+def _compiles(launch, one):
+    """pick_config's `compile` for a launcher: cfg's kernel of r rows compiled, not run (one row: the launch the
+    pick times, `one`; more: the launcher's own arguments, as `_spills` compiles them)."""
+    return lambda cfg, r: one(cfg, compile_only=True) if r == 1 else launch(cfg, rows=r, compile_only=True)
 
 
 def _rows(x: torch.Tensor) -> tuple[int, int]:
@@ -574,9 +613,10 @@ def norm_qkv_rope(x, norm_w, eps, w, b, cos, sin, start, q_out, k_cache, v_cache
     cands = [c for c in PAIR_CONFIGS if half % c[0] == 0] or [(1, 2048, 0)]
     # The block shape is the one-row step's (timed one row at a time): the rows of a verify must run the T = 1
     # step's shapes to give its bits.
-    one = lambda cfg: launch(cfg, _first(x), _first(q_out), 1)  # noqa: E731
+    one = lambda cfg, compile_only=False: launch(cfg, _first(x), _first(q_out), 1, compile_only)  # noqa: E731
     launch(pick_config("norm_qkv_rope", w.shape[0], k, cands, one, max_block_rows=half, device=x.device,
-                       config=config, rows=max_rows or rows, spills=_spills(launch, max_rows or rows)))
+                       config=config, rows=max_rows or rows, spills=_spills(launch, max_rows or rows),
+                       compile=_compiles(launch, one)))
 
 
 def gemv_residual(a, w, b, residual, config=None, max_rows=None):
@@ -593,9 +633,10 @@ def gemv_residual(a, w, b, residual, config=None, max_rows=None):
                        b if b is not None else w, residual, n, k, sa, sres, HAS_BIAS=b is not None, BLOCK_N=bn,
                        BLOCK_K=bk, PREFETCH=pre, PDL=pdl, ROWS=rows, num_warps=_warps(cfg), launch_pdl=pdl)
 
-    one = lambda cfg: launch(cfg, _first(a), _first(residual), 1)  # noqa: E731
+    one = lambda cfg, compile_only=False: launch(cfg, _first(a), _first(residual), 1, compile_only)  # noqa: E731
     launch(pick_config("gemv_residual", n, k, GEMV_CONFIGS, one, restore=_first(residual), device=a.device,
-                       config=config, rows=max_rows or rows, spills=_spills(launch, max_rows or rows)))
+                       config=config, rows=max_rows or rows, spills=_spills(launch, max_rows or rows),
+                       compile=_compiles(launch, one)))
 
 
 def norm_gate_up_silu(x, norm_w, eps, w, b, out, config=None, max_rows=None):
@@ -614,9 +655,10 @@ def norm_gate_up_silu(x, norm_w, eps, w, b, out, config=None, max_rows=None):
                        BLOCK_K=bk, PREFETCH=pre, K_POW2=triton.next_power_of_2(k), PDL=pdl, ROWS=rows,
                        num_warps=_warps(cfg), launch_pdl=pdl)
 
-    one = lambda cfg: launch(cfg, _first(x), _first(out), 1)  # noqa: E731
+    one = lambda cfg, compile_only=False: launch(cfg, _first(x), _first(out), 1, compile_only)  # noqa: E731
     launch(pick_config("norm_gate_up_silu", i2, k, PAIR_CONFIGS, one, device=x.device, config=config,
-                       rows=max_rows or rows, spills=_spills(launch, max_rows or rows)))
+                       rows=max_rows or rows, spills=_spills(launch, max_rows or rows),
+                       compile=_compiles(launch, one)))
 
 
 #: Below every key _argmax_key makes (the masked lanes of greedy_advance's maximum).
@@ -652,9 +694,10 @@ def norm_gemv(x, norm_w, eps, w, out, config=None, argmax_keys=None, max_rows=No
 
     # The block shape is timed on one row without the argmax (one pick for all: the epilogue is a few
     # instructions, and a verify's rows must run the T = 1 step's shapes to give its bits).
-    one = lambda cfg: launch(cfg, None, _first(x), _first(out), 1)  # noqa: E731
+    one = lambda cfg, compile_only=False: launch(cfg, None, _first(x), _first(out), 1, compile_only)  # noqa: E731
     cfg = pick_config("norm_gemv", n, k, GEMV_CONFIGS, one, device=x.device, config=config,
-                      rows=max_rows or rows, spills=_spills(launch, max_rows or rows))
+                      rows=max_rows or rows, spills=_spills(launch, max_rows or rows),
+                      compile=_compiles(launch, one))
     launch(cfg, argmax_keys)
     return triton.cdiv(n, cfg[0])
 

@@ -7,6 +7,7 @@ Secrets from the environment only: EXPRESS_NODE_TOKEN(_FILE), EXPRESSLANE_PEER_S
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
@@ -60,6 +61,8 @@ def build_engine(config: ServerConfig) -> DecodeEngine:
              time.perf_counter() - t0, engine.config.model_type, config.dtype, config.device, config.max_seq_len,
              engine.weight_bytes() / 1e6, engine.attention, engine.compile, engine.cuda_graph,
              engine.runner.lean, engine.runner.lean_gemv, f"k={config.spec_k}" if config.speculation else "off")
+    if engine.warmup_report:
+        log.info("warm-up: %s", json.dumps(engine.warmup_report))
     if engine.speculation is not None:
         c = engine.step_costs
         rel = lambda costs: " ".join(f"{t / costs[0]:.2f}" for t in costs)  # noqa: E731

@@ -1,0 +1,110 @@
+"""Compile a kernel's candidate block shapes in parallel, before the block-shape picker times them one by one.
+
+A lean step's first forward picks a block shape for each of its kernels (fused.pick_config): every candidate is
+compiled (and, where the step also verifies, its kernel of the verify's rows is compiled to read what it spills),
+then timed on the device. Timing must run one kernel at a time; compiling need not. Triton compiles on the host
+and releases the GIL while it does (MLIR passes, LLVM, ptxas), and its `AsyncCompileMode` (Triton >= 3.4)
+turns each `kernel.warmup(...)` inside it into a job on an executor, waited for on the way out. This is what
+Triton's own autotuner is being given for the same reason (triton-lang/triton PR 11847: compile every config
+first, then benchmark sequentially).
+
+Measured on a 2-core host, compiling the CUDA-core `gemv_residual` kernel's 15 block shapes for sm_90
+(scripts/bench_precompile.py): one row 3.74 s one after another, 1.72 s on two threads; five rows 12.89 s and
+6.65 s. The kernels are the same either way (a test compares the binaries).
+
+`precompile(jobs)` runs each job (a call that compiles and does not launch: a launcher's `compile_only=True`) on
+the pool and returns once all are compiled; a compile that fails raises here, as it would have raised at its
+launch. With one thread, or a Triton without AsyncCompileMode, the jobs run one after another, as before.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+
+log = logging.getLogger(__name__)
+
+try:  # Triton >= 3.4
+    from triton import AsyncCompileMode
+except ImportError:  # pragma: no cover - an older Triton: compile one after another
+    AsyncCompileMode = None
+
+
+def _host_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        return os.cpu_count() or 1
+
+
+#: Compile threads: the CPUs this process may run on, at most 32 (a warm-up compiles a few dozen kernels at a
+#: time: one pick's candidates).
+DEFAULT_THREADS = max(1, min(32, _host_cpus()))
+
+_lock = threading.Lock()
+_pool: ThreadPoolExecutor | None = None
+_threads = DEFAULT_THREADS
+
+
+class CompileStats:
+    """What precompile did in this process: batches, kernels compiled (jobs run), and the wall seconds spent."""
+
+    def __init__(self) -> None:
+        self.batches = 0
+        self.jobs = 0
+        self.seconds = 0.0
+
+    def as_dict(self) -> dict:
+        return {"batches": self.batches, "jobs": self.jobs, "seconds": round(self.seconds, 3)}
+
+
+STATS = CompileStats()
+
+
+def set_threads(n: int) -> None:
+    """Compile with n threads from now on (1: one after another, in the calling thread)."""
+    global _pool, _threads
+    if n < 1:
+        raise ValueError(f"compile threads must be >= 1, got {n}")
+    with _lock:
+        if _pool is not None and n != _threads:
+            _pool.shutdown(wait=True)
+            _pool = None
+        _threads = n
+
+
+def threads() -> int:
+    return _threads if AsyncCompileMode is not None else 1
+
+
+def _executor() -> ThreadPoolExecutor:
+    global _pool
+    with _lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(_threads, thread_name_prefix="triton-compile")
+        return _pool
+
+
+def precompile(jobs: Iterable[Callable[[], object]]) -> None:
+    """Run every job (a compile-only launch); in parallel on the compile pool where there is one. Returns when
+    every kernel is compiled and in its JIT function's cache (the launches that follow find it there)."""
+    jobs = list(jobs)
+    if not jobs:
+        return
+    t0 = time.perf_counter()
+    if threads() > 1:
+        with AsyncCompileMode(_executor()):
+            for job in jobs:
+                job()
+        # leaving the mode waited for every compile and put each kernel in its cache (or raised the first
+        # compile error, as the launch would have)
+    else:
+        for job in jobs:
+            job()
+    STATS.batches += 1
+    STATS.jobs += len(jobs)
+    STATS.seconds += time.perf_counter() - t0
