@@ -14,19 +14,16 @@ Measured on a 2-core host, compiling the CUDA-core `gemv_residual` kernel's 15 b
 
 `precompile(jobs)` runs each job (a call that compiles and does not launch: a launcher's `compile_only=True`) on
 the pool and returns once all are compiled; a compile that fails raises here, as it would have raised at its
-launch. With one thread, or a Triton without AsyncCompileMode, the jobs run one after another, as before.
+launch. On a host with one CPU, or with a Triton without AsyncCompileMode, the jobs run one after another.
 """
 
 from __future__ import annotations
 
-import logging
 import os
 import threading
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
-
-log = logging.getLogger(__name__)
 
 try:  # Triton >= 3.4
     from triton import AsyncCompileMode
@@ -43,11 +40,10 @@ def _host_cpus() -> int:
 
 #: Compile threads: the CPUs this process may run on, at most 32 (a warm-up compiles a few dozen kernels at a
 #: time: one pick's candidates).
-DEFAULT_THREADS = max(1, min(32, _host_cpus()))
+COMPILE_THREADS = max(1, min(32, _host_cpus()))
 
 _lock = threading.Lock()
 _pool: ThreadPoolExecutor | None = None
-_threads = DEFAULT_THREADS
 
 
 class CompileStats:
@@ -65,27 +61,16 @@ class CompileStats:
 STATS = CompileStats()
 
 
-def set_threads(n: int) -> None:
-    """Compile with n threads from now on (1: one after another, in the calling thread)."""
-    global _pool, _threads
-    if n < 1:
-        raise ValueError(f"compile threads must be >= 1, got {n}")
-    with _lock:
-        if _pool is not None and n != _threads:
-            _pool.shutdown(wait=True)
-            _pool = None
-        _threads = n
-
-
 def threads() -> int:
-    return _threads if AsyncCompileMode is not None else 1
+    """The kernels compiled at once (1 with a Triton that has no AsyncCompileMode)."""
+    return COMPILE_THREADS if AsyncCompileMode is not None else 1
 
 
 def _executor() -> ThreadPoolExecutor:
     global _pool
     with _lock:
         if _pool is None:
-            _pool = ThreadPoolExecutor(_threads, thread_name_prefix="triton-compile")
+            _pool = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="triton-compile")
         return _pool
 
 
