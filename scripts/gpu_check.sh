@@ -22,7 +22,7 @@
 # REPEATS (2), MAX_SEQ_LEN (33100), REPLAY_TEXT (docs/bench/2026-12-04-cost-aware-drafter/texts.json; empty: none),
 # REPLAY (recorded (drafted, kept) traces, bench --replay; none by default), PROBE_ATTENTION (1: the verify
 # attention probe first, into verify-attention.jsonl), TEST_BUDGET_S (400: the tests' share
-# of the run), TEST_WORKERS (8),
+# of the run), RUN_BUDGET_S (570: the whole run's, each phase stopped where it would pass it), TEST_WORKERS (8),
 # MODELS_DIR (/tmp/models), EXPRESSLANE_COMMIT (the commit the tree is, for the table's title).
 # Output in OUTDIR: pytest.txt, bench.log, bench.jsonl, verify-attention.jsonl, summary.txt (the table).
 set -uo pipefail
@@ -62,7 +62,7 @@ install_carried() {  # into /tmp/site, once per machine
 }
 
 run_tests() {
-  local out="$1" budget="${TEST_BUDGET_S:-400}"
+  local out="$1" budget="${2:-${TEST_BUDGET_S:-400}}"
   echo "== tests (at most ${budget} s)"
   # -p no:cacheprovider: the tree is a copy; --timeout: a hung test fails and the rest still run; -n: xdist
   # workers (the machine's 16 cores compile the Triton kernels; a worker that crashes is named with its test and
@@ -181,12 +181,25 @@ case "${1:-}" in
     mkdir -p "$out"
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
     install_carried || exit 1
+    # the whole run stops by RUN_BUDGET_S (570: under the device machine's 10 minutes a call, with time for the
+    # summary): a phase that would run past it is interrupted, what it wrote stays, and the table is still printed
+    deadline=$((SECONDS + ${RUN_BUDGET_S:-570}))
     : >"$out/phases.txt"
     if [[ $part == all || $part == tests ]]; then
-      t0=$SECONDS; run_tests "$out"; echo "tests $((SECONDS - t0)) s" >>"$out/phases.txt"
+      t0=$SECONDS; budget=${TEST_BUDGET_S:-400}
+      (( budget > deadline - SECONDS - 10 )) && budget=$((deadline - SECONDS - 10))
+      run_tests "$out" "$budget"; echo "tests $((SECONDS - t0)) s" >>"$out/phases.txt"
     fi
     if [[ $part == all || $part == bench ]]; then
-      t0=$SECONDS; run_bench "$out"; echo "bench $((SECONDS - t0)) s" >>"$out/phases.txt"
+      t0=$SECONDS
+      if (( deadline - SECONDS >= 10 )); then
+        export -f run_bench
+        timeout --signal=INT "$((deadline - SECONDS))" bash -c 'run_bench "$1"' _ "$out"
+        [[ $? == 124 ]] && echo "bench interrupted at the run's budget (RUN_BUDGET_S)" >>"$out/phases.txt"
+      else
+        echo "bench not run: the run's budget (RUN_BUDGET_S) is spent" >>"$out/phases.txt"
+      fi
+      echo "bench $((SECONDS - t0)) s" >>"$out/phases.txt"
     fi
     summary "$out"
     ;;
