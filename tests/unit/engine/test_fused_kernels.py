@@ -547,10 +547,9 @@ def test_the_picker_compiles_every_kernel_it_loads_in_parallel_first(gemv):
     kernels = [getattr(module, name) for name in picked]
     compiles = []
 
-    def hook(*args, fn=None, **kwargs):
-        name = getattr(fn, "name", "")
-        if name.rsplit(".", 1)[-1] in picked:
-            compiles.append((name, _async_compile.active_mode.get() is not None))
+    def hook(*args, fn=None, **kwargs):  # Triton calls it before each compile, on the thread that asks for it
+        if getattr(fn, "jit_function", None) in kernels:
+            compiles.append((fn.name, _async_compile.active_mode.get() is not None))
         return False
 
     cfg = _config(bias=False, tied=False)
@@ -560,6 +559,8 @@ def test_the_picker_compiles_every_kernel_it_loads_in_parallel_first(gemv):
     kv = [torch.zeros(shape, device=DEVICE, dtype=torch.bfloat16) for _ in range(2)]
     saved = dict(fused._PICKED)
     fused._PICKED.clear()  # picked afresh
+    if not all(hasattr(k, "device_caches") for k in kernels) or not hasattr(triton.knobs.runtime, "jit_cache_hook"):
+        pytest.skip("this Triton has no per-device kernel cache or compile hook to watch")
     for k in kernels:
         k.device_caches.clear()  # and compiled afresh (Triton's disk cache may still answer: the hook sees it)
     jobs = precompile.STATS.jobs
