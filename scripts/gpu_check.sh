@@ -23,7 +23,7 @@
 # REPLAY (recorded (drafted, kept) traces, bench --replay; none by default), PROBE_ATTENTION (1: the verify
 # attention probe first, into verify-attention.jsonl), TEST_BUDGET_S (400: the tests' share
 # of the run), RUN_BUDGET_S (570: the whole run's, each phase stopped where it would pass it), TEST_WORKERS (8),
-# MODELS_DIR (/tmp/models), EXPRESSLANE_COMMIT (the commit the tree is, for the table's title).
+# EXPRESSLANE_COMMIT (the commit the tree is, for the table's title).
 # Output in OUTDIR: pytest.txt, bench.log, bench.jsonl, verify-attention.jsonl, summary.txt (the table).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -74,8 +74,7 @@ run_tests() {
 }
 
 run_bench() {
-  local out="$1" models="${MODELS_DIR:-/tmp/models}"
-  mkdir -p "$models"
+  local out="$1"
   : >"$out/bench.jsonl"
   local replay="${REPLAY-}" texts="${REPLAY_TEXT-docs/bench/2026-12-04-cost-aware-drafter/texts.json}"
   # the verify's attention per row (the lean step's) against one program reading each tile for every row: time
@@ -86,16 +85,17 @@ run_bench() {
     python3 scripts/probe_verify_attention.py --contexts "${CONTEXTS:-1024,8192,32768}" \
       --json "$out/verify-attention.jsonl" 2>&1 | tee -a "$out/bench.log"
   fi
+  # the shapes' random weights are built in memory by each bench (--random-shape: decode/shapes.py, the weights
+  # scripts/gpu_make_shape_model.py would write), not written and read back
   for shape in ${SHAPES:-llama-8b llama-1b}; do
-    python3 scripts/gpu_make_shape_model.py "$shape" "$models/$shape" || return 1
     echo "== bench $shape"
-    python3 -m expresslane.engine.decode.bench --model "$models/$shape" --device cuda --dtype bfloat16 \
+    python3 -m expresslane.engine.decode.bench --random-shape "$shape" --device cuda --dtype bfloat16 \
       --contexts "${CONTEXTS:-1024,8192,32768}" --max-seq-len "${MAX_SEQ_LEN:-33100}" --tokens "${TOKENS:-256}" \
       --oracle-k "${ORACLE_K:-1,2,3,4}" --lookup ${replay:+--replay "$replay"} ${texts:+--replay-text "$texts"} --repeats "${REPEATS:-2}" \
       --json "$out/bench.jsonl" 2>&1 | tee -a "$out/bench.log"
     # a plain engine (no speculation: the CUDA-core GEMVs, models/lean.py) at the same contexts: the per-user
     # speed of a node that never speculates, the reference for a speculating node's plain steps
-    [[ ${PLAIN_ENGINE:-1} == 1 ]] && python3 -m expresslane.engine.decode.bench --model "$models/$shape" \
+    [[ ${PLAIN_ENGINE:-1} == 1 ]] && python3 -m expresslane.engine.decode.bench --random-shape "$shape" \
       --device cuda --dtype bfloat16 --contexts "${CONTEXTS:-1024,8192,32768}" --max-seq-len "${MAX_SEQ_LEN:-33100}" \
       --tokens "${TOKENS:-256}" --speculation-k 0 --repeats "${REPEATS:-2}" --json "$out/bench.jsonl" 2>&1 \
       | tee -a "$out/bench.log"
@@ -107,8 +107,7 @@ run_bench() {
     shape="${pair%%:*}" rest="${pair#*:}"
     family="${rest%%:*}" attn="per-row"
     [[ $rest == *:* ]] && attn="${rest#*:}"
-    python3 scripts/gpu_make_shape_model.py "$shape" "$models/$shape" || return 1
-    python3 -m expresslane.engine.decode.bench --model "$models/$shape" --device cuda --dtype bfloat16 \
+    python3 -m expresslane.engine.decode.bench --random-shape "$shape" --device cuda --dtype bfloat16 \
       --contexts "${FORCED_CONTEXTS:-1024,32768}" --max-seq-len "${MAX_SEQ_LEN:-33100}" --tokens "${TOKENS:-256}" \
       --lean-gemv "$family" --verify-attention "$attn" --oracle-k 4 --lookup ${replay:+--replay "$replay"} ${texts:+--replay-text "$texts"} --repeats "${REPEATS:-2}" \
       --json "$out/bench.jsonl" 2>&1 | tee -a "$out/bench.log"

@@ -24,6 +24,35 @@ def test_sharded_checkpoint_loads_identically(tmp_path):
     assert torch.equal(a.prefill(PROMPT), b.prefill(PROMPT))
 
 
+def test_a_random_shape_in_memory_is_the_checkpoint_the_script_writes(tmp_path):
+    """The decode bench's --random-shape builds decode/shapes.py's random checkpoint in memory; the servers read
+    the same one from disk (scripts/gpu_make_shape_model.py). Same weights, same engine: equal logits and
+    tokens. The in-memory load is as strict as the load from disk."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from expresslane.engine.decode.shapes import random_checkpoint
+
+    repo = Path(__file__).resolve().parents[3]
+    subprocess.run([sys.executable, str(repo / "scripts" / "gpu_make_shape_model.py"), "tiny", str(tmp_path)],
+                   check=True, capture_output=True, timeout=300)
+    disk = DecodeEngine.from_pretrained(tmp_path, dtype="bfloat16", max_seq_len=64, speculation=None)
+    config, tensors = random_checkpoint("tiny")
+    memory = DecodeEngine.from_checkpoint_tensors(config, tensors, dtype="bfloat16", max_seq_len=64,
+                                                  speculation=None)
+    assert not tensors  # taken over by the engine's model
+    assert disk.config == memory.config
+    assert torch.equal(disk.prefill(PROMPT), memory.prefill(PROMPT))
+    runs = [list(e.generate(PROMPT[-1], len(PROMPT), SamplingParams(max_tokens=12, ignore_eos=True)))
+            for e in (disk, memory)]
+    assert runs[0] == runs[1]
+    config, tensors = random_checkpoint("tiny")
+    tensors.pop("model.layers.1.mlp.down_proj.weight")
+    with pytest.raises(KeyError, match="down_proj"):
+        DecodeEngine.from_checkpoint_tensors(config, tensors, max_seq_len=64)
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_half_precision_runs_close_to_float32(tmp_path, dtype):
     build_model(tmp_path, "llama")

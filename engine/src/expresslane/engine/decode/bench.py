@@ -1,6 +1,7 @@
 """Batch-1 decode micro benchmark: tokens/s against the bandwidth bound, with and without speculation.
 
-    python -m expresslane.engine.decode.bench --model DIR [--dtype float32] [--device cpu] [--prompt-len 128]
+    python -m expresslane.engine.decode.bench {--model DIR | --random-shape llama-8b} [--dtype float32] [--device cpu]
+        [--prompt-len 128]
         [--contexts 1024,8192] [--tokens 256] [--attention live|masked|split] [--compile]
         [--cuda-graph auto|on|off] [--lean auto|on|off] [--speculation-k K] [--oracle-k 1,2,3,4] [--lookup]
         [--replay TRACES.json] [--replay-text TEXTS.json] [--threads N] [--json F]
@@ -34,6 +35,7 @@ import torch
 
 from .engine import ATTENTION_MODES, CUDA_GRAPH_CHOICES, DecodeEngine
 from .sampling import SamplingParams
+from .shapes import SHAPES, random_checkpoint
 from .speculative import SpeculationConfig, StepCosts
 
 
@@ -324,7 +326,11 @@ def bench_context(engine: DecodeEngine, prompt_len: int, tokens: int, repeats: i
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", required=True)
+    source = ap.add_mutually_exclusive_group(required=True)
+    source.add_argument("--model", help="a Hugging Face checkpoint directory")
+    source.add_argument("--random-shape", choices=sorted(SHAPES),
+                        help="random bf16 weights of a real model's shape, built in memory (decode/shapes.py; "
+                             "the weights scripts/gpu_make_shape_model.py writes): no checkpoint to write or read")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--max-seq-len", type=int, default=None, help="default: the largest context + tokens + 64")
@@ -376,12 +382,18 @@ def main(argv: list[str] | None = None) -> None:
     if texts and not args.speculation_k:
         ap.error("--replay-text needs speculation (--speculation-k >= 1)")
     t0 = time.perf_counter()
+    options = dict(dtype=args.dtype, device=args.device, max_seq_len=max_seq_len, attention=args.attention,
+                   compile=args.compile or bool(args.compile_mode), compile_mode=args.compile_mode,
+                   cuda_graph=CUDA_GRAPH_CHOICES[args.cuda_graph],
+                   speculation=SpeculationConfig(k=args.speculation_k) if args.speculation_k else None,
+                   lean_gemv=args.lean_gemv)
     try:
-        engine = DecodeEngine.from_pretrained(
-            args.model, dtype=args.dtype, device=args.device, max_seq_len=max_seq_len, attention=args.attention,
-            compile=args.compile or bool(args.compile_mode), compile_mode=args.compile_mode, cuda_graph=CUDA_GRAPH_CHOICES[args.cuda_graph],
-            speculation=SpeculationConfig(k=args.speculation_k) if args.speculation_k else None,
-            lean_gemv=args.lean_gemv)
+        if args.random_shape:
+            config, tensors = random_checkpoint(args.random_shape, args.device)
+            engine = DecodeEngine.from_checkpoint_tensors(config, tensors, **options)
+            del tensors
+        else:
+            engine = DecodeEngine.from_pretrained(args.model, **options)
         engine.runner.set_lean(CUDA_GRAPH_CHOICES[args.lean])
         if args.verify_attention != "per-row":
             engine.runner.set_verify_attention(args.verify_attention)
@@ -391,7 +403,8 @@ def main(argv: list[str] | None = None) -> None:
     load_s = time.perf_counter() - t0
     gemv = engine.runner.lean_gemv
     bw = None if args.no_bound else copy_bandwidth(engine.device)
-    print(f"model={args.model} type={engine.config.model_type} dtype={args.dtype} device={args.device} "
+    model_name = args.model or args.random_shape  # the JSON's "model": a shape's name for random weights
+    print(f"model={model_name} type={engine.config.model_type} dtype={args.dtype} device={args.device} "
           f"attention={engine.attention} step={engine.runner.mode.value} gemv={gemv} "
           f"verify_attention={engine.runner.verify_attention} compile_mode={args.compile_mode} threads={torch.get_num_threads()} "
           f"max_seq_len={max_seq_len} load+warmup_s={load_s:.1f} weights={engine.weight_bytes() / 1e9:.3f}GB"
@@ -415,7 +428,7 @@ def main(argv: list[str] | None = None) -> None:
                   f"kv={r['kv_gb']:.3f}GB{bound} speedup={r['speedup']:.2f}x{extra}", flush=True)
             if args.json:
                 with open(args.json, "a") as f:
-                    f.write(json.dumps({"model": args.model, "dtype": args.dtype, "attention": engine.attention,
+                    f.write(json.dumps({"model": model_name, "dtype": args.dtype, "attention": engine.attention,
                                         "step": engine.runner.mode.value, "gemv": gemv,
                                         "verify_attention": engine.runner.verify_attention,
                                         "speculation_k": args.speculation_k, "load_warmup_s": round(load_s, 2),

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from ..models import ModelConfig, Transformer, load_model
+from ..models.loader import model_from_tensors
 from ..models.attention import ATTENTION_ALIASES, AttentionKind, StepContext
 from ..models.rope import rope_tables
 from .cache import KVGeometry, StaticKVCache
@@ -195,6 +196,23 @@ class DecodeEngine:
         True or ValueError, False the PyTorch step. lean_gemv: its GEMV kernels (models/lean.py: auto,
         cuda-core, tensor-core)."""
         config = ModelConfig.from_model_dir(model_dir)
+        return cls._built(config, lambda dt, dev: load_model(model_dir, config, dt, dev), dtype=dtype,
+                          device=device, max_seq_len=max_seq_len, attention=attention, compile=compile,
+                          cuda_graph=cuda_graph, speculation=speculation, compile_mode=compile_mode, lean=lean,
+                          lean_gemv=lean_gemv)
+
+    @classmethod
+    def from_checkpoint_tensors(cls, config: dict, tensors: dict[str, torch.Tensor], **options) -> "DecodeEngine":
+        """An engine over a checkpoint held in memory: config.json's dict and {HF name: tensor} (the dict is
+        emptied), e.g. decode/shapes.py's random checkpoints; options as from_pretrained's."""
+        model_config = ModelConfig.from_dict(config)
+        return cls._built(model_config, lambda dt, dev: model_from_tensors(model_config, tensors, dt, dev),
+                          **options)
+
+    @classmethod
+    def _built(cls, config: ModelConfig, load, *, dtype: str | torch.dtype = "float32",
+               device: str | torch.device = "cpu", max_seq_len: int = 4096, attention: str | None = None,
+               **options) -> "DecodeEngine":
         if dtype == "auto":  # the checkpoint's own dtype, like vLLM's --dtype auto for these dtypes
             dtype = config.checkpoint_dtype or "float32"
         torch_dtype, device = parse_dtype(dtype), torch.device(device)
@@ -203,10 +221,9 @@ class DecodeEngine:
         if attention is None:
             attention = default_attention(device.type)
         parse_attention(attention)  # a bad name fails before the weights load
-        model = load_model(model_dir, config, torch_dtype, device)
+        model = load(torch_dtype, device)
         return cls(model, config, dtype=torch_dtype, device=device, max_seq_len=max_seq_len,
-                   attention=attention, compile=compile, cuda_graph=cuda_graph, speculation=speculation,
-                   compile_mode=compile_mode, lean=lean, lean_gemv=lean_gemv)
+                   attention=attention, **options)
 
     @property
     def compile(self) -> bool:

@@ -85,9 +85,17 @@ def _hf_to_fused(cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> dict[str
 def load_model(
     model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str
 ) -> Transformer:
+    return model_from_tensors(cfg, dict(iter_checkpoint(model_dir)), dtype, device)
+
+
+def model_from_tensors(
+    cfg: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device | str
+) -> Transformer:
+    """The fused Transformer over a checkpoint's tensors already in memory ({HF name: tensor}; the dict is
+    emptied), as strict as a load from disk."""
     with torch.device("meta"):
         model = Transformer(cfg)
-    fused = _hf_to_fused(cfg, dict(iter_checkpoint(model_dir)))
+    fused = _hf_to_fused(cfg, tensors)
     state = {name: t.to(device=device, dtype=dtype) for name, t in fused.items()}
     if cfg.tie_word_embeddings:
         state["lm_head.weight"] = state["embed_tokens.weight"]
