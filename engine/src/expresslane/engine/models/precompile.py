@@ -13,17 +13,21 @@ Measured on a 2-core host, compiling the CUDA-core `gemv_residual` kernel's 15 b
 6.65 s. The kernels are the same either way (a test compares the binaries).
 
 `precompile(jobs)` runs each job (a call that compiles and does not launch: a launcher's `compile_only=True`) on
-the pool and returns once all are compiled; a compile that fails raises here, as it would have raised at its
-launch. On a host with one CPU, or with a Triton without AsyncCompileMode, the jobs run one after another.
+the pool and returns once all are compiled. Where the parallel compile raises, the jobs run again one at a time
+(logged): a kernel that does not compile raises there, as it would have at its launch. On a host with one CPU,
+or with a Triton without AsyncCompileMode, the jobs run one after another.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
+
+log = logging.getLogger(__name__)
 
 try:  # Triton >= 3.4
     from triton import AsyncCompileMode
@@ -82,11 +86,18 @@ def precompile(jobs: Iterable[Callable[[], object]]) -> None:
         return
     t0 = time.perf_counter()
     if threads() > 1:
-        with AsyncCompileMode(_executor()):
+        try:
+            with AsyncCompileMode(_executor()):
+                for job in jobs:
+                    job()
+            # leaving the mode waited for every compile and put each kernel in its cache
+        except Exception as e:  # noqa: BLE001 - whatever the parallel path raised, the serial one decides
+            # A kernel that does not compile fails the same way one at a time (that error is the one raised);
+            # a failure of the parallel path itself (a Triton whose compile is not thread-safe) costs only time.
+            log.warning("compiling %d kernels in parallel failed (%s: %s); compiling them one at a time",
+                        len(jobs), type(e).__name__, str(e).splitlines()[0] if str(e) else "")
             for job in jobs:
                 job()
-        # leaving the mode waited for every compile and put each kernel in its cache (or raised the first
-        # compile error, as the launch would have)
     else:
         for job in jobs:
             job()
