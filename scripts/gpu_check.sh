@@ -24,7 +24,8 @@
 # attention probe first, into verify-attention.jsonl), TEST_BUDGET_S (400: the tests' share
 # of the run), RUN_BUDGET_S (570: the whole run's, each phase stopped where it would pass it), TEST_WORKERS (8),
 # EXPRESSLANE_COMMIT (the commit the tree is, for the table's title).
-# Output in OUTDIR: pytest.txt, bench.log, bench.jsonl, verify-attention.jsonl, summary.txt (the table).
+# Output in OUTDIR: pytest.txt, bench.log, bench.jsonl, verify-attention.jsonl, phases.txt, summary.txt (the
+# table, then each target of docs/performance.md against this run: scripts/gpu_check_targets.py).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 CARRY=.carry/gpu-check
@@ -158,6 +159,7 @@ for r in rows:
           f"({w.get('compile_jobs', 0)} kernels, {w.get('compile_threads', '?')} threads), "
           f"block-shape timing {w.get('pick_timing_s', 0):.1f} s ({w.get('picks', 0)} picks)")
 EOF
+    python3 scripts/gpu_check_targets.py "$out"
     [[ -s $out/verify-attention.jsonl ]] && python3 - "$out/verify-attention.jsonl" <<'EOF'
 import json, sys
 rows = [json.loads(line) for line in open(sys.argv[1]) if line.strip()]

@@ -1,0 +1,121 @@
+#!/usr/bin/env python3
+"""The express engine's GPU targets, each against what one GPU check run measured (scripts/gpu_check.sh prints
+this after its table; the targets are docs/performance.md's, set by the issue "exact on a GPU, and speculation
+that pays").
+
+    python3 scripts/gpu_check_targets.py OUTDIR      # OUTDIR: pytest.txt, bench.jsonl, phases.txt of a run
+
+One line per target and GEMV family, "yes" or "NO" first; a target the run has no rows for is left out.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+
+def _shape(r: dict) -> str:
+    return r["model"].rstrip("/").rsplit("/", 1)[-1]
+
+
+def _speculating(r: dict) -> bool:
+    return bool(r.get("speculation_k", 1))
+
+
+def _verify_ratio(times: dict) -> float:
+    """A verify of the most rows timed over one row (step_ms_by_rows, keys as JSON writes them)."""
+    t = {int(k): v for k, v in times.items()}
+    return t[max(t)] / t[1]
+
+
+def targets(out: Path) -> list[tuple[bool, str, str]]:
+    """[(holds, target, measured)] for the run in `out`."""
+    bench = out / "bench.jsonl"
+    rows = [json.loads(line) for line in bench.read_text().splitlines() if line.strip()] if bench.exists() else []
+    node = {(_shape(r), r["context"]): r["tok_per_s"] for r in rows if not _speculating(r)}
+    found: list[tuple[bool, str, str]] = []
+
+    def families(shape: str, speculating: bool = True) -> list[str]:
+        return sorted({r.get("gemv") for r in rows if _shape(r) == shape and _speculating(r) == speculating}
+                      - {None})
+
+    def mode_rows(shape: str, gemv: str, mode: str) -> list[dict]:
+        return [r for r in rows if _shape(r) == shape and r.get("gemv") == gemv and r["mode"] == mode
+                and _speculating(r)]
+
+    pytest_txt = out / "pytest.txt"
+    closing = re.findall(r"=+ (.*?(?:passed|failed|error).*?) in [0-9.]+s", pytest_txt.read_text()) \
+        if pytest_txt.exists() else []
+    if closing:
+        found.append(("failed" not in closing[-1] and "error" not in closing[-1], "GPU tests all green", closing[-1]))
+
+    for gemv in families("llama-8b"):
+        o3 = mode_rows("llama-8b", gemv, "oracle-k3")
+        if o3:
+            found.append((all(r.get("matches_plain") and r["speedup"] >= (2.5 if r["context"] >= 32768 else 3.0)
+                              for r in o3),
+                          f"8B {gemv}: oracle k = 3 >= 3x plain at 1k / 8k, >= 2.5x at 32k, exact",
+                          " ".join(f"{r['context']}: {r['speedup']:.2f}x" + ("" if r.get("matches_plain") else
+                                                                             " NOT EXACT") for r in o3)))
+        o4 = [r for r in mode_rows("llama-8b", gemv, "oracle-k4") if r["context"] == 1024]
+        if o4:
+            found.append((o4[0]["tok_per_s"] >= 1000 and bool(o4[0].get("matches_plain")),
+                          f"8B {gemv}: oracle k = 4 at 1k >= 1,000 tok/s, exact", f"{o4[0]['tok_per_s']:.1f} tok/s"))
+
+    for shape, cap in (("llama-8b", 1.15), ("llama-1b", 1.3)):
+        for gemv in families(shape):
+            timed = [r for r in mode_rows(shape, gemv, "plain") if len(r.get("step_ms_by_rows") or {}) > 1]
+            if timed:
+                found.append((all(_verify_ratio(r["step_ms_by_rows"]) <= cap for r in timed),
+                              f"{shape} {gemv}: a verify of 5 rows <= {cap}x one row",
+                              " ".join(f"{r['context']}: {_verify_ratio(r['step_ms_by_rows']):.2f}x" for r in timed)))
+
+    for shape, floor in (("llama-8b", 0.95), ("llama-1b", 0.72)):
+        for speculating, who in ((True, "a speculating engine's plain steps"), (False, "an engine without speculation")):
+            plain = [r for r in rows if _shape(r) == shape and r["mode"] == "plain" and _speculating(r) == speculating
+                     and r.get("gemv") == "cuda-core" and r.get("of_bound")]
+            if plain:
+                found.append((all(r["of_bound"] >= floor for r in plain),
+                              f"{shape} cuda-core, {who}: >= {100 * floor:.0f} % of the bandwidth bound",
+                              " ".join(f"{r['context']}: {100 * r['of_bound']:.2f} %" for r in plain)))
+
+    for shape in ("llama-8b", "llama-1b"):
+        for gemv in families(shape):
+            lookup = [r for r in mode_rows(shape, gemv, "lookup") if (shape, r["context"]) in node]
+            if lookup:
+                x = [(r["context"], r["tok_per_s"] / node[(shape, r["context"])]) for r in lookup]
+                found.append((all(v >= 0.97 for _, v in x),
+                              f"{shape} {gemv}: speculation on random prompts >= 0.97x a node without it",
+                              " ".join(f"{c}: {v:.3f}x" for c, v in x)))
+            text = [r for r in rows if _shape(r) == shape and r.get("gemv") == gemv and _speculating(r)
+                    and r["mode"].startswith("text-") and (shape, r["context"]) in node]
+            if text:
+                x = [(r["mode"][5:], r["context"], r["tok_per_s"] / node[(shape, r["context"])]) for r in text]
+                found.append((all(v >= 1.0 for *_, v in x),
+                              f"{shape} {gemv}: the drafter on recorded text never slower than a node without it",
+                              " ".join(f"{m}@{c}: {v:.2f}x" for m, c, v in x)))
+
+    phases = out / "phases.txt"
+    if phases.exists():
+        text = phases.read_text()
+        seconds = sum(int(s) for s in re.findall(r"^(?:tests|bench) (\d+) s$", text, re.M))
+        if seconds:
+            found.append((seconds < 540 and "interrupted" not in text and "not run" not in text,
+                          "the check in one run under 9 minutes (tests + bench)", f"{seconds} s"))
+    return found
+
+
+def main() -> None:
+    if len(sys.argv) != 2:
+        sys.exit(__doc__)
+    found = targets(Path(sys.argv[1]))
+    if found:
+        print("targets (docs/performance.md)")
+        for holds, what, measured in found:
+            print(f"  {'yes' if holds else 'NO ':3}  {what}: {measured}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,45 @@
+"""scripts/gpu_check_targets.py reads a GPU check run's files and says which targets hold: checked on the run of
+2026-12-04 kept in docs/bench/2026-12-04-gpu-check (what it measured is in that folder's summary)."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "scripts"))
+
+from gpu_check_targets import targets  # noqa: E402
+
+RUN = REPO / "docs" / "bench" / "2026-12-04-gpu-check"
+
+
+def _by_target(out: Path) -> dict[str, tuple[bool, str]]:
+    return {what: (holds, measured) for holds, what, measured in targets(out)}
+
+
+def test_the_2026_12_04_run(tmp_path):
+    for name in ("pytest.txt", "bench.jsonl"):
+        shutil.copy(RUN / name, tmp_path / name)
+    (tmp_path / "phases.txt").write_text("tests 260 s\nbench 470 s\n")
+    t = _by_target(tmp_path)
+    assert t["GPU tests all green"] == (False, "6 failed, 753 passed, 33 skipped, 3 warnings")
+    tc3 = t["8B tensor-core: oracle k = 3 >= 3x plain at 1k / 8k, >= 2.5x at 32k, exact"]
+    assert tc3 == (True, "1024: 3.59x 8192: 3.43x 32768: 2.99x")
+    assert t["8B tensor-core: oracle k = 4 at 1k >= 1,000 tok/s, exact"] == (True, "1052.5 tok/s")
+    assert t["8B cuda-core: oracle k = 4 at 1k >= 1,000 tok/s, exact"][0] is False
+    assert t["llama-8b tensor-core: a verify of 5 rows <= 1.15x one row"] == (False, "1024: 1.08x 8192: 1.15x 32768: 1.41x")
+    assert t["llama-1b cuda-core: a verify of 5 rows <= 1.3x one row"][0] is False
+    # 71.97 % is not 72 %: the figure is printed with the decimals that decide it
+    assert t["llama-1b cuda-core, a speculating engine's plain steps: >= 72 % of the bandwidth bound"] == \
+        (False, "1024: 71.97 % 8192: 72.06 % 32768: 76.37 %")
+    assert t["llama-8b cuda-core: speculation on random prompts >= 0.97x a node without it"] == (True, "1024: 0.999x")
+    assert t["llama-8b tensor-core: speculation on random prompts >= 0.97x a node without it"][0] is False
+    assert t["the check in one run under 9 minutes (tests + bench)"] == (False, "730 s")
+
+
+def test_an_empty_run_has_no_targets(tmp_path):
+    assert targets(tmp_path) == []
+    (tmp_path / "phases.txt").write_text("tests 200 s\nbench interrupted at the run's budget (RUN_BUDGET_S)\nbench 300 s\n")
+    assert targets(tmp_path) == [(False, "the check in one run under 9 minutes (tests + bench)", "500 s")]
