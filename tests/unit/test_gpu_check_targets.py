@@ -43,3 +43,10 @@ def test_an_empty_run_has_no_targets(tmp_path):
     assert targets(tmp_path) == []
     (tmp_path / "phases.txt").write_text("tests 200 s\nbench interrupted at the run's budget (RUN_BUDGET_S)\nbench 300 s\n")
     assert targets(tmp_path) == [(False, "the check in one run under 9 minutes (tests + bench)", "500 s")]
+
+
+def test_tests_cut_at_their_budget_are_not_green(tmp_path):
+    (tmp_path / "pytest.txt").write_text("==== 700 passed, 30 skipped in 399.10s (0:06:39) ====\n")
+    (tmp_path / "phases.txt").write_text("tests interrupted at their budget (400 s)\ntests 401 s\n")
+    t = _by_target(tmp_path)
+    assert t["GPU tests all green"] == (False, "700 passed, 30 skipped (interrupted at its budget)")

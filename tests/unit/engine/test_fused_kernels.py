@@ -557,10 +557,10 @@ def test_the_picker_compiles_every_kernel_it_loads_in_parallel_first(gemv):
     cos, sin = rope_tables(cfg.rope, cfg.head_dim, 64, torch.bfloat16, DEVICE)
     shape = (cfg.num_layers, 64, cfg.num_kv_heads, cfg.head_dim)
     kv = [torch.zeros(shape, device=DEVICE, dtype=torch.bfloat16) for _ in range(2)]
-    saved = dict(fused._PICKED)
-    fused._PICKED.clear()  # picked afresh
     if not all(hasattr(k, "device_caches") for k in kernels) or not hasattr(triton.knobs.runtime, "jit_cache_hook"):
         pytest.skip("this Triton has no per-device kernel cache or compile hook to watch")
+    saved = dict(fused._PICKED)
+    fused._PICKED.clear()  # picked afresh
     for k in kernels:
         k.device_caches.clear()  # and compiled afresh (Triton's disk cache may still answer: the hook sees it)
     jobs = precompile.STATS.jobs

@@ -28,6 +28,7 @@ def test_a_random_shape_in_memory_is_the_checkpoint_the_script_writes(tmp_path):
     """The decode bench's --random-shape builds decode/shapes.py's random checkpoint in memory; the servers read
     the same one from disk (scripts/gpu_make_shape_model.py). Same weights, same engine: equal logits and
     tokens. The in-memory load is as strict as the load from disk."""
+    import os
     import subprocess
     import sys
     from pathlib import Path
@@ -35,8 +36,10 @@ def test_a_random_shape_in_memory_is_the_checkpoint_the_script_writes(tmp_path):
     from expresslane.engine.decode.shapes import random_checkpoint
 
     repo = Path(__file__).resolve().parents[3]
+    # the script builds on a GPU where it sees one; the weights here are the CPU's (another generator)
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
     subprocess.run([sys.executable, str(repo / "scripts" / "gpu_make_shape_model.py"), "tiny", str(tmp_path)],
-                   check=True, capture_output=True, timeout=300)
+                   check=True, capture_output=True, timeout=300, env=env)
     disk = DecodeEngine.from_pretrained(tmp_path, dtype="bfloat16", max_seq_len=64, speculation=None)
     config, tensors = random_checkpoint("tiny")
     memory = DecodeEngine.from_checkpoint_tensors(config, tensors, dtype="bfloat16", max_seq_len=64,

@@ -247,7 +247,8 @@ def test_warmup_measures_the_step_costs_the_default_drafter_weighs(hf_model):
                       (off, ["prefill", "capture", "verify_rows", "generate"])):
         report = e.warmup_report
         assert list(report["phases"]) == phases, report
-        assert 0 < sum(report["phases"].values()) <= report["seconds"] + 1e-3
+        # each figure is rounded to the ms on its own: the phases' sum may pass the total by half a ms each
+        assert 0 < sum(report["phases"].values()) <= report["seconds"] + 5e-4 * (len(phases) + 1)
         assert report["phases"]["calibrate" if e is engine else "generate"] > 0
 
 

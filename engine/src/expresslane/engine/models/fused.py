@@ -505,6 +505,15 @@ def least_spilling(candidates, spills) -> tuple[list, dict]:
     return [c for c in candidates if spilled[c] == fewest], spilled
 
 
+def _pick_key(name: str, n: int, k: int, rows: int, device: torch.device | None) -> tuple:
+    return (name, n, k, rows, str(device), use_pdl(device) if device is not None else False)
+
+
+def picked_config(name: str, n: int, k: int, rows: int, device: torch.device | None) -> tuple[int, ...] | None:
+    """The block shape pick_config already picked for (name, n, k, rows) on this device, None if none yet."""
+    return _PICKED.get(_pick_key(name, n, k, rows, device))
+
+
 def pick_config(name: str, n: int, k: int, candidates, launch, max_block_rows: int | None = None,
                 restore: torch.Tensor | None = None, device: torch.device | None = None,
                 config: tuple[int, ...] | None = None, rows: int = 1, spills=None,
@@ -525,7 +534,7 @@ def pick_config(name: str, n: int, k: int, candidates, launch, max_block_rows: i
     kernels it times, then the picked shape's kernels of the row counts in between (the verify's graphs)."""
     if config is not None:
         return config
-    key = (name, n, k, rows, str(device), use_pdl(device) if device is not None else False)
+    key = _pick_key(name, n, k, rows, device)
     if key in _PICKED:
         return _PICKED[key]
     fitting = [c for c in candidates if _fits(c, k, max_block_rows)] or [min(candidates)]

@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .fused import MAX_ROWS, _argmax_key, _launch, _rounded, _rows, pick_config, spilled_bytes
+from .fused import MAX_ROWS, _argmax_key, _launch, _rounded, _rows, pick_config, picked_config, spilled_bytes
 from .pdl import pdl_wait, use_pdl
 from .precompile import precompile
 
@@ -234,20 +234,22 @@ def _runnable(launch):
     return lambda cfg: spilled_bytes(launch(cfg, compile_only=True)) < 1 << 30
 
 
-def _pick(name, n, k, cands, launch, device, config, max_block_rows=None, restore=None, max_rows=1):
+def _pick(name, n, k, cands, launch, device, config, max_block_rows=None, restore=None):
     """One block shape for every row count (the row-invariant verify), timed on one row (the steps that do not
-    verify must be fast; five rows cost about what one does here). The candidates' kernels of the call's rows
-    are compiled in parallel first (models/precompile.py), then loaded to drop those this device cannot run;
-    max_rows: the most rows the calling step runs (the picked shape's verify kernel is compiled with the pick)."""
+    verify must be fast; five rows cost about what one does here). Picked once per (kernel, N, K) and device:
+    the candidates are compiled in parallel first (models/precompile.py; the row count is not specialised, so
+    one binary serves every row count), then loaded to drop those this device cannot run, then timed."""
     if config is not None:
         return config
+    picked = picked_config("dot_" + name, n, k, 1, device)
+    if picked is not None:
+        return picked
     fitting = [c for c in cands if _fits(c, k, max_block_rows)] or [min(cands)]
     if device.type == "cuda" and not torch.cuda.is_current_stream_capturing():
         precompile([functools.partial(launch, c, compile_only=True) for c in fitting])
         runs = _runnable(launch)
         fitting = [c for c in fitting if runs(c)] or fitting[-1:]
-    return pick_config("dot_" + name, n, k, fitting, lambda c: launch(c, rows=1), device=device, restore=restore,
-                       rows=max_rows, compile=lambda c, r: launch(c, rows=r, compile_only=True))
+    return pick_config("dot_" + name, n, k, fitting, lambda c: launch(c, rows=1), device=device, restore=restore)
 
 
 def _ieee(t: torch.Tensor) -> bool:
@@ -264,8 +266,7 @@ def rms_rows(x, norm_w, eps, out):
                               num_warps=4 if k <= 4096 else 8, launch_pdl=pdl)
 
 
-def qkv_rope(xn, w, b, cos, sin, start, q_out, k_cache, v_cache, num_heads, num_kv_heads, head_dim, config=None,
-             max_rows=None):
+def qkv_rope(xn, w, b, cos, sin, start, q_out, k_cache, v_cache, num_heads, num_kv_heads, head_dim, config=None):
     """fused.norm_qkv_rope over an input normalised by rms_rows (xn [R, K] or [K])."""
     k = xn.shape[-1]
     rows, sx = _rows(xn)
@@ -282,10 +283,10 @@ def qkv_rope(xn, w, b, cos, sin, start, q_out, k_cache, v_cache, num_heads, num_
                   STAGES=stages, IEEE=_ieee(xn), PDL=pdl, num_warps=warps, launch_pdl=pdl)
         return _launch(_qkv_rope_kernel, grid, compile_only, *args, **kw)
 
-    launch(_pick("qkv_rope", pairs * 2, k, DOT_PAIR_CONFIGS, launch, xn.device, config, max_rows=max_rows or rows))
+    launch(_pick("qkv_rope", pairs * 2, k, DOT_PAIR_CONFIGS, launch, xn.device, config))
 
 
-def gemv_residual(a, w, b, residual, config=None, max_rows=None):
+def gemv_residual(a, w, b, residual, config=None):
     """fused.gemv_residual on the tensor cores."""
     n, k = w.shape
     rows, sa = _rows(a)
@@ -301,11 +302,10 @@ def gemv_residual(a, w, b, residual, config=None, max_rows=None):
         return _launch(_gemv_residual_kernel, grid, compile_only, *args, **kw)
 
     restore = residual if residual.dim() == 1 else residual[0]
-    launch(_pick("gemv_residual", n, k, DOT_CONFIGS, launch, a.device, config, restore=restore,
-                 max_rows=max_rows or rows))
+    launch(_pick("gemv_residual", n, k, DOT_CONFIGS, launch, a.device, config, restore=restore))
 
 
-def gate_up_silu(xn, w, b, out, config=None, max_rows=None):
+def gate_up_silu(xn, w, b, out, config=None):
     """fused.norm_gate_up_silu over an input normalised by rms_rows."""
     i2, k = w.shape
     i = i2 // 2
@@ -321,10 +321,10 @@ def gate_up_silu(xn, w, b, out, config=None, max_rows=None):
                   num_warps=warps, launch_pdl=pdl)
         return _launch(_gate_up_silu_kernel, grid, compile_only, *args, **kw)
 
-    launch(_pick("gate_up_silu", i2, k, DOT_PAIR_CONFIGS, launch, xn.device, config, max_rows=max_rows or rows))
+    launch(_pick("gate_up_silu", i2, k, DOT_PAIR_CONFIGS, launch, xn.device, config))
 
 
-def gemv(xn, w, out, config=None, argmax_keys=None, max_rows=None) -> int:
+def gemv(xn, w, out, config=None, argmax_keys=None) -> int:
     """fused.norm_gemv (the lm_head) over an input normalised by rms_rows; argmax_keys: row 0's per-program
     (value, first row) keys (one row only). Returns the number of programs launched (the keys written)."""
     n, k = w.shape
@@ -343,6 +343,6 @@ def gemv(xn, w, out, config=None, argmax_keys=None, max_rows=None) -> int:
         return _launch(_gemv_kernel, grid, compile_only, *args, **kw)
 
     cfg = _pick("gemv", n, k, DOT_CONFIGS, lambda c, rows=rows, compile_only=False: launch(
-        c, None, rows, compile_only), xn.device, config, max_rows=max_rows or rows)
+        c, None, rows, compile_only), xn.device, config)
     launch(cfg, argmax_keys)
     return triton.cdiv(n, cfg[0])

@@ -162,15 +162,14 @@ class LeanStep:
             att, mlp = layer.self_attn, layer.mlp
             fused_dot.rms_rows(x, layer.input_layernorm.weight, layer.input_layernorm.eps, xn)
             fused_dot.qkv_rope(xn, att.qkv_proj.weight, att.qkv_proj.bias, self.cos, self.sin, start, q, kc, vc,
-                               cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, max_rows=self.max_rows)
+                               cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
             out = split_kv_attention_rows(q3, kc, vc, start, att.scale, shared=shared)
-            fused_dot.gemv_residual(out.view(r, -1), att.o_proj.weight, att.o_proj.bias, x, max_rows=self.max_rows)
+            fused_dot.gemv_residual(out.view(r, -1), att.o_proj.weight, att.o_proj.bias, x)
             fused_dot.rms_rows(x, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps, xn)
-            fused_dot.gate_up_silu(xn, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, h, max_rows=self.max_rows)
-            fused_dot.gemv_residual(h, mlp.down_proj.weight, mlp.down_proj.bias, x, max_rows=self.max_rows)
+            fused_dot.gate_up_silu(xn, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, h)
+            fused_dot.gemv_residual(h, mlp.down_proj.weight, mlp.down_proj.bias, x)
         fused_dot.rms_rows(x, m.norm.weight, m.norm.eps, xn)
-        keys = fused_dot.gemv(xn, m.lm_head.weight, logits, argmax_keys=self.argmax_keys if greedy else None,
-                              max_rows=self.max_rows)
+        keys = fused_dot.gemv(xn, m.lm_head.weight, logits, argmax_keys=self.argmax_keys if greedy else None)
         if greedy:
             fused.greedy_advance(self.argmax_keys, keys, tokens, start, self.token_ring, self.greedy_seq)
         return logits

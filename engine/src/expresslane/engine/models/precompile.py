@@ -20,6 +20,7 @@ or with a Triton without AsyncCompileMode, the jobs run one after another.
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import os
 import threading
@@ -42,9 +43,24 @@ def _host_cpus() -> int:
         return os.cpu_count() or 1
 
 
-#: Compile threads: the CPUs this process may run on, at most 32 (a warm-up compiles a few dozen kernels at a
-#: time: one pick's candidates).
-COMPILE_THREADS = max(1, min(32, _host_cpus()))
+def _compile_threads() -> int:
+    """EXPRESSLANE_COMPILE_THREADS where set (as TORCHINDUCTOR_COMPILE_THREADS is for inductor: e.g. several test
+    processes on one host), else the CPUs this process may run on, at most 32 (a warm-up compiles a few dozen
+    kernels at a time: one pick's candidates)."""
+    raw = os.environ.get("EXPRESSLANE_COMPILE_THREADS", "").strip()
+    if raw:
+        try:
+            n = int(raw)
+        except ValueError:
+            raise ValueError(f"EXPRESSLANE_COMPILE_THREADS={raw!r}: not a number of threads") from None
+        if n < 1:
+            raise ValueError(f"EXPRESSLANE_COMPILE_THREADS={raw!r}: must be >= 1")
+        return n
+    return max(1, min(32, _host_cpus()))
+
+
+#: Compile threads (1: one after another, in the calling thread).
+COMPILE_THREADS = _compile_threads()
 
 _lock = threading.Lock()
 _pool: ThreadPoolExecutor | None = None
@@ -78,6 +94,13 @@ def _executor() -> ThreadPoolExecutor:
         return _pool
 
 
+def _in_parallel(jobs: list[Callable[[], object]]) -> None:
+    with AsyncCompileMode(_executor()):
+        for job in jobs:
+            job()
+    # leaving the mode waited for every compile and put each kernel in its JIT function's cache
+
+
 def precompile(jobs: Iterable[Callable[[], object]]) -> None:
     """Run every job (a compile-only launch); in parallel on the compile pool where there is one. Returns when
     every kernel is compiled and in its JIT function's cache (the launches that follow find it there)."""
@@ -87,10 +110,9 @@ def precompile(jobs: Iterable[Callable[[], object]]) -> None:
     t0 = time.perf_counter()
     if threads() > 1:
         try:
-            with AsyncCompileMode(_executor()):
-                for job in jobs:
-                    job()
-            # leaving the mode waited for every compile and put each kernel in its cache
+            # In a context of its own: Triton 3.6's AsyncCompileMode leaves itself active when a compile raised
+            # (3.9 resets it in a `finally`), and the serial retry must not run through that stale mode.
+            contextvars.copy_context().run(_in_parallel, jobs)
         except Exception as e:  # noqa: BLE001 - whatever the parallel path raised, the serial one decides
             # A kernel that does not compile fails the same way one at a time (that error is the one raised);
             # a failure of the parallel path itself (a Triton whose compile is not thread-safe) costs only time.
