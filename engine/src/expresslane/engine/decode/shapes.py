@@ -53,6 +53,8 @@ def random_llama(shape: str, device: str | torch.device = "cpu"):
         model = LlamaForCausalLM(cfg).to(torch.bfloat16)
         with torch.no_grad():
             model.get_output_embeddings().weight.mul_(LM_HEAD_SCALE)
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()  # the float32 init's memory (32 GB at 8B) back to the device
     return model.eval()
 
 
