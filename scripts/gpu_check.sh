@@ -21,7 +21,7 @@
 # numbers, what auto's choice weighs; the tensor-core per-row rows are docs/bench/2026-12-04-gpu-check/'s),
 # REPEATS (2), MAX_SEQ_LEN (33100), REPLAY_TEXT (docs/bench/2026-12-04-cost-aware-drafter/texts.json; empty: none),
 # REPLAY (recorded (drafted, kept) traces, bench --replay; none by default), PROBE_ATTENTION (1: the verify
-# attention probe first, into verify-attention.jsonl), TEST_BUDGET_S (400: the tests' share
+# attention probe first, into verify-attention.jsonl, at PROBE_CONTEXTS 1024,8190,32768), TEST_BUDGET_S (400: the tests' share
 # of the run), RUN_BUDGET_S (570: the whole run's, each phase stopped where it would pass it), TEST_WORKERS (8),
 # EXPRESSLANE_COMMIT (the commit the tree is, for the table's title).
 # Output in OUTDIR: pytest.txt, bench.log, bench.jsonl, verify-attention.jsonl, phases.txt, summary.txt (the
@@ -90,11 +90,26 @@ run_bench() {
   if [[ ${PROBE_ATTENTION:-1} == 1 ]]; then
     echo "== verify attention: per-row vs shared"
     : >"$out/verify-attention.jsonl"
-    python3 scripts/probe_verify_attention.py --contexts "${CONTEXTS:-1024,8192,32768}" \
+    # 8190: a verify of 2-5 rows there straddles the split-KV chunk boundary at 8192 (8 KV heads: 64 splits)
+    python3 scripts/probe_verify_attention.py --contexts "${PROBE_CONTEXTS:-1024,8190,32768}" \
       --json "$out/verify-attention.jsonl" 2>&1 | tee -a "$out/bench.log"
   fi
-  # the shapes' random weights are built in memory by each bench (--random-shape: decode/shapes.py, the weights
-  # scripts/gpu_make_shape_model.py would write), not written and read back
+  # shapes benched with a GEMV family forced (models/lean.py: auto is cuda-core) and a verify attention, at the
+  # shortest and longest context: the opt-in's numbers, what auto's choice weighs (the one-row step against the
+  # verify), and the shared attention's end to end. First: a run cut at its budget loses the shapes' last rows.
+  # The shapes' random weights are built in memory by each bench (--random-shape: decode/shapes.py, the weights
+  # scripts/gpu_make_shape_model.py would write), not written and read back.
+  local pair shape family attn rest
+  for pair in ${FORCED-llama-8b:tensor-core:shared}; do
+    shape="${pair%%:*}" rest="${pair#*:}"
+    family="${rest%%:*}" attn="per-row"
+    [[ $rest == *:* ]] && attn="${rest#*:}"
+    echo "== bench $shape $family $attn"
+    python3 -m expresslane.engine.decode.bench --random-shape "$shape" --device cuda --dtype bfloat16 \
+      --contexts "${FORCED_CONTEXTS:-1024,32768}" --max-seq-len "${MAX_SEQ_LEN:-33100}" --tokens "${TOKENS:-256}" \
+      --lean-gemv "$family" --verify-attention "$attn" --oracle-k 4 --lookup ${replay:+--replay "$replay"} ${texts:+--replay-text "$texts"} --repeats "${REPEATS:-2}" \
+      --json "$out/bench.jsonl" 2>&1 | tee -a "$out/bench.log"
+  done
   for shape in ${SHAPES:-llama-8b llama-1b}; do
     echo "== bench $shape"
     python3 -m expresslane.engine.decode.bench --random-shape "$shape" --device cuda --dtype bfloat16 \
@@ -107,18 +122,6 @@ run_bench() {
       --device cuda --dtype bfloat16 --contexts "${CONTEXTS:-1024,8192,32768}" --max-seq-len "${MAX_SEQ_LEN:-33100}" \
       --tokens "${TOKENS:-256}" --speculation-k 0 --repeats "${REPEATS:-2}" --json "$out/bench.jsonl" 2>&1 \
       | tee -a "$out/bench.log"
-  done
-  # shapes benched again with a GEMV family forced (models/lean.py: auto is cuda-core), at the shortest and
-  # longest context: the opt-in's numbers, what auto's choice weighs (the one-row step against the verify)
-  local pair shape family attn rest
-  for pair in ${FORCED-llama-8b:tensor-core:shared}; do
-    shape="${pair%%:*}" rest="${pair#*:}"
-    family="${rest%%:*}" attn="per-row"
-    [[ $rest == *:* ]] && attn="${rest#*:}"
-    python3 -m expresslane.engine.decode.bench --random-shape "$shape" --device cuda --dtype bfloat16 \
-      --contexts "${FORCED_CONTEXTS:-1024,32768}" --max-seq-len "${MAX_SEQ_LEN:-33100}" --tokens "${TOKENS:-256}" \
-      --lean-gemv "$family" --verify-attention "$attn" --oracle-k 4 --lookup ${replay:+--replay "$replay"} ${texts:+--replay-text "$texts"} --repeats "${REPEATS:-2}" \
-      --json "$out/bench.jsonl" 2>&1 | tee -a "$out/bench.log"
   done
 }
 

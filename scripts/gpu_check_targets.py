@@ -5,7 +5,8 @@ that pays").
 
     python3 scripts/gpu_check_targets.py OUTDIR      # OUTDIR: pytest.txt, bench.jsonl, phases.txt of a run
 
-One line per target and GEMV family, "yes" or "NO" first; a target the run has no rows for is left out.
+One line per target and GEMV family ("+shared": the verify ran the shared attention), "yes" or "NO" first; a
+target the run has no rows for is left out.
 """
 
 from __future__ import annotations
@@ -24,6 +25,12 @@ def _speculating(r: dict) -> bool:
     return bool(r.get("speculation_k", 1))
 
 
+def _family(r: dict) -> str | None:
+    """The row's GEMV family, with "+shared" where its verify ran the shared attention (models/lean.py)."""
+    gemv = r.get("gemv")
+    return None if gemv is None else gemv + ("+shared" if r.get("verify_attention") == "shared" else "")
+
+
 def _verify_ratio(times: dict) -> float:
     """A verify of the most rows timed over one row (step_ms_by_rows, keys as JSON writes them)."""
     t = {int(k): v for k, v in times.items()}
@@ -38,11 +45,11 @@ def targets(out: Path) -> list[tuple[bool, str, str]]:
     found: list[tuple[bool, str, str]] = []
 
     def families(shape: str, speculating: bool = True) -> list[str]:
-        return sorted({r.get("gemv") for r in rows if _shape(r) == shape and _speculating(r) == speculating}
+        return sorted({_family(r) for r in rows if _shape(r) == shape and _speculating(r) == speculating}
                       - {None})
 
     def mode_rows(shape: str, gemv: str, mode: str) -> list[dict]:
-        return [r for r in rows if _shape(r) == shape and r.get("gemv") == gemv and r["mode"] == mode
+        return [r for r in rows if _shape(r) == shape and _family(r) == gemv and r["mode"] == mode
                 and _speculating(r)]
 
     pytest_txt = out / "pytest.txt"
@@ -78,7 +85,7 @@ def targets(out: Path) -> list[tuple[bool, str, str]]:
     for shape, floor in (("llama-8b", 0.95), ("llama-1b", 0.72)):
         for speculating, who in ((True, "a speculating engine's plain steps"), (False, "an engine without speculation")):
             plain = [r for r in rows if _shape(r) == shape and r["mode"] == "plain" and _speculating(r) == speculating
-                     and r.get("gemv") == "cuda-core" and r.get("of_bound")]
+                     and _family(r) == "cuda-core" and r.get("of_bound")]
             if plain:
                 found.append((all(r["of_bound"] >= floor for r in plain),
                               f"{shape} cuda-core, {who}: >= {100 * floor:.0f} % of the bandwidth bound",
@@ -92,7 +99,7 @@ def targets(out: Path) -> list[tuple[bool, str, str]]:
                 found.append((all(v >= 0.97 for _, v in x),
                               f"{shape} {gemv}: speculation on random prompts >= 0.97x a node without it",
                               " ".join(f"{c}: {v:.3f}x" for c, v in x)))
-            text = [r for r in rows if _shape(r) == shape and r.get("gemv") == gemv and _speculating(r)
+            text = [r for r in rows if _shape(r) == shape and _family(r) == gemv and _speculating(r)
                     and r["mode"].startswith("text-") and (shape, r["context"]) in node]
             if text:
                 x = [(r["mode"][5:], r["context"], r["tok_per_s"] / node[(shape, r["context"])]) for r in text]

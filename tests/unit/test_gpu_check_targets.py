@@ -50,3 +50,16 @@ def test_tests_cut_at_their_budget_are_not_green(tmp_path):
     (tmp_path / "phases.txt").write_text("tests interrupted at their budget (400 s)\ntests 401 s\n")
     t = _by_target(tmp_path)
     assert t["GPU tests all green"] == (False, "700 passed, 30 skipped (interrupted at its budget)")
+
+
+def test_the_shared_attention_is_its_own_family(tmp_path):
+    import json
+
+    rows = [json.loads(line) for line in (RUN / "bench.jsonl").read_text().splitlines() if line.strip()]
+    for r in rows:
+        if r.get("gemv") == "tensor-core":
+            r["verify_attention"] = "shared"
+    (tmp_path / "bench.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    t = _by_target(tmp_path)
+    assert t["8B tensor-core+shared: oracle k = 4 at 1k >= 1,000 tok/s, exact"] == (True, "1052.5 tok/s")
+    assert not any(what.startswith("8B tensor-core:") for what in t)

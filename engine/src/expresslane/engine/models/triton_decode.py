@@ -132,16 +132,19 @@ def _row_bounds(start_row, split, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexp
     kv_len = start_row + 1
     chunk = tl.cdiv(tl.cdiv(kv_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
     lo = split * chunk
-    return lo, tl.minimum(lo + chunk, kv_len)
+    # an empty split (lo past the row's end) gives hi = lo: it must not stretch the shared kernel's tile range
+    return lo, tl.maximum(lo, tl.minimum(lo + chunk, kv_len))
 
 
 @triton.jit
 def _row_tile(q, k, v, m_i, l_i, acc, cols, hi, row_pos, scale, IEEE: tl.constexpr):
     """One tile of one row's online softmax, exactly _split_kv_partial's loop body for T = 1. k [D, BLOCK_N] and
-    v [BLOCK_N, D] were read once for every row, up to the longest row's end; the columns at or past this row's
-    hi are zeroed here as that kernel's masked loads zero them, so every operand is the one-row kernel's."""
+    v [BLOCK_N, D] were read once for every row, up to the longest row's end. The columns at or past this row's
+    hi: their scores are -inf (`visible`) whatever k holds there (a score column depends on its own k column
+    only), as the one-row kernel's are over its zero-loaded k, so k is not zeroed (zeroing it doubled the
+    selects and made the five-row kernel spill: 486 B a thread at D = 128 in bf16, ptxas for sm_90a); v is
+    zeroed as that kernel's masked load zeroes it, so p * v is its 0 * 0 there."""
     col_ok = cols < hi
-    k = tl.where(col_ok[None, :], k, tl.zeros_like(k))
     v = tl.where(col_ok[:, None], v, tl.zeros_like(v))
     if IEEE:
         s = tl.dot(q, k, input_precision="ieee")
@@ -265,6 +268,7 @@ def _split_kv(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, sta
     pdl, pdl_merge = use_pdl(q.device, "attn_partial"), use_pdl(q.device, "attn_merge")
     strides = (q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1))
     if shared and steps > 1:
+        # num_warps as the per-row kernel's: the row max and sums are reduced across the same warps (bits)
         _split_kv_partial_shared[(hkv, splits)](
             q, k_cache, v_cache, start_pos, acc, ml, scale, *strides,
             ROWS=steps, G=g, D=d, NUM_SPLITS=splits, BLOCK_M=block_m, BLOCK_N=32 if ieee else 64, IEEE=ieee,
