@@ -132,8 +132,10 @@ def _row_bounds(start_row, split, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexp
     kv_len = start_row + 1
     chunk = tl.cdiv(tl.cdiv(kv_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
     lo = split * chunk
-    # an empty split (lo past the row's end) gives hi = lo: it must not stretch the shared kernel's tile range
-    return lo, tl.maximum(lo, tl.minimum(lo + chunk, kv_len))
+    # an empty split (lo past the row's end) gives hi = kv_len < lo: no tile of its own, and the shared kernel's
+    # tile range (up to the largest hi) stays inside the cache. hi = lo there read past the cache's end on the
+    # H200 (2026-12-05: an illegal address where a verify straddles a chunk boundary).
+    return lo, tl.minimum(lo + chunk, kv_len)
 
 
 @triton.jit
