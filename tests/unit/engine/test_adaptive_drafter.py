@@ -86,6 +86,9 @@ def test_step_costs_interpolate_in_the_length_and_extend_past_the_rows():
     ("8b-tensor-core", 0.01, 0),  # 1.01 / 1.013 < 1
     ("1b-cuda-core", 0.6, 1),  # 1.6 / 1.39 = 1.15
     ("1b-cuda-core", 0.38, 0),  # 1.38 / 1.39 < 1
+    ("8b-cuda-core", 0.35, 0),  # 1.35 / 1.322 = 1.021: a 2 % gain, under the 4 % margin
+    ("1b-cuda-core", 0.44, 0),  # 1.44 / 1.39 = 1.036: under the margin
+    ("1b-cuda-core", 0.46, 1),  # 1.46 / 1.39 = 1.050: over it
 ])
 def test_the_drafts_verified_are_those_that_pay(table, alpha, want):
     d = AdaptiveDrafter(Scripted(), GPU[table], start_length=1024)
@@ -94,6 +97,19 @@ def test_the_drafts_verified_are_those_that_pay(table, alpha, want):
     assert d.alpha == pytest.approx(alpha)
     assert d.drafts_worth(4) == want
     assert d.drafts_worth(0) == 0
+
+
+def test_the_margin_is_what_a_verify_must_gain_over_a_plain_step():
+    """A verify predicted to gain 2 % is taken without a margin and not with the default 4 %; the margin is
+    checked at construction."""
+    for margin, want in ((0.0, 1), (0.01, 1), (0.04, 0)):
+        d = AdaptiveDrafter(Scripted(), GPU["8b-cuda-core"], start_length=1024, margin=margin)
+        d.start([1])
+        d.kept, d.missed = 0.35, 0.65  # 1.35 / 1.322 = 1.021
+        assert d.drafts_worth(4) == want, margin
+    for bad in (-0.01, 1.0):
+        with pytest.raises(ValueError, match="margin"):
+            AdaptiveDrafter(Scripted(), margin=bad)
 
 
 @pytest.mark.parametrize("table", sorted(GPU))

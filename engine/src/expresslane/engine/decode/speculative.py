@@ -290,7 +290,10 @@ class AdaptiveDrafter:
     takes alpha towards 0, not towards the prior). Cost: `StepCosts` at the request's current length (the
     engine measures them at warm-up: a verify of d drafts is a forward of d + 1 rows). A step offered n drafts
     verifies the d <= n that maximises (1 + alpha + ... + alpha^d) / cost(d + 1); d = 0 is a plain step, taken
-    wherever no d beats it.
+    wherever no d beats it by `margin` (4 %): alpha is estimated from a few verifies and the costs are timed to a
+    few % (one warm-up to the next), so a verify predicted to gain less than that is as likely to lose. On the
+    recorded text below it lifts the 1B's whole-file edit from 1.006x to 1.022x (1.024x with a verify's host wait
+    charged) and moves no other request by more than 1.3 % (scripts/spec_policy_sim.py, 2026-12-05 costs).
 
     Probes: where drafting does not pay, no verify would ever update alpha again. So once `pause` plain steps
     have run since the last verify, a step offered drafts verifies one (a probe). A probe that keeps nothing
@@ -306,16 +309,19 @@ class AdaptiveDrafter:
 
     def __init__(self, inner: Drafter, costs: "StepCosts | None" = None, *, start_length: int = 0,
                  decay: float = 0.8, prior: tuple[float, float] = (2.0, 1.0), pause: int = 4,
-                 explore: float = 0.01) -> None:
+                 explore: float = 0.01, margin: float = 0.04) -> None:
         if not 0.0 < decay <= 1.0:
             raise ValueError(f"decay must be in (0, 1], got {decay}")
         if prior[0] < 0 or prior[1] < 0 or sum(prior) <= 0:
             raise ValueError(f"prior (kept, missed) must be >= 0 and not both 0, got {prior}")
         if pause < 1 or not 0.0 < explore < 1.0:
             raise ValueError(f"need pause >= 1 and 0 < explore < 1, got {pause}, {explore}")
+        if not 0.0 <= margin < 1.0:
+            raise ValueError(f"margin must be in [0, 1), got {margin}")
         self.inner = inner
         self.costs = costs if costs is not None else StepCosts.assumed()
         self.decay, self.prior, self.base_pause, self.explore = decay, prior, pause, explore
+        self.margin = margin
         self.start_length = start_length  # positions before the context's last token (see start)
         self._reset()
 
@@ -336,10 +342,11 @@ class AdaptiveDrafter:
         return self.kept / (self.kept + self.missed) if self.kept + self.missed > 0 else 0.0
 
     def drafts_worth(self, offered: int) -> int:
-        """The number of drafts (0 .. offered) that earns the most tokens per unit of cost now."""
+        """The number of drafts (0 .. offered) that earns the most tokens per unit of cost now; a verify must beat
+        a plain step by `margin`."""
         a = self.alpha
         cost = self.costs.at(self.length, offered + 1)
-        best, best_d, expected, term = 1.0 / cost[0], 0, 1.0, 1.0
+        best, best_d, expected, term = (1.0 + self.margin) / cost[0], 0, 1.0, 1.0
         for d in range(1, offered + 1):
             term *= a
             expected += term
