@@ -20,15 +20,15 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine" / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.pop("TRITON_INTERPRET", None)
 
 import triton  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
+from bench_lib.hopper import HOPPER, signature  # noqa: E402
 from expresslane.engine.models import fused  # noqa: E402
 
-HOPPER = GPUTarget("cuda", 90, 32)
 HIDDEN = 4096  # the 8B shape's K (K_POW2 of the norm kernels)
 # kernel name -> (kernel, candidates, constexprs of a candidate)
 KERNELS = {
@@ -42,25 +42,12 @@ KERNELS = {
     "norm_gemv": (fused._norm_gemv_kernel, list(fused.GEMV_CONFIGS),
                   lambda c: dict(BLOCK_N=c[0], BLOCK_K=c[1], PREFETCH=c[2], K_POW2=HIDDEN, ARGMAX=False)),
 }
-POINTERS = {"start_ptr": "*i64", "key_ptr": "*i64"}
-
-
-def _signature(kernel) -> dict[str, str]:
-    sig = {}
-    for p in kernel.params:
-        if p.is_constexpr:
-            sig[p.name] = "constexpr"
-        elif p.name.endswith("_ptr"):
-            sig[p.name] = "*fp32" if (p.name == "out_ptr" and kernel is fused._norm_gemv_kernel) else POINTERS.get(
-                p.name, "*bf16")
-        else:
-            sig[p.name] = "fp32" if p.name == "eps" else "i32"
-    return sig
 
 
 def compile_one(kernel, constexprs: dict, warps: int, rows: int):
     cx = dict(constexprs, PDL=True, ROWS=rows)
-    return triton.compile(ASTSource(fn=kernel, signature=_signature(kernel), constexprs=cx), target=HOPPER,
+    sig = signature(kernel, float32_out=kernel is fused._norm_gemv_kernel)  # the logits GEMV writes float32
+    return triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=cx), target=HOPPER,
                           options={"num_warps": warps})
 
 

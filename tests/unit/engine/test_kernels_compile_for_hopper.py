@@ -14,14 +14,17 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 triton = pytest.importorskip("triton")
-from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from expresslane.engine.models import fused, fused_dot  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "scripts"))
+from bench_lib.hopper import HOPPER, signature  # noqa: E402
 
 
 
@@ -44,9 +47,6 @@ def _tritons_ptxas_for_hopper() -> str:
 PTXAS = _tritons_ptxas_for_hopper()
 pytestmark = pytest.mark.skipif(not (PTXAS and os.access(PTXAS, os.X_OK)), reason="this Triton wheel ships no ptxas")
 
-HOPPER = GPUTarget("cuda", 90, 32)
-# Pointer arguments are bf16 tensors unless named here; the other non-constexpr arguments are int32 (eps float).
-POINTERS = {"start_ptr": "*i64", "key_ptr": "*i64"}
 # 8B shape: hidden 4096, 32 / 8 heads of 128.
 CASES = {
     "rms_rows": (fused_dot._rms_rows_kernel, 4, dict(K_POW2=4096)),
@@ -75,17 +75,8 @@ def compiled_kernels(request):
     pytest.skip("ran (and passed) in a fresh process: Triton's interpreter is on in this one")
 
 
-def _signature(kernel, constexprs: dict) -> dict[str, str]:
-    sig = {}
-    for p in kernel.params:
-        if p.is_constexpr:
-            sig[p.name] = "constexpr"
-        elif p.name.endswith("_ptr"):
-            sig[p.name] = "*fp32" if (p.name == "out_ptr" and kernel is fused_dot._gemv_kernel) else POINTERS.get(
-                p.name, "*bf16")
-        else:
-            sig[p.name] = "fp32" if p.name == "eps" else "i32"
-    return sig
+def _signature(kernel) -> dict[str, str]:
+    return signature(kernel, float32_out=kernel is fused_dot._gemv_kernel)  # the logits GEMV writes float32
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -96,7 +87,7 @@ def test_kernel_compiles_for_sm90_without_spilling(case, tmp_path):
         constexprs.update(RP=fused_dot.RP, IEEE=False)
     missing = {p.name for p in kernel.params if p.is_constexpr} - set(constexprs)
     assert not missing, f"the case names no value for {missing}"
-    compiled = triton.compile(ASTSource(fn=kernel, signature=_signature(kernel, constexprs), constexprs=constexprs),
+    compiled = triton.compile(ASTSource(fn=kernel, signature=_signature(kernel), constexprs=constexprs),
                               target=HOPPER, options={"num_warps": warps})
     if _on_hopper():
         # Triton built the cubin with the toolchain it runs with; the driver loads it and says what it spills
@@ -138,7 +129,7 @@ PARALLEL_CASES = [
 
 def _compile_case(kernel, constexprs, warps, rows):
     constexprs = dict(constexprs, PDL=True, ROWS=rows)
-    return triton.compile(ASTSource(fn=kernel, signature=_signature(kernel, constexprs), constexprs=constexprs),
+    return triton.compile(ASTSource(fn=kernel, signature=_signature(kernel), constexprs=constexprs),
                           target=HOPPER, options={"num_warps": warps})
 
 
