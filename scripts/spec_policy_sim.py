@@ -10,7 +10,8 @@ drafter, charging each step what a forward of that many rows costs (`step_ms_by_
 JSON lines, per model / GEMV family / context; two contexts make the costs' length dependence, one is used for
 every length). For each cost table and text it prints plain time over speculative time for:
 
-* adaptive: the node's drafter (prompt lookup behind AdaptiveDrafter, given those costs);
+* adaptive: the node's drafter (prompt lookup behind AdaptiveDrafter, given those costs); with --margin, one row
+  per margin (what a verify must gain over a plain step) instead;
 * lookup k=4: prompt lookup with no policy (every proposal verified in full);
 * always wrong: the adaptive drafter over a drafter whose k drafts are never right (the worst case).
 
@@ -72,6 +73,8 @@ def main() -> None:
     ap.add_argument("--costs", action="append", required=True, help="decode bench JSON lines (repeatable)")
     ap.add_argument("--overhead", type=float, default=0.0, help="a verify's extra cost, in one-row steps")
     ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--margin", type=float, action="append",
+                    help="the adaptive drafter's margin (repeatable: one row each); default: the drafter's own")
     args = ap.parse_args()
     texts = load_texts(args.texts)
     tables = cost_tables(args.costs)
@@ -82,14 +85,18 @@ def main() -> None:
         print(f"== {key} (costs at contexts {costs.lengths[0]} .. {costs.lengths[1]})")
         names = list(texts)
         print(f"  {'drafter':14s}" + "".join(f"{n:>16s}" for n in names) + f"{'geomean':>10s}")
-        for label in ("adaptive", "lookup k=4", "always wrong"):
+        margins = args.margin or [None]
+        labels = [("adaptive" if m is None else f"margin {m:g}", m) for m in margins]
+        for label, margin in [*labels, ("lookup k=4", None), ("always wrong", None)]:
             got = []
             for prompt, output in texts.values():
                 known = StepCosts(costs.lengths,
                                   tuple(c + (args.overhead * costs.short[0] if i else 0) for i, c in enumerate(costs.short)),
                                   tuple(c + (args.overhead * costs.long[0] if i else 0) for i, c in enumerate(costs.long)))
-                if label == "adaptive":
+                if label.startswith(("adaptive", "margin")):
                     d = SpeculationConfig(k=args.k).drafter(known, start_length=len(prompt))
+                    if margin is not None:
+                        d.margin = margin
                 elif label == "lookup k=4":
                     d = PromptLookupDrafter()
                 else:
