@@ -211,6 +211,33 @@ def test_outcome_reaches_the_engine_output_for_every_claim(scheduler) -> None:
     assert [(a.claim.rid, a.reason) for m in metas for a in m.abort] == [("rid-ab", "finished_before_ship")]
 
 
+def test_no_free_staging_slot_fails_in_the_prefills_reply(scheduler) -> None:
+    """With every staging slot held by a send in flight (staging_slots = 2, no worker has reported one done),
+    the next claimed request is not shipped: its own reply says failed (no_staging_slot), so the router answers
+    its client without waiting on the node, and the node gets the abort. Once a worker reports a send done, the
+    next claim ships again."""
+    from expresslane.engine.connector.metadata import ExpressLaneWorkerMeta
+
+    ours = _ours(scheduler).connector_scheduler
+    assert ours.config.staging_slots == 2
+    try:
+        for i in range(3):
+            scheduler.add_request(make_request(f"r{i}", 20, marker(f"rid-{i}")))
+        metas = _run(scheduler)
+        assert [s.claim.rid for m in metas for s in m.ship] == ["rid-0", "rid-1"]
+        got = scheduler.finished_kv_params
+        assert [got[f"r{i}"]["expresslane_status"] for i in range(3)] == ["staged", "staged", "failed"]
+        assert got["r2"]["expresslane_error"] == "no_staging_slot"
+        assert [(a.claim.rid, a.reason) for m in metas for a in m.abort] == [("rid-2", "no_staging_slot")]
+        assert ours.totals["send_failures:no_staging_slot"] == 1
+        ours.update_worker_meta(ExpressLaneWorkerMeta({"rid-0": 1}))  # its send is done: the slot is free
+        scheduler.add_request(make_request("r3", 20, marker("rid-3")))
+        assert [s.claim.rid for m in _run(scheduler) for s in m.ship] == ["rid-3"]
+        assert scheduler.finished_kv_params["r3"]["expresslane_status"] == "staged"
+    finally:
+        ours.shutdown()
+
+
 def test_allow_list_and_too_long_are_decided_before_anything_is_sent(model_dir, monkeypatch) -> None:
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.structured_output import StructuredOutputManager

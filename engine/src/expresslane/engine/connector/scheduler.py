@@ -249,6 +249,19 @@ class ExpressLaneScheduler:
         if num_computed + so.num_scheduled_tokens.get(req_id, 0) < tracked.prompt_len:
             return  # a chunk of the prompt; the rest comes in later steps
         assert tracked.block_ids is not None
+        if len(self._pending) >= self.config.staging_slots:
+            # Every shipped rid holds a staging slot on each rank until its worker reports the send done (the
+            # slot is released before that report), so none is free for this one. Fail it here: the reply to
+            # this request carries the failure (the router answers its client at once) and the node gets the
+            # abort now. Left to the worker, the reply would say "staged" and the router would learn of the
+            # failure only from the node, after the abort frame reached it. The worker's own check stays (a
+            # slot held past its rid's pending bound).
+            logger.error("expresslane: no free staging slot for rid=%s (%d sends in flight); increase "
+                         "staging_slots. Not shipping", tracked.claim.rid, len(self._pending))
+            del self._tracked[req_id]
+            self._count(FAILURES, "no_staging_slot")
+            self._fail(req_id, tracked.claim, "no_staging_slot")
+            return
         meta.ship.append(ShipRequest(req_id, tracked.claim, tracked.prompt_len,
                                      tuple(list(g) for g in tracked.block_ids)))
         del self._tracked[req_id]
