@@ -238,6 +238,42 @@ def test_no_free_staging_slot_fails_in_the_prefills_reply(scheduler) -> None:
         ours.shutdown()
 
 
+def test_the_slot_count_waits_for_every_rank_and_forgets_a_lost_report_under_load() -> None:
+    """TP 2: a send holds a slot on each rank until both report it done. A report that never comes is forgotten
+    after pending_bound_s when the next claim is admitted, without the push-work hook (vLLM asks that only while
+    the engine has no requests), so a lost report cannot refuse every claim for as long as the engine is busy."""
+    from types import SimpleNamespace
+
+    from expresslane.engine.connector.config import ExpressLaneConnectorConfig
+    from expresslane.engine.connector.metadata import ExpressLaneConnectorMetadata, ExpressLaneWorkerMeta
+    from expresslane.engine.connector.scheduler import ExpressLaneScheduler, pending_bound_s
+
+    now = [100.0]
+    sched = ExpressLaneScheduler(ExpressLaneConnectorConfig(), world_size=2, clock=lambda: now[0])
+
+    def claim(i: int) -> str:
+        """Admit request i, its prompt computed in this step: 'staged', or the reason it failed."""
+        sched.on_new_request(make_request(f"r{i}", 20, marker(f"rid-{i}")))
+        tracked = sched._tracked[f"r{i}"]
+        tracked.block_ids = [[0, 1]]
+        meta = ExpressLaneConnectorMetadata()
+        sched._maybe_ship(f"r{i}", tracked, 20, SimpleNamespace(num_scheduled_tokens={}), meta)
+        out = sched.request_finished(make_request(f"r{i}", 20))[1]
+        assert (out["expresslane_status"] == "staged") == bool(meta.ship)
+        return out["expresslane_status"] if meta.ship else out["expresslane_error"]
+
+    try:
+        assert [claim(0), claim(1), claim(2)] == ["staged", "staged", "no_staging_slot"]
+        sched.update_worker_meta(ExpressLaneWorkerMeta({"rid-0": 1}))  # one rank of two: still held
+        assert claim(3) == "no_staging_slot"
+        sched.update_worker_meta(ExpressLaneWorkerMeta({"rid-0": 1}))  # both ranks: free
+        assert claim(4) == "staged"
+        now[0] += pending_bound_s(sched.config) + 1  # rid-1's and rid-4's reports are lost
+        assert claim(5) == "staged" and list(sched._pending) == ["rid-5"]
+    finally:
+        sched.shutdown()
+
+
 def test_allow_list_and_too_long_are_decided_before_anything_is_sent(model_dir, monkeypatch) -> None:
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.structured_output import StructuredOutputManager

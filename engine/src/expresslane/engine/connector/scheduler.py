@@ -130,14 +130,20 @@ class ExpressLaneScheduler:
             if entry[0] <= 0:
                 del self._pending[rid]
 
+    def _expire(self, now: float) -> None:
+        """Forget the rids whose workers did not report their sends done within pending_bound_s (every sender
+        timeout is shorter: a report that late is lost). Run where the count is read: by the push-work hook (vLLM
+        asks it only while the engine has no requests) and before a claim is admitted (under load)."""
+        for rid in [r for r, (_, deadline) in self._pending.items() if now > deadline]:
+            logger.error("expresslane: rid=%s: %d worker(s) did not report the send done within %.0f s; "
+                         "no longer counting it (nor keeping the engine stepping for it)", rid,
+                         self._pending[rid][0], pending_bound_s(self.config))
+            del self._pending[rid]
+
     def has_pending_push_work(self) -> bool:
         if self._pending:
             now = self._clock()
-            for rid in [r for r, (_, deadline) in self._pending.items() if now > deadline]:
-                logger.error("expresslane: rid=%s: %d worker(s) did not report the send done within %.0f s; "
-                             "no longer keeping the engine stepping for it", rid, self._pending[rid][0],
-                             pending_bound_s(self.config))
-                del self._pending[rid]
+            self._expire(now)
             if self._pending and self._stepped and now - self._last_ship_at > PACE_AFTER_S:
                 self._stepped = False
                 self._sleep(PACE_S)
@@ -249,13 +255,16 @@ class ExpressLaneScheduler:
         if num_computed + so.num_scheduled_tokens.get(req_id, 0) < tracked.prompt_len:
             return  # a chunk of the prompt; the rest comes in later steps
         assert tracked.block_ids is not None
+        self._expire(self._clock())
         if len(self._pending) >= self.config.staging_slots:
             # Every shipped rid holds a staging slot on each rank until its worker reports the send done (the
             # slot is released before that report), so none is free for this one. Fail it here: the reply to
             # this request carries the failure (the router answers its client at once) and the node gets the
             # abort now. Left to the worker, the reply would say "staged" and the router would learn of the
-            # failure only from the node, after the abort frame reached it. The worker's own check stays (a
-            # slot held past its rid's pending bound).
+            # failure only from the node, after the abort frame reached it. The count can run high for a step
+            # (a slot freed in this step's forward is reported with its output) and while a failed rid's abort
+            # frame is still being sent: a claim refused then could have found a slot. The worker's own check
+            # stays (a slot held past its rid's pending bound).
             logger.error("expresslane: no free staging slot for rid=%s (%d sends in flight); increase "
                          "staging_slots. Not shipping", tracked.claim.rid, len(self._pending))
             del self._tracked[req_id]

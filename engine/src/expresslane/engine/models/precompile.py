@@ -14,7 +14,7 @@ Measured on a 2-core host, compiling the CUDA-core `gemv_residual` kernel's 15 b
 
 `precompile(jobs)` runs each job (a call that compiles and does not launch: a launcher's `compile_only=True`) on
 the pool and returns once all are compiled. Where the parallel compile raises, the jobs run again one at a time
-(logged): a kernel that does not compile raises there, as it would have at its launch. On a host with one CPU,
+(logged; `_serially`): a kernel that does not compile raises there, as it would have at its launch. On a host with one CPU,
 or with a Triton without AsyncCompileMode, the jobs run one after another.
 """
 
@@ -32,8 +32,9 @@ log = logging.getLogger(__name__)
 
 try:  # Triton >= 3.4
     from triton import AsyncCompileMode
+    from triton.runtime._async_compile import FutureKernel
 except ImportError:  # pragma: no cover - an older Triton: compile one after another
-    AsyncCompileMode = None
+    AsyncCompileMode = FutureKernel = None
 
 
 def _host_cpus() -> int:
@@ -101,6 +102,32 @@ def _in_parallel(jobs: list[Callable[[], object]]) -> None:
     # leaving the mode waited for every compile and put each kernel in its JIT function's cache
 
 
+def _unresolved(kernel: object) -> bool:
+    return FutureKernel is not None and isinstance(kernel, FutureKernel) and kernel.kernel is None
+
+
+def _serially(job: Callable[[], object], batch_error: Exception) -> None:
+    """One job of a failed parallel batch, in this thread. The batch's mode stopped at its first failed compile
+    and left the others in their JIT functions' caches as FutureKernels (still compiling on the pool, or failed):
+    `kernel.warmup` returns the cached one instead of compiling. So wait for it, and nothing of the batch still
+    compiles when precompile returns. Where it failed: Triton >= 3.9 removed the failed placeholder from the
+    cache (`cleanup_compile`), so the job runs once more and compiles here for real, raising a one-at-a-time
+    compile's own error (or succeeding, where the parallel path itself was what failed). Triton 3.4 - 3.6 keep
+    the failed placeholder: there the parallel batch's error is raised."""
+    kernel = job()  # a compile here (not cached) raises its own error
+    if not _unresolved(kernel):
+        return
+    if kernel.future is None:  # failed in the batch, kept in the cache
+        raise RuntimeError(f"a kernel failed to compile in a parallel batch ({batch_error}) and this Triton keeps "
+                           "it in its JIT cache") from batch_error
+    try:
+        kernel.result()
+    except Exception as err:  # noqa: BLE001 - compiled once more below, whose error is the one raised
+        again = job()
+        if _unresolved(again):  # the failed placeholder stayed: that error stands
+            raise err
+
+
 def precompile(jobs: Iterable[Callable[[], object]]) -> None:
     """Run every job (a compile-only launch); in parallel on the compile pool where there is one. Returns when
     every kernel is compiled and in its JIT function's cache (the launches that follow find it there)."""
@@ -118,8 +145,14 @@ def precompile(jobs: Iterable[Callable[[], object]]) -> None:
             # a failure of the parallel path itself (a Triton whose compile is not thread-safe) costs only time.
             log.warning("compiling %d kernels in parallel failed (%s: %s); compiling them one at a time",
                         len(jobs), type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+            failed = None  # every job is run (and waited for) before the first error is raised
             for job in jobs:
-                job()
+                try:
+                    _serially(job, e)
+                except Exception as err:  # noqa: BLE001 - raised below, once the batch is settled
+                    failed = failed or err
+            if failed is not None:
+                raise failed
     else:
         for job in jobs:
             job()
