@@ -19,29 +19,7 @@ REPO = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(REPO / "engine" / "src"))
 
 from expresslane.engine.decode import SpeculationConfig, StepCosts  # noqa: E402
-from expresslane.engine.decode.bench import load_texts  # noqa: E402
-
-
-def play(d, prompt, output, costs, k, ctx):
-    d.start([*prompt, output[0]])
-    pos, i = ctx + len(prompt), 1
-    spec, nv, np_sync, np_ahead, synced = 0.0, 0, 0, 0, True
-    while i < len(output):
-        room = len(output) - i - 1
-        drafts = d.propose(min(k, room)) if room > 0 else []
-        kept = 0
-        while kept < len(drafts) and drafts[kept] == output[i + kept]:
-            kept += 1
-        spec += costs.at(pos, len(drafts) + 1)[len(drafts)]
-        emitted = output[i:i + kept + 1]
-        if drafts:
-            nv, next_synced = nv + 1, True
-        else:
-            np_sync, np_ahead = np_sync + synced, np_ahead + (not synced)
-            next_synced = bool(d.may_draft_next())  # asked after a plain step, before its extend
-        d.extend(emitted)
-        i, pos, synced = i + len(emitted), pos + len(emitted), next_synced
-    return spec, nv, np_sync, np_ahead
+from expresslane.engine.decode.bench import load_texts, simulate_speedup  # noqa: E402
 
 
 def main() -> None:
@@ -61,7 +39,11 @@ def main() -> None:
         sp = r["spec"]
         n_tok = sp["accepted_tokens"] + sp["verify_steps"] + sp["plain_steps"]
         d = SpeculationConfig(k=r.get("speculation_k") or 4).drafter(costs, start_length=r["context"] + len(prompt))
-        spec, nv, nps, npa = play(d, prompt, output[:n_tok], costs, 4, r["context"])
+        out, at = output[:n_tok], r["context"] + len(prompt)
+        tally: dict[str, int] = {}
+        speedup = simulate_speedup(d, prompt, out, costs, 4, start=at, tally=tally)
+        spec = sum(costs.at(at + j, 1)[0] for j in range(len(out) - 1)) / speedup
+        nv, nps, npa = tally["verify"], tally["synced"], tally["queued"]
         gap = n_tok / r["tok_per_s"] - spec
         print(f'{Path(r["model"]).name[:9]:9s} {r["gemv"]:11s} {r["context"]:6d} {mode:20s} '
               f'sim verify/synced/queued {nv:3d}/{nps:3d}/{npa:3d}  device verify/plain '

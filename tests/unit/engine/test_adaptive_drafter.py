@@ -224,3 +224,33 @@ def test_recorded_text_is_never_slower_than_plain(table):
         got[name] = simulate_speedup(d, t["prompt"], t["output"], costs, k=4)
     assert min(got.values()) >= 0.97, got
     assert got["agentic"] > 1.15, got
+
+
+def test_the_simulation_tallies_forwards_as_the_greedy_chain_launches_them():
+    """Every forward is counted once: verifies, plain steps after a host sync (after a verify, or where the hint
+    said the drafter might draft) and plain steps queued ahead. Text that never repeats: the lookup drafter's
+    hint is False after the first step, so its plain steps are queued; a drafter without the hint syncs all."""
+    costs = GPU["8b-cuda-core"]
+    prompt, output = list(range(100, 140)), list(range(200, 260))  # nothing repeats
+    tally: dict[str, int] = {}
+    assert simulate_speedup(PromptLookupDrafter(), prompt, output, costs, 4, tally=tally) == pytest.approx(1.0)
+    assert tally == {"verify": 0, "synced": 1, "queued": len(output) - 2}
+
+    class NoHint:
+        def start(self, context):
+            pass
+
+        def propose(self, k):
+            return []
+
+        def extend(self, tokens):
+            pass
+
+    simulate_speedup(NoHint(), prompt, output, costs, 4, tally=tally)
+    assert tally == {"verify": 0, "synced": len(output) - 1, "queued": 0}
+    texts = json.loads(TEXTS.read_text())["texts"]
+    t = texts["agentic"]
+    d = SpeculationConfig().drafter(costs, start_length=len(t["prompt"]))
+    simulate_speedup(d, t["prompt"], t["output"], costs, 4, tally=tally)
+    assert tally["verify"] > 0 and tally["queued"] > 0
+    assert sum(tally.values()) < len(t["output"]) - 1  # verifies kept drafts: fewer forwards than tokens

@@ -177,13 +177,22 @@ class TextReplayDrafter:
 
 
 def simulate_speedup(drafter, prompt: list[int], output: list[int], costs: StepCosts, k: int,
-                     verify_overhead: float = 0.0) -> float:
+                     verify_overhead: float = 0.0, start: int | None = None,
+                     tally: dict[str, int] | None = None) -> float:
     """Plain decoding's time over speculative decoding's for a recorded greedy request (prompt, output), with
     `drafter` and step `costs` (at the row's position), without a model: the output is fixed, so a draft is
     kept exactly where it matches it. verify_overhead: added to each verify's cost (what a host wait costs
-    beyond the costs' own; the engine's measured costs already hold it). The engine's loop, step for step."""
+    beyond the costs' own; the engine's measured costs already hold it). start: the position of the output's
+    first token (default: the prompt's length). The engine's loop, step for step.
+
+    tally: filled with the forwards by how the greedy chain (decode/chain.py) launches them: `verify`, `synced`
+    (a plain step after a host sync: after a verify, or where the drafter's hint said it might draft) and
+    `queued` (a plain step queued ahead of the host)."""
     drafter.start([*prompt, output[0]])
-    pos, i, spec, plain = len(prompt), 1, 0.0, 0.0
+    pos, i, spec, plain = len(prompt) if start is None else start, 1, 0.0, 0.0
+    synced = True
+    if tally is not None:
+        tally.update(verify=0, synced=0, queued=0)
     while i < len(output):
         room = len(output) - i - 1
         drafts = drafter.propose(min(k, room)) if room > 0 else []
@@ -194,6 +203,10 @@ def simulate_speedup(drafter, prompt: list[int], output: list[int], costs: StepC
         spec += step[len(drafts)] + (verify_overhead if drafts else 0.0)
         emitted = output[i:i + kept + 1]
         plain += sum(costs.at(pos + j, 1)[0] for j in range(len(emitted)))
+        if tally is not None:
+            tally["verify" if drafts else "synced" if synced else "queued"] += 1
+            hint = getattr(drafter, "may_draft_next", None)  # asked after a plain step, before its extend
+            synced = bool(drafts) or hint is None or bool(hint())
         drafter.extend(emitted)
         i += len(emitted)
         pos += len(emitted)
