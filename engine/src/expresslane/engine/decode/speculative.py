@@ -291,9 +291,10 @@ class AdaptiveDrafter:
     engine measures them at warm-up: a verify of d drafts is a forward of d + 1 rows). A step offered n drafts
     verifies the d <= n that maximises (1 + alpha + ... + alpha^d) / cost(d + 1); d = 0 is a plain step, taken
     wherever no d beats it by `margin` (4 %): alpha is estimated from a few verifies and the costs are timed to a
-    few % (one warm-up to the next), so a verify predicted to gain less than that is as likely to lose. On the
-    recorded text below it lifts the 1B's whole-file edit from 1.006x to 1.022x (1.024x with a verify's host wait
-    charged) and moves no other request by more than 1.3 % (scripts/spec_policy_sim.py, 2026-12-05 costs).
+    few % (one warm-up to the next), so a verify predicted to gain less than that is as likely to lose. Predicted
+    on the recorded text below at the H200's costs: the 1B's whole-file edit 1.006x -> 1.022x, no other request
+    moved by more than 1.3 %; measured on the device, within the run-to-run spread
+    (docs/bench/2026-12-05-drafter-margin/, docs/bench/2026-12-05-gpu-check-green/).
 
     Probes: where drafting does not pay, no verify would ever update alpha again. So once `pause` plain steps
     have run since the last verify, a step offered drafts verifies one (a probe). A probe that keeps nothing

@@ -14,8 +14,8 @@ Measured on a 2-core host, compiling the CUDA-core `gemv_residual` kernel's 15 b
 
 `precompile(jobs)` runs each job (a call that compiles and does not launch: a launcher's `compile_only=True`) on
 the pool and returns once all are compiled. Where the parallel compile raises, the jobs run again one at a time
-(logged; `_serially`): a kernel that does not compile raises there, as it would have at its launch. On a host with one CPU,
-or with a Triton without AsyncCompileMode, the jobs run one after another.
+(logged; `_serially`): a kernel that does not compile raises there, as it would have at its launch. On a host
+with one CPU, or with a Triton without AsyncCompileMode, the jobs run one after another.
 """
 
 from __future__ import annotations
