@@ -9,22 +9,27 @@
 #   bash scripts/gpu_check.sh prepare            # here (pip + network): the wheels the GPU machine lacks, pinned
 #                                                # with their hashes in images/gpu/check-wheels.lock, into
 #                                                # .carry/gpu-check/ (nixl-cu13 repacked as tar.xz: 59 -> 32 MB)
-#   bash scripts/gpu_check.sh run OUTDIR [PART]  # there: PART all (default) | tests | bench
+#   bash scripts/gpu_check.sh run OUTDIR [PART]  # there: PART all (default) | tests | bench | norm (the
+#                                                # tensor-core norm probe and the FORCED benches only)
 #   bash scripts/gpu_check.sh summary OUTDIR     # anywhere: the table again from OUTDIR's pytest.txt, bench.jsonl
 #
 # The GPU machine (see docs/performance.md, "Method") has python3 3.12 with torch, triton, transformers,
 # pytest, httpx and aiohttp, and no network: `prepare`'s folder travels with the run (the device tool's carry).
 # Environment: PLAIN_ENGINE (1: also bench an engine built without speculation),
 # SHAPES (llama-8b llama-1b), CONTEXTS (1024,8192,32768), TOKENS (256), ORACLE_K (1,2,3,4),
-# FORCED (llama-8b:tensor-core:shared: shape:family[:verify attention] also benched with that GEMV family (and
-# verify attention, models/lean.py; per-row when absent) forced, at FORCED_CONTEXTS 1024,32768: the opt-in's
-# numbers, what auto's choice weighs; the tensor-core per-row rows are docs/bench/2026-12-04-gpu-check/'s),
+# FORCED (llama-8b:tensor-core:per-row:tail: shape:family[:verify attention[:norm]] also benched with that GEMV
+# family, verify attention and norm placement (models/lean.py; per-row and kernel when absent) forced, at
+# FORCED_CONTEXTS 1024,32768: the opt-in's numbers, what auto's choice weighs; tensor-core with the norm kernels
+# and per-row / shared attention: docs/bench/2026-12-04-gpu-check/, docs/bench/2026-12-05-gpu-check-green/),
+# PROBE_NORM (1 in part norm, 0 in bench: scripts/probe_lean_norm.py, the tensor-core step with its norms as
+# kernels and as tails against the CUDA-core step, into lean-norm.jsonl, at NORM_SHAPES llama-8b,llama-1b),
 # REPEATS (2), MAX_SEQ_LEN (33100), REPLAY_TEXT (docs/bench/2026-12-04-cost-aware-drafter/texts.json; empty: none),
-# REPLAY (recorded (drafted, kept) traces, bench --replay; none by default), PROBE_ATTENTION (1: the verify
-# attention probe first, into verify-attention.jsonl, at PROBE_CONTEXTS 1024,8190,32768), TEST_BUDGET_S (400: the tests' share
+# REPLAY (recorded (drafted, kept) traces, bench --replay; none by default), PROBE_ATTENTION (0; 1: the verify
+# attention probe first, into verify-attention.jsonl, at PROBE_CONTEXTS 1024,8190,32768; it decided per-row,
+# docs/bench/2026-12-05-gpu-check/), TEST_BUDGET_S (400: the tests' share
 # of the run), RUN_BUDGET_S (570: the whole run's, each phase stopped where it would pass it), TEST_WORKERS (8),
 # EXPRESSLANE_COMMIT (the commit the tree is, for the table's title).
-# Output in OUTDIR: pytest.txt, bench.log, bench.jsonl, verify-attention.jsonl, phases.txt, summary.txt (the
+# Output in OUTDIR: pytest.txt, bench.log, bench.jsonl, verify-attention.jsonl, lean-norm.jsonl, phases.txt, summary.txt (the
 # table, then each target of docs/performance.md against this run: scripts/gpu_check_targets.py).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -82,12 +87,20 @@ run_tests() {
 }
 
 run_bench() {
-  local out="$1"
+  local out="$1" part="${2:-bench}"
   : >"$out/bench.jsonl"
   local replay="${REPLAY-}" texts="${REPLAY_TEXT-docs/bench/2026-12-04-cost-aware-drafter/texts.json}"
+  # the tensor-core step's norms as kernels or as the residual kernels' tails, against the CUDA-core step
+  if [[ ${PROBE_NORM:-$([[ $part == norm ]] && echo 1 || echo 0)} == 1 ]]; then
+    echo "== lean norm: kernel vs tail (tensor-core), against cuda-core"
+    : >"$out/lean-norm.jsonl"
+    python3 scripts/probe_lean_norm.py --shapes "${NORM_SHAPES:-llama-8b,llama-1b}" \
+      --contexts "${FORCED_CONTEXTS:-1024,32768}" --max-seq-len "${MAX_SEQ_LEN:-33100}" \
+      --json "$out/lean-norm.jsonl" 2>&1 | tee -a "$out/bench.log"
+  fi
   # the verify's attention per row (the lean step's) against one program reading each tile for every row: time
   # and bits at the 8B / 1B attention shapes (scripts/probe_verify_attention.py)
-  if [[ ${PROBE_ATTENTION:-1} == 1 ]]; then
+  if [[ ${PROBE_ATTENTION:-0} == 1 ]]; then
     echo "== verify attention: per-row vs shared"
     : >"$out/verify-attention.jsonl"
     # 8190: a verify of 2-5 rows there straddles the split-KV chunk boundary at 8192 (8 KV heads: 64 splits)
@@ -99,17 +112,17 @@ run_bench() {
   # verify), and the shared attention's end to end. First: a run cut at its budget loses the shapes' last rows.
   # The shapes' random weights are built in memory by each bench (--random-shape: decode/shapes.py, the weights
   # scripts/gpu_make_shape_model.py would write), not written and read back.
-  local pair shape family attn rest
-  for pair in ${FORCED-llama-8b:tensor-core:shared}; do
-    shape="${pair%%:*}" rest="${pair#*:}"
-    family="${rest%%:*}" attn="per-row"
-    [[ $rest == *:* ]] && attn="${rest#*:}"
-    echo "== bench $shape $family $attn"
+  local pair shape family attn norm
+  for pair in ${FORCED-llama-8b:tensor-core:per-row:tail}; do
+    IFS=: read -r shape family attn norm <<<"$pair"
+    attn="${attn:-per-row}" norm="${norm:-kernel}"
+    echo "== bench $shape $family $attn $norm"
     python3 -m expresslane.engine.decode.bench --random-shape "$shape" --device cuda --dtype bfloat16 \
       --contexts "${FORCED_CONTEXTS:-1024,32768}" --max-seq-len "${MAX_SEQ_LEN:-33100}" --tokens "${TOKENS:-256}" \
-      --lean-gemv "$family" --verify-attention "$attn" --oracle-k 4 --lookup ${replay:+--replay "$replay"} ${texts:+--replay-text "$texts"} --repeats "${REPEATS:-2}" \
+      --lean-gemv "$family" --verify-attention "$attn" --lean-norm "$norm" --oracle-k 4 --lookup ${replay:+--replay "$replay"} ${texts:+--replay-text "$texts"} --repeats "${REPEATS:-2}" \
       --json "$out/bench.jsonl" 2>&1 | tee -a "$out/bench.log"
   done
+  [[ $part == norm ]] && return 0
   for shape in ${SHAPES:-llama-8b llama-1b}; do
     echo "== bench $shape"
     python3 -m expresslane.engine.decode.bench --random-shape "$shape" --device cuda --dtype bfloat16 \
@@ -150,7 +163,8 @@ for r in rows:
     ob = f"{100 * r['of_bound']:.1f}%" if r.get("of_bound") else "-"
     acc = f"{spec.get('mean_acceptance', 0):.2f}" if r["mode"] != "plain" else "-"
     mode = r["mode"] if r.get("speculation_k", 1) else "plain-eng"  # an engine built without speculation
-    gemv = str(r.get('gemv')) + ("+sh" if r.get("verify_attention") == "shared" else "")
+    gemv = (str(r.get('gemv')) + ("+sh" if r.get("verify_attention") == "shared" else "")
+            + ("+tail" if r.get("lean_norm") == "tail" else ""))
     print(f"{shape:10} {gemv:11} {r['context']:>6} {mode:19} {r['tok_per_s']:>8.1f} {ob:>8} {r['speedup']:>6.2f}x {xnode:>6} "
           f"{acc:>6} {str(r.get('matches_plain', '-')):>5} {times[1]:>7.3f} {ratio:>7.2f}")
 # where each engine's start went (decode/engine.py warmup_report): Triton compiles (on the compile threads) and
@@ -158,7 +172,7 @@ for r in rows:
 seen = set()
 for r in rows:
     w = r.get("warmup")
-    key = (r["model"], r.get("gemv"), r.get("speculation_k"), r.get("verify_attention"))
+    key = (r["model"], r.get("gemv"), r.get("speculation_k"), r.get("verify_attention"), r.get("lean_norm"))
     if not w or key in seen:
         continue
     seen.add(key)
@@ -170,6 +184,18 @@ for r in rows:
           f"block-shape timing {w.get('pick_timing_s', 0):.1f} s ({w.get('picks', 0)} picks)")
 EOF
     python3 scripts/gpu_check_targets.py "$out"
+    [[ -s $out/lean-norm.jsonl ]] && python3 - "$out/lean-norm.jsonl" <<'EOF'
+import json, sys
+rows = [json.loads(line) for line in open(sys.argv[1]) if line.strip()]
+print("lean norm (scripts/probe_lean_norm.py): each step's forward ms by rows; x cuda-core: its one-row step over "
+      "the CUDA-core family's; tokens: 64 greedy tokens as the kernel placement's")
+for r in rows:
+    t = {int(k): v for k, v in r["step_ms_by_rows"].items()}
+    x = r.get("x_cuda_core_t1")
+    print(f"  {r['shape']:9} {r['gemv']:11} {r['norm']:6} run {r['run']} ctx {r['context']:>6}  T=1 {t[1]:.3f} ms  "
+          f"T=5/T=1 {t[max(t)] / t[1]:.2f}  x cuda-core {x if x is None else round(x, 3)}  "
+          f"tokens {r['tokens_as_kernel_norm']}")
+EOF
     [[ -s $out/verify-attention.jsonl ]] && python3 - "$out/verify-attention.jsonl" <<'EOF'
 import json, sys
 rows = [json.loads(line) for line in open(sys.argv[1]) if line.strip()]
@@ -202,11 +228,11 @@ case "${1:-}" in
       (( budget > deadline - SECONDS - 10 )) && budget=$((deadline - SECONDS - 10))
       run_tests "$out" "$budget"; echo "tests $((SECONDS - t0)) s" >>"$out/phases.txt"
     fi
-    if [[ $part == all || $part == bench ]]; then
+    if [[ $part == all || $part == bench || $part == norm ]]; then
       t0=$SECONDS
       if (( deadline - SECONDS >= 10 )); then
         export -f run_bench
-        timeout --signal=INT --kill-after=15 "$((deadline - SECONDS))" bash -c 'run_bench "$1"' _ "$out"
+        timeout --signal=INT --kill-after=15 "$((deadline - SECONDS))" bash -c 'run_bench "$1" "$2"' _ "$out" "$part"
         rc=$?
         [[ $rc == 124 || $rc == 137 ]] && echo "bench interrupted at the run's budget (RUN_BUDGET_S)" >>"$out/phases.txt"
       else

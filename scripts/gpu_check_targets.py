@@ -5,8 +5,8 @@ that pays").
 
     python3 scripts/gpu_check_targets.py OUTDIR      # OUTDIR: pytest.txt, bench.jsonl, phases.txt of a run
 
-One line per target and GEMV family ("+shared": the verify ran the shared attention), "yes" or "NO" first; a
-target the run has no rows for is left out.
+One line per target and GEMV family ("+shared": the verify ran the shared attention; "+tail": its norms ran as
+the residual kernels' tails), "yes" or "NO" first; a target the run has no rows for is left out.
 """
 
 from __future__ import annotations
@@ -26,9 +26,13 @@ def _speculating(r: dict) -> bool:
 
 
 def _family(r: dict) -> str | None:
-    """The row's GEMV family, with "+shared" where its verify ran the shared attention (models/lean.py)."""
+    """The row's GEMV family, with "+shared" where its verify ran the shared attention and "+tail" where its
+    norms ran as the residual kernels' tails (models/lean.py)."""
     gemv = r.get("gemv")
-    return None if gemv is None else gemv + ("+shared" if r.get("verify_attention") == "shared" else "")
+    if gemv is None:
+        return None
+    return (gemv + ("+shared" if r.get("verify_attention") == "shared" else "")
+            + ("+tail" if r.get("lean_norm") == "tail" else ""))
 
 
 def _verify_ratio(times: dict) -> float:

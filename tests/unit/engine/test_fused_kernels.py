@@ -209,6 +209,18 @@ def test_tensor_core_kernels_match_the_step(dtype, bias):
             res = x[:r].clone()
             fused_dot.gemv_residual(a[:r], layer.self_attn.o_proj.weight, layer.self_attn.o_proj.bias, res, config=c)
             assert _rel(res, ref_res[:r]) < TOL[dtype], c
+            # the norm tail: the same residual, and the norm rms_rows writes of it (the same sums on CPU; a
+            # GPU program of other warps may add them in another order), the ticket back at 0, twice over
+            ticket, ln = fused_dot.new_ticket(DEVICE), layer.post_attention_layernorm
+            want = torch.empty_like(res)
+            fused_dot.rms_rows(res, ln.weight, cfg.rms_norm_eps, want)
+            for _ in range(2):
+                res2, xn_tail = x[:r].clone(), torch.full_like(res, float("nan"))
+                fused_dot.gemv_residual(a[:r], layer.self_attn.o_proj.weight, layer.self_attn.o_proj.bias, res2,
+                                        config=c, norm=(ln.weight, cfg.rms_norm_eps, xn_tail, ticket))
+                _sync()
+                assert torch.equal(res2, res) and int(ticket) == 0, c
+                assert torch.equal(xn_tail, want) if DEVICE == "cpu" else _rel(xn_tail, want) < TOL[dtype], c
             logits = torch.full((r, cfg.vocab_size), float("nan"), device=DEVICE)
             xn3 = torch.empty_like(x[:r])
             fused_dot.rms_rows(x[:r], model.norm.weight, cfg.rms_norm_eps, xn3)
@@ -239,10 +251,10 @@ def _lean_case(bias: bool, tied: bool, dtype, seed: int, s: int):
 
 
 # CPU (CI): one case (the kernels' no-bias variants are covered above); the interpreter takes seconds per step.
-@pytest.mark.parametrize("gemv", ["cuda-core", "tensor-core"])
+@pytest.mark.parametrize("gemv,norm", [("cuda-core", "kernel"), ("tensor-core", "kernel"), ("tensor-core", "tail")])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("bias,tied", [(True, True)] + ([(False, False)] if DEVICE == "cuda" else []))
-def test_lean_step_matches_the_transformer(dtype, bias, tied, gemv):
+def test_lean_step_matches_the_transformer(dtype, bias, tied, gemv, norm):
     cfg, model, cos, sin, k, v = _lean_case(bias, tied, dtype, seed=3, s=48)
     k_ref, v_ref = k.clone(), v.clone()
     pos, token = 37, torch.tensor([11], device=DEVICE)
@@ -252,8 +264,9 @@ def test_lean_step_matches_the_transformer(dtype, bias, tied, gemv):
         ref = model(token, start, cos[pos:pos + 1], sin[pos:pos + 1], list(k_ref.unbind(0)), list(v_ref.unbind(0)),
                     ctx, num_logits=1)
         lean = LeanStep(model, cos, sin, list(k.unbind(0)), list(v.unbind(0)), gemv=gemv)
+        lean.set_norm(norm)
         out = lean.forward(token, start)
-    assert lean.gemv == gemv
+    assert lean.gemv == gemv and lean.norm == norm
     assert out.shape == ref.shape == (1, cfg.vocab_size)
     assert _rel(out, ref) < STEP_TOL[dtype]
     assert _rel(k, k_ref) < STEP_TOL[dtype] and _rel(v, v_ref) < STEP_TOL[dtype]
@@ -464,22 +477,27 @@ VERIFY_CASES = ([(torch.float32, 3, 37)] if DEVICE == "cpu" else
                 [(dt, r, pos) for dt in DTYPES for r in range(2, fused.MAX_ROWS + 1) for pos in (37, 63, 64, 126)])
 
 
-@pytest.mark.parametrize("gemv,attn", [("tensor-core", "per-row"), ("cuda-core", "per-row"), ("cuda-core", "shared")]
-                         + ([("tensor-core", "shared")] if DEVICE == "cuda" else []))
+@pytest.mark.parametrize("gemv,attn,norm", [("tensor-core", "per-row", "kernel"), ("tensor-core", "per-row", "tail"),
+                                             ("cuda-core", "per-row", "kernel"), ("cuda-core", "shared", "kernel")]
+                         + ([("tensor-core", "shared", "kernel"), ("tensor-core", "shared", "tail")]
+                            if DEVICE == "cuda" else []))
 @pytest.mark.parametrize("dtype,rows,pos", VERIFY_CASES)
 @pytest.mark.parametrize("bias,tied", [(True, True)] + ([(False, False)] if DEVICE == "cuda" else []))
-def test_each_verify_row_is_the_one_row_step_bit_for_bit(dtype, rows, pos, bias, tied, gemv, attn):
-    """attn: the verify's attention (models/lean.py VERIFY_ATTENTION); the one-row step is the same either way."""
+def test_each_verify_row_is_the_one_row_step_bit_for_bit(dtype, rows, pos, bias, tied, gemv, attn, norm):
+    """attn: the verify's attention (models/lean.py VERIFY_ATTENTION); the one-row step is the same either way.
+    norm: where the tensor-core family's norms run (LEAN_NORMS), the same for the verify and the one-row step."""
     cfg, model, cos, sin, k, v = _lean_case(bias, tied, dtype, seed=11, s=160)
     k1, v1 = k.clone(), v.clone()
     tokens = torch.tensor([11, 3, 90, 42, 7][:rows], device=DEVICE)
     with torch.no_grad():
         lean = LeanStep(model, cos, sin, list(k.unbind(0)), list(v.unbind(0)), max_rows=fused.MAX_ROWS, gemv=gemv)
         lean.set_verify_attention(attn)
+        lean.set_norm(norm)
         verify = lean.forward(tokens, torch.tensor([pos], device=DEVICE)).clone()
         # the one-row step of a lean step built for the same rows (the engine's: one block shape for every row
         # count), on a cache of its own
         one = LeanStep(model, cos, sin, list(k1.unbind(0)), list(v1.unbind(0)), max_rows=fused.MAX_ROWS, gemv=gemv)
+        one.set_norm(norm)
         steps = [one.forward(tokens[r:r + 1], torch.tensor([pos + r], device=DEVICE)).clone() for r in range(rows)]
     _sync()
     assert verify.shape == (rows, cfg.vocab_size)
@@ -600,3 +618,8 @@ def test_the_lean_step_refuses_more_rows_than_it_was_built_for():
     assert lean.verify_attention == "shared"
     with pytest.raises(ValueError, match="one of per-row, shared"):
         lean.set_verify_attention("fused")
+    assert lean.norm == "kernel"  # the CUDA-core family folds its norms into the projections: no tail
+    with pytest.raises(ValueError, match="the norm tail is the tensor-core family's"):
+        lean.set_norm("tail")
+    with pytest.raises(ValueError, match="one of kernel, tail"):
+        lean.set_norm("folded")

@@ -54,7 +54,12 @@ CASES = {
                                                      STAGES=5)),
     "qkv_rope with bias": (fused_dot._qkv_rope_kernel, 4, dict(NH=32, NKV=8, D=128, HAS_BIAS=True, BJ=32,
                                                               BLOCK_K=256, STAGES=5)),
-    "gemv_residual": (fused_dot._gemv_residual_kernel, 4, dict(HAS_BIAS=False, BLOCK_N=32, BLOCK_K=256, STAGES=5)),
+    "gemv_residual": (fused_dot._gemv_residual_kernel, 4, dict(HAS_BIAS=False, BLOCK_N=32, BLOCK_K=256, STAGES=5,
+                                                               NORM=False, N_POW2=4096)),
+    "gemv_residual + norm tail": (fused_dot._gemv_residual_kernel, 4, dict(HAS_BIAS=False, BLOCK_N=32, BLOCK_K=256,
+                                                                           STAGES=5, NORM=True, N_POW2=4096)),
+    "gemv_residual + norm tail, 8 warps": (fused_dot._gemv_residual_kernel, 8, dict(
+        HAS_BIAS=False, BLOCK_N=64, BLOCK_K=128, STAGES=5, NORM=True, N_POW2=4096)),
     "gate_up_silu": (fused_dot._gate_up_silu_kernel, 4, dict(HAS_BIAS=False, BJ=32, BLOCK_K=128, STAGES=5)),
     "lm_head + argmax": (fused_dot._gemv_kernel, 4, dict(BLOCK_N=64, BLOCK_K=128, STAGES=5, ARGMAX=True)),
 }

@@ -3,7 +3,7 @@
 the one-row step's logits bit for bit at its position, at positions on both sides of the split-KV attention's
 chunk boundaries (a row's splits are those of its own length: chunk = ceil(ceil(len / splits) / 64) * 64, so the
 chunk grows at every multiple of splits * 64, 2,048 at 8 KV heads on an H200), for both GEMV families and both
-verify attentions (models/lean.py).
+verify attentions, and the tensor-core family with its norms as the residual kernels' tails (models/lean.py).
 
 The block shapes are each kernel's first fitting candidate, not the engine's timed picks (timing them would take
 a minute a shape and family); bit-identity holds for any one shape that the one-row step and the verify share,
@@ -57,17 +57,20 @@ def test_each_verify_row_is_the_one_row_step_at_the_real_shapes(shape, first_fit
     v = torch.randn(shape_kv, device=dev, dtype=torch.bfloat16, generator=gen)
     k1, v1 = k.clone(), v.clone()
     tokens = torch.tensor([11, 3, 90, 42, 7], device=dev)
-    for gemv in ("cuda-core", "tensor-core"):
+    cases = [("cuda-core", "kernel", "per-row"), ("cuda-core", "kernel", "shared"), ("tensor-core", "kernel", "per-row"),
+             ("tensor-core", "kernel", "shared"), ("tensor-core", "tail", "per-row")]
+    for gemv, norm, attn in cases:
         verify = LeanStep(model, cos, sin, list(k.unbind(0)), list(v.unbind(0)), max_rows=5, gemv=gemv)
         one = LeanStep(model, cos, sin, list(k1.unbind(0)), list(v1.unbind(0)), max_rows=5, gemv=gemv)
-        for attn in ("per-row", "shared"):
-            verify.set_verify_attention(attn)
-            for rows, pos in [(5, boundary - 3), (2, boundary - 1), (3, boundary), (5, boundary + 60), (4, 37)]:
-                with torch.no_grad():
-                    got = verify.forward(tokens[:rows], torch.tensor([pos], device=dev)).clone()
-                    want = [one.forward(tokens[r:r + 1], torch.tensor([pos + r], device=dev)).clone()
-                            for r in range(rows)]
-                torch.cuda.synchronize()
-                for r in range(rows):
-                    assert torch.equal(got[r], want[r][0]), (shape, gemv, attn, rows, pos, r)
-            assert torch.equal(k, k1) and torch.equal(v, v1), (shape, gemv, attn)  # the same K/V rows written
+        verify.set_norm(norm)
+        one.set_norm(norm)
+        verify.set_verify_attention(attn)
+        for rows, pos in [(5, boundary - 3), (2, boundary - 1), (3, boundary), (5, boundary + 60), (4, 37)]:
+            with torch.no_grad():
+                got = verify.forward(tokens[:rows], torch.tensor([pos], device=dev)).clone()
+                want = [one.forward(tokens[r:r + 1], torch.tensor([pos + r], device=dev)).clone()
+                        for r in range(rows)]
+            torch.cuda.synchronize()
+            for r in range(rows):
+                assert torch.equal(got[r], want[r][0]), (shape, gemv, norm, attn, rows, pos, r)
+        assert torch.equal(k, k1) and torch.equal(v, v1), (shape, gemv, attn)  # the same K/V rows written

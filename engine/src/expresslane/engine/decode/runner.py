@@ -126,6 +126,18 @@ class StepRunner:
     def verify_attention(self) -> str | None:
         return self._lean.verify_attention if self._lean is not None else None
 
+    def set_lean_norm(self, where: str) -> None:
+        """Where the lean step's tensor-core family runs its norms (models/lean.py LEAN_NORMS: kernel, the
+        default, or tail); the graphs are captured again. ValueError without that step."""
+        if self._lean is None:
+            raise ValueError("the norm placement is the lean step's: no lean step here")
+        self._lean.set_norm(where)
+        self._graphs.clear()
+
+    @property
+    def lean_norm(self) -> str | None:
+        return self._lean.norm if self._lean is not None else None
+
     @property
     def lean(self) -> bool:
         return self._lean is not None

@@ -17,7 +17,10 @@ The RMSNorm is its own kernel (`rms_rows`: one program a row, each row's statist
 model-dtype output the projections read: folded into a projection, every program first walked the whole input
 row for the statistic before its first weight tile arrived, about 10 us a layer at the 8B shape; with the
 statistic as per-program partials left by the kernel that writes x, the 8B one-row step took 4.66 ms instead of
-4.22 (docs/bench/2026-12-04-gpu-check-folded-norm/). Rounding
+4.22 (docs/bench/2026-12-04-gpu-check-folded-norm/). A second placement (`gemv_residual(norm=...)`, the lean
+step's `tail`): the o_proj / down_proj kernel's last program to finish (a ticket counter) normalises the residual
+the kernel wrote, so no norm kernel stands between it and the next projection; its timing against the norm
+kernels is scripts/probe_lean_norm.py's to measure. Rounding
 follows models/fused.py (and so the PyTorch step) at every point: the norm's two roundings, each projection's
 output, RoPE's products and sum, silu before the product with up, the residual sum. float32 models run IEEE
 dots (no TF32), as the split-KV attention does.
@@ -51,21 +54,46 @@ DOT_PAIR_CONFIGS = ((32, 256, 5, 4), (32, 128, 5, 8), (64, 128, 3, 8), (32, 256,
                     (16, 64, 2, 4), (16, 32, 2, 4), (16, 16, 2, 4))
 
 
-@triton.jit(do_not_specialize=["R"])
-def _rms_rows_kernel(x_ptr, nw_ptr, out_ptr, R, K, eps, sx, so, K_POW2: tl.constexpr, PDL: tl.constexpr):
-    """out[r] = RMSNorm(x[r]) in the model dtype, rounded as models/fused.py's _input_chunk rounds; one program
-    a row, each row's statistic in the same order whatever R is."""
-    pdl_wait(PDL)
-    r = tl.program_id(0)
+@triton.jit
+def _rms_row(x_ptr, nw_ptr, out_ptr, K, eps, K_POW2: tl.constexpr, FROM_L2: tl.constexpr):
+    """out = RMSNorm(x) of one row in the model dtype, rounded as models/fused.py's _input_chunk rounds.
+    FROM_L2: x is read past the L1 (written by other programs of the same kernel: the norm tail)."""
     cols = tl.arange(0, K_POW2)
     kmask = cols < K
-    xv = tl.load(x_ptr + r * sx + cols, mask=kmask, other=0.0)
+    if FROM_L2:
+        xv = tl.load(x_ptr + cols, mask=kmask, other=0.0, cache_modifier=".cg")
+    else:
+        xv = tl.load(x_ptr + cols, mask=kmask, other=0.0)
     dt = xv.dtype
     xf = xv.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / K + eps)
     xn = (xf * rstd).to(dt)
     nw = tl.load(nw_ptr + cols, mask=kmask, other=0.0)
-    tl.store(out_ptr + r * so + cols, (xn.to(tl.float32) * nw.to(tl.float32)).to(dt), mask=kmask)
+    tl.store(out_ptr + cols, (xn.to(tl.float32) * nw.to(tl.float32)).to(dt), mask=kmask)
+
+
+@triton.jit(do_not_specialize=["R"])
+def _rms_rows_kernel(x_ptr, nw_ptr, out_ptr, R, K, eps, sx, so, K_POW2: tl.constexpr, PDL: tl.constexpr):
+    """out[r] = RMSNorm(x[r]); one program a row, each row's statistic in the same order whatever R is."""
+    pdl_wait(PDL)
+    r = tl.program_id(0)
+    _rms_row(x_ptr + r * sx, nw_ptr, out_ptr + r * so, K, eps, K_POW2, False)
+
+
+@triton.jit
+def _norm_tail(x_ptr, nw_ptr, out_ptr, ticket_ptr, R, K, eps, sx, so, K_POW2: tl.constexpr):
+    """The norm tail of a kernel whose programs each wrote a slice of x's R rows: the last program to finish
+    writes out[r] = RMSNorm(x[r]) for every row (`_rms_row`, row by row: row r's bits do not depend on R) and
+    puts the ticket back to 0 for the next launch. The classic last-block pattern (CUDA's threadFenceReduction,
+    cooperative groups' grid sync): a barrier so every thread's stores precede the program's ticket, one
+    acquire-release atomic (Triton's scalar atomic: one thread, its result shared with the program), x read
+    past the L1."""
+    tl.debug_barrier()
+    ticket = tl.atomic_add(ticket_ptr, 1, sem="acq_rel", scope="gpu")
+    if ticket == tl.num_programs(0) - 1:
+        for r in range(0, R):
+            _rms_row(x_ptr + r * sx, nw_ptr, out_ptr + r * so, K, eps, K_POW2, True)
+        tl.store(ticket_ptr, 0)
 
 
 @triton.jit
@@ -159,9 +187,13 @@ def _qkv_rope_kernel(x_ptr, w_ptr, b_ptr, cos_ptr, sin_ptr, start_ptr, q_ptr, kc
 
 
 @triton.jit(do_not_specialize=["R"])
-def _gemv_residual_kernel(a_ptr, w_ptr, b_ptr, res_ptr, R, N, K, sa, sres, HAS_BIAS: tl.constexpr,
-                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, RP: tl.constexpr, STAGES: tl.constexpr,
-                          IEEE: tl.constexpr, PDL: tl.constexpr):
+def _gemv_residual_kernel(a_ptr, w_ptr, b_ptr, res_ptr, nw_ptr, xn_ptr, ticket_ptr, R, N, K, sa, sres, sxn, eps,
+                          HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, RP: tl.constexpr,
+                          STAGES: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr, NORM: tl.constexpr,
+                          N_POW2: tl.constexpr):
+    """res[r] += a[r] @ W^T (+ bias), rounded as the residual sum rounds; NORM: then the next layer norm of the
+    new residual into xn (`_norm_tail`: the last program to finish), so no norm kernel runs between this one
+    and the projection that reads xn."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < N
     pdl_wait(PDL)
@@ -175,6 +207,8 @@ def _gemv_residual_kernel(a_ptr, w_ptr, b_ptr, res_ptr, R, N, K, sa, sres, HAS_B
     res = tl.load(ptrs, mask=live, other=0.0)
     dt = res.dtype
     tl.store(ptrs, (res.to(tl.float32) + y.to(dt).to(tl.float32)).to(dt), mask=live)
+    if NORM:
+        _norm_tail(res_ptr, nw_ptr, xn_ptr, ticket_ptr, R, N, eps, sres, sxn, N_POW2)
 
 
 @triton.jit(do_not_specialize=["R"])
@@ -286,23 +320,41 @@ def qkv_rope(xn, w, b, cos, sin, start, q_out, k_cache, v_cache, num_heads, num_
     launch(_pick("qkv_rope", pairs * 2, k, DOT_PAIR_CONFIGS, launch, xn.device, config))
 
 
-def gemv_residual(a, w, b, residual, config=None):
-    """fused.gemv_residual on the tensor cores."""
+def new_ticket(device) -> torch.Tensor:
+    """The counter a norm tail's programs take their tickets from (`gemv_residual(norm=...)`); each launch
+    leaves it at 0. One serves every launch of a step: a launch's programs take tickets only after the kernel
+    before it has finished (PDL's wait), and that one put the counter back."""
+    return torch.zeros(1, dtype=torch.int32, device=device)
+
+
+def gemv_residual(a, w, b, residual, config=None, norm=None):
+    """fused.gemv_residual on the tensor cores. norm: (norm_w, eps, xn, ticket): also xn = RMSNorm(residual)
+    with norm_w, as `rms_rows` would write it, from the last program to finish (no norm kernel after this one;
+    ticket: `new_ticket`, at 0)."""
     n, k = w.shape
     rows, sa = _rows(a)
     sres = residual.stride(0) if residual.dim() > 1 else 0
     pdl = use_pdl(a.device)
+    if norm is not None:
+        norm_w, eps, xn, ticket = norm
+        if xn.shape != residual.shape or norm_w.shape != (n,):
+            raise ValueError(f"the norm tail writes xn like the residual {tuple(residual.shape)} with a weight of "
+                             f"{n}, got xn {tuple(xn.shape)}, weight {tuple(norm_w.shape)}")
+        sxn = xn.stride(0) if xn.dim() > 1 else 0
+    else:
+        norm_w, eps, xn, ticket, sxn = w, 0.0, residual, residual, 0
 
     def launch(cfg, rows=rows, compile_only=False):
         bn, bk, stages, warps = cfg
         grid = (triton.cdiv(n, bn),)
-        args = (a, w, b if b is not None else w, residual, rows, n, k, sa, sres)
+        args = (a, w, b if b is not None else w, residual, norm_w, xn, ticket, rows, n, k, sa, sres, sxn, eps)
         kw = dict(HAS_BIAS=b is not None, BLOCK_N=bn, BLOCK_K=bk, RP=RP, STAGES=stages, IEEE=_ieee(a), PDL=pdl,
-                  num_warps=warps, launch_pdl=pdl)
+                  NORM=norm is not None, N_POW2=triton.next_power_of_2(n), num_warps=warps, launch_pdl=pdl)
         return _launch(_gemv_residual_kernel, grid, compile_only, *args, **kw)
 
     restore = residual if residual.dim() == 1 else residual[0]
-    launch(_pick("gemv_residual", n, k, DOT_CONFIGS, launch, a.device, config, restore=restore))
+    name = "gemv_residual_norm" if norm is not None else "gemv_residual"
+    launch(_pick(name, n, k, DOT_CONFIGS, launch, a.device, config, restore=restore))
 
 
 def gate_up_silu(xn, w, b, out, config=None):

@@ -34,6 +34,10 @@ repeats: a verify of five rows costs 1.08x one row instead of 2.49x, so the same
 the oracle 4.26x (1,052 tok/s at 1k). At the 1B shape (hidden 2048) its one-row step costs 22 % more (1.02 vs
 0.84 ms). An engine runs one family for all its steps, so its greedy tokens are the same with speculation on
 and off; only with cuda-core are they also the same bits as a node built without speculation.
+
+The tensor-core family's norms run as kernels of their own (`kernel`, the default) or as the tails of the
+residual kernels before them (`tail`, LEAN_NORMS: `set_norm`, the bench's --lean-norm): the candidate for the 4 %
+its one-row step loses, which scripts/probe_lean_norm.py measures (docs/performance.md).
 """
 
 from __future__ import annotations
@@ -50,6 +54,12 @@ GEMV_FAMILIES = ("auto", "cuda-core", "tensor-core")
 #: program per row, side by side so the rows share the cache reads through L2) or shared (one program reads each
 #: cache tile once for every row; each row's bits the same; a candidate until the GPU check measures it).
 VERIFY_ATTENTION = ("per-row", "shared")
+#: Where the tensor-core family's RMSNorms run (fused_dot.py): `kernel` (the default: `rms_rows`, a kernel of
+#: its own before each projection that reads a normalised input, two a layer) or `tail` (the o_proj / down_proj
+#: kernel's last program to finish normalises the residual it wrote: `gemv_residual(norm=...)`; only the first
+#: layer's input norm keeps its kernel). The same sums either way; a candidate until the GPU check measures it
+#: (each norm kernel is one more launch on the step's critical path).
+LEAN_NORMS = ("kernel", "tail")
 
 
 def gemv_family(choice: str = "auto") -> str:
@@ -79,6 +89,7 @@ class LeanStep:
         self.max_rows = max_rows
         self.gemv = gemv_family(gemv)
         self.verify_attention = "per-row"
+        self.norm = "kernel"
         p = next(model.parameters())
         dtype, device = p.dtype, p.device
         # Each row count's own buffers (a captured graph's output stays valid until that graph replays again).
@@ -92,6 +103,7 @@ class LeanStep:
         # tensor-core: each row count's normalised input (fused_dot.rms_rows's output, the projections' input)
         self._normed = {r: torch.empty(r, cfg.hidden_size, dtype=dtype, device=device)
                         for r in range(1, max_rows + 1)} if self.gemv == "tensor-core" else {}
+        self._ticket = fused_dot.new_ticket(device) if self.gemv == "tensor-core" else None  # the norm tail's
         self.argmax_keys = fused.new_argmax_keys(cfg.vocab_size, device)
         # The greedy step's (step number, token) ring (fused.greedy_advance): pinned host memory on a GPU, which
         # the kernel writes over the bus, so the host reads the token with no copy in the stream; greedy_seq
@@ -106,6 +118,16 @@ class LeanStep:
         if kind not in VERIFY_ATTENTION:
             raise ValueError(f"verify attention {kind!r}: one of {', '.join(VERIFY_ATTENTION)}")
         self.verify_attention = kind
+
+    def set_norm(self, where: str) -> None:
+        """kernel or tail (LEAN_NORMS): where the tensor-core family's norms run; a captured graph keeps the
+        kernels it was captured with. ValueError for the CUDA-core family (its norms are folded into the
+        projections already)."""
+        if where not in LEAN_NORMS:
+            raise ValueError(f"lean norm {where!r}: one of {', '.join(LEAN_NORMS)}")
+        if where != "kernel" and self.gemv != "tensor-core":
+            raise ValueError(f"the norm tail is the tensor-core family's; this step runs {self.gemv}")
+        self.norm = where
 
     @staticmethod
     def unsupported_reason(model: Transformer) -> str | None:
@@ -158,17 +180,27 @@ class LeanStep:
         m, cfg = self.model, self.cfg
         r = tokens.shape[0]
         q3 = q.view(r, cfg.num_heads, cfg.head_dim)
-        for layer, kc, vc in zip(m.layers, self.k_layers, self.v_layers):
-            att, mlp = layer.self_attn, layer.mlp
-            fused_dot.rms_rows(x, layer.input_layernorm.weight, layer.input_layernorm.eps, xn)
+        tail = self.norm == "tail"
+        # the norm after each residual update: the next layer's input norm, the final one after the last layer
+        after_mlp = [layer.input_layernorm for layer in m.layers[1:]] + [m.norm]
+
+        def norm_of(ln):  # a residual kernel's norm tail, or None (then rms_rows runs after it)
+            return (ln.weight, ln.eps, xn, self._ticket) if tail else None
+
+        ln0 = m.layers[0].input_layernorm
+        fused_dot.rms_rows(x, ln0.weight, ln0.eps, xn)
+        for layer, kc, vc, next_ln in zip(m.layers, self.k_layers, self.v_layers, after_mlp):
+            att, mlp, ln = layer.self_attn, layer.mlp, layer.post_attention_layernorm
             fused_dot.qkv_rope(xn, att.qkv_proj.weight, att.qkv_proj.bias, self.cos, self.sin, start, q, kc, vc,
                                cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
             out = split_kv_attention_rows(q3, kc, vc, start, att.scale, shared=shared)
-            fused_dot.gemv_residual(out.view(r, -1), att.o_proj.weight, att.o_proj.bias, x)
-            fused_dot.rms_rows(x, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps, xn)
+            fused_dot.gemv_residual(out.view(r, -1), att.o_proj.weight, att.o_proj.bias, x, norm=norm_of(ln))
+            if not tail:
+                fused_dot.rms_rows(x, ln.weight, ln.eps, xn)
             fused_dot.gate_up_silu(xn, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, h)
-            fused_dot.gemv_residual(h, mlp.down_proj.weight, mlp.down_proj.bias, x)
-        fused_dot.rms_rows(x, m.norm.weight, m.norm.eps, xn)
+            fused_dot.gemv_residual(h, mlp.down_proj.weight, mlp.down_proj.bias, x, norm=norm_of(next_ln))
+            if not tail:
+                fused_dot.rms_rows(x, next_ln.weight, next_ln.eps, xn)
         keys = fused_dot.gemv(xn, m.lm_head.weight, logits, argmax_keys=self.argmax_keys if greedy else None)
         if greedy:
             fused.greedy_advance(self.argmax_keys, keys, tokens, start, self.token_ring, self.greedy_seq)
