@@ -17,8 +17,9 @@
 # pytest, httpx and aiohttp, and no network: `prepare`'s folder travels with the run (the device tool's carry).
 # Environment: PLAIN_ENGINE (1: also bench an engine built without speculation),
 # SHAPES (llama-8b llama-1b), CONTEXTS (1024,8192,32768), TOKENS (256), ORACLE_K (1,2,3,4),
-# FORCED (llama-8b:tensor-core:per-row:tail: shape:family[:verify attention[:norm]] also benched with that GEMV
-# family, verify attention and norm placement (models/lean.py; per-row and kernel when absent) forced, at
+# FORCED (llama-8b:tensor-core:per-row:tail: shape:family[:verify attention[:norm[:l2]]] also benched with that
+# GEMV family, verify attention, norm placement and L2 prefetch (models/lean.py; per-row, kernel and none when
+# absent) forced, at
 # FORCED_CONTEXTS 1024,32768: the opt-in's numbers, what auto's choice weighs; tensor-core with the norm kernels
 # and per-row / shared attention: docs/bench/2026-12-04-gpu-check/, docs/bench/2026-12-05-gpu-check-green/),
 # PROBE_NORM (1 in part norm, 0 in bench: scripts/probe_lean_norm.py, the tensor-core step with its norms as
@@ -112,14 +113,14 @@ run_bench() {
   # verify), and the shared attention's end to end. First: a run cut at its budget loses the shapes' last rows.
   # The shapes' random weights are built in memory by each bench (--random-shape: decode/shapes.py, the weights
   # scripts/gpu_make_shape_model.py would write), not written and read back.
-  local pair shape family attn norm
+  local pair shape family attn norm l2
   for pair in ${FORCED-llama-8b:tensor-core:per-row:tail}; do
-    IFS=: read -r shape family attn norm <<<"$pair"
+    IFS=: read -r shape family attn norm l2 <<<"$pair"
     attn="${attn:-per-row}" norm="${norm:-kernel}"
-    echo "== bench $shape $family $attn $norm"
+    echo "== bench $shape $family $attn $norm ${l2}"
     python3 -m expresslane.engine.decode.bench --random-shape "$shape" --device cuda --dtype bfloat16 \
       --contexts "${FORCED_CONTEXTS:-1024,32768}" --max-seq-len "${MAX_SEQ_LEN:-33100}" --tokens "${TOKENS:-256}" \
-      --lean-gemv "$family" --verify-attention "$attn" --lean-norm "$norm" --oracle-k 4 --lookup ${replay:+--replay "$replay"} ${texts:+--replay-text "$texts"} --repeats "${REPEATS:-2}" \
+      --lean-gemv "$family" --verify-attention "$attn" --lean-norm "$norm" ${l2:+--lean-l2-prefetch} --oracle-k 4 --lookup ${replay:+--replay "$replay"} ${texts:+--replay-text "$texts"} --repeats "${REPEATS:-2}" \
       --json "$out/bench.jsonl" 2>&1 | tee -a "$out/bench.log"
   done
   [[ $part == norm ]] && return 0
@@ -151,7 +152,7 @@ rows = [json.loads(line) for line in open(sys.argv[1]) if line.strip()]
 # "x node": against an engine built without speculation at the same shape and context (the speed a node with
 # --speculation off gives; speculation on by default must keep >= 0.97x of it where nothing repeats)
 node = {(r["model"], r["context"]): r["tok_per_s"] for r in rows if not r.get("speculation_k", 1)}
-print(f"{'shape':10} {'gemv':11} {'ctx':>6} {'mode':19} {'tok/s':>8} {'of bound':>8} {'x plain':>7} {'x node':>6} {'accept':>6} "
+print(f"{'shape':10} {'gemv':19} {'ctx':>6} {'mode':19} {'tok/s':>8} {'of bound':>8} {'x plain':>7} {'x node':>6} {'accept':>6} "
       f"{'exact':>5} {'T=1 ms':>7} {'T=5/T=1':>7}")
 for r in rows:
     shape = r["model"].rstrip("/").rsplit("/", 1)[-1]
@@ -164,15 +165,16 @@ for r in rows:
     acc = f"{spec.get('mean_acceptance', 0):.2f}" if r["mode"] != "plain" else "-"
     mode = r["mode"] if r.get("speculation_k", 1) else "plain-eng"  # an engine built without speculation
     gemv = (str(r.get('gemv')) + ("+sh" if r.get("verify_attention") == "shared" else "")
-            + ("+tail" if r.get("lean_norm") == "tail" else ""))
-    print(f"{shape:10} {gemv:11} {r['context']:>6} {mode:19} {r['tok_per_s']:>8.1f} {ob:>8} {r['speedup']:>6.2f}x {xnode:>6} "
+            + ("+tail" if r.get("lean_norm") == "tail" else "") + ("+l2" if r.get("l2_prefetch") else ""))
+    print(f"{shape:10} {gemv:19} {r['context']:>6} {mode:19} {r['tok_per_s']:>8.1f} {ob:>8} {r['speedup']:>6.2f}x {xnode:>6} "
           f"{acc:>6} {str(r.get('matches_plain', '-')):>5} {times[1]:>7.3f} {ratio:>7.2f}")
 # where each engine's start went (decode/engine.py warmup_report): Triton compiles (on the compile threads) and
 # block-shape timing within its warm-up
 seen = set()
 for r in rows:
     w = r.get("warmup")
-    key = (r["model"], r.get("gemv"), r.get("speculation_k"), r.get("verify_attention"), r.get("lean_norm"))
+    key = (r["model"], r.get("gemv"), r.get("speculation_k"), r.get("verify_attention"), r.get("lean_norm"),
+           r.get("l2_prefetch"))
     if not w or key in seen:
         continue
     seen.add(key)
@@ -192,7 +194,8 @@ print("lean norm (scripts/probe_lean_norm.py): each step's forward ms by rows; x
 for r in rows:
     t = {int(k): v for k, v in r["step_ms_by_rows"].items()}
     x = r.get("x_cuda_core_t1")
-    print(f"  {r['shape']:9} {r['gemv']:11} {r['norm']:6} run {r['run']} ctx {r['context']:>6}  T=1 {t[1]:.3f} ms  "
+    l2 = "+l2" if r.get("l2_prefetch") else "   "
+    print(f"  {r['shape']:9} {r['gemv']:11} {r['norm']:6}{l2} run {r['run']} ctx {r['context']:>6}  T=1 {t[1]:.3f} ms  "
           f"T=5/T=1 {t[max(t)] / t[1]:.2f}  x cuda-core {x if x is None else round(x, 3)}  "
           f"tokens {r['tokens_as_kernel_norm']}")
 EOF

@@ -6,7 +6,7 @@ that pays").
     python3 scripts/gpu_check_targets.py OUTDIR      # OUTDIR: pytest.txt, bench.jsonl, phases.txt of a run
 
 One line per target and GEMV family ("+shared": the verify ran the shared attention; "+tail": its norms ran as
-the residual kernels' tails), "yes" or "NO" first; a target the run has no rows for is left out.
+the residual kernels' tails; "+l2": the L2 prefetch), "yes" or "NO" first; a target the run has no rows for is left out.
 """
 
 from __future__ import annotations
@@ -26,13 +26,13 @@ def _speculating(r: dict) -> bool:
 
 
 def _family(r: dict) -> str | None:
-    """The row's GEMV family, with "+shared" where its verify ran the shared attention and "+tail" where its
-    norms ran as the residual kernels' tails (models/lean.py)."""
+    """The row's GEMV family, with "+shared" where its verify ran the shared attention, "+tail" where its norms
+    ran as the residual kernels' tails and "+l2" where its weights were prefetched into the L2 (models/lean.py)."""
     gemv = r.get("gemv")
     if gemv is None:
         return None
     return (gemv + ("+shared" if r.get("verify_attention") == "shared" else "")
-            + ("+tail" if r.get("lean_norm") == "tail" else ""))
+            + ("+tail" if r.get("lean_norm") == "tail" else "") + ("+l2" if r.get("l2_prefetch") else ""))
 
 
 def _verify_ratio(times: dict) -> float:

@@ -1,5 +1,6 @@
-"""The tensor-core step's norms as kernels of their own or as the residual kernels' tail: time and tokens (a
-probe: it prints numbers and writes JSON lines; docs/performance.md says why it exists).
+"""The tensor-core step's norms as kernels of their own or as the residual kernels' tail, with and without its
+weights' L2 prefetch: time and tokens (a probe: it prints numbers and writes JSON lines; docs/performance.md
+says why it exists).
 
 The tensor-core family (models/fused_dot.py) runs each RMSNorm as a kernel of its own (`rms_rows`, two a layer),
 and its one-row step at the 8B shape costs 4 % more than the CUDA-core family's (4.22 vs 4.04 ms on the H200,
@@ -8,13 +9,15 @@ repeats would run at 0.95-0.96x of a node without speculation. Hypothesis: the n
 gap. Each is one more kernel on the step's critical path (65 at 8B) whose one program reads the residual,
 reduces it and writes the normalised row while every multiprocessor else waits, and the projection after it
 only then starts its first weight load. The `tail` placement (models/lean.py LEAN_NORMS) moves the norm into
-the last program of the o_proj / down_proj kernel that wrote the residual.
+the last program of the o_proj / down_proj kernel that wrote the residual. A second candidate for the rest of it:
+that family's projections load no weight before their PDL wait (models/pdl.py), so each starts from HBM latency
+once the kernel before it ends; `l2` has them prefetch their first tiles into the L2 before the wait.
 
 For each shape it builds a speculating engine (k = 4, the warm-up's picks and graphs) of each GEMV family, and
 times a forward of 1 .. 5 rows (CUDA graph replays, `bench.step_times`) at each context: the CUDA-core family
-(the reference, `auto`), and the tensor-core family with its norms as kernels and as tails, alternating
-(kernel, tail, kernel, tail: drift shows as a difference between the two runs of one placement). It also
-decodes 64 greedy tokens with each placement and says whether they are the kernel placement's tokens (the
+(the reference, `auto`), and the tensor-core family in three variants, kernel / tail / tail + l2, run twice in
+turn (drift shows as a difference between the two runs of one variant). It also decodes 64 greedy tokens with
+each variant and says whether they are the kernel placement's tokens (the
 norms' sums may be added in another order in a program of other warps: a difference is a rounding, not an
 error; within one placement a verify row is the one-row step's bits, which the GPU tests check).
 
@@ -57,37 +60,40 @@ def main() -> None:
     if not torch.cuda.is_available():
         ap.error("needs a CUDA device (the interpreter's timings mean nothing; the unit tests check the bits)")
     contexts = [int(c) for c in args.contexts.split(",")]
-    print(f"{'shape':9} {'gemv':11} {'norm':6} {'ctx':>6} {'T=1 ms':>7} {'T=5 ms':>7} {'T5/T1':>6} {'x cuda-core T=1':>15}",
-          flush=True)
+    print(f"{'shape':9} {'gemv':11} {'norm':6} {'l2':5} {'ctx':>6} {'T=1 ms':>7} {'T=5 ms':>7} {'T5/T1':>6} "
+          f"{'x cuda-core T=1':>15}", flush=True)
+    variants = [("kernel", False), ("tail", False), ("tail", True)] * 2
     for shape in args.shapes.split(","):
         config, tensors = random_checkpoint(shape, "cuda")
         prompt = torch.randint(0, config["vocab_size"], (64,), generator=torch.Generator().manual_seed(0)).tolist()
         reference: dict[int, float] = {}
         tokens_by_norm: dict[str, list[int]] = {}
-        for gemv, norms in (("cuda-core", ["kernel"]), ("tensor-core", ["kernel", "tail", "kernel", "tail"])):
+        for gemv, runs in (("cuda-core", [("kernel", False)]), ("tensor-core", variants)):
             t0 = time.perf_counter()
             engine = DecodeEngine.from_checkpoint_tensors(config, tensors, dtype="bfloat16", device="cuda",
                                                           max_seq_len=args.max_seq_len,
                                                           speculation=SpeculationConfig(k=4), lean_gemv=gemv)
             engine.warmup()
             print(f"{shape} {gemv}: built and warmed up in {time.perf_counter() - t0:.1f} s", flush=True)
-            for i, norm in enumerate(norms):
+            for i, (norm, l2) in enumerate(runs):
                 if gemv == "tensor-core":
                     engine.runner.set_lean_norm(norm)  # the graphs are captured again at the next forward
+                    engine.runner.set_lean_l2_prefetch(l2)
                 tokens = greedy_tokens(engine, prompt, 64)
-                same = tokens == tokens_by_norm.setdefault(norm if gemv == "tensor-core" else gemv, tokens)
+                same = tokens == tokens_by_norm.setdefault(f"{norm}{'+l2' if l2 else ''}" if gemv == "tensor-core"
+                                                           else gemv, tokens)
                 for ctx in contexts:
                     times = step_times(engine, ctx, reps=args.reps)
                     t1, t5 = 1e3 * times[1], 1e3 * times[max(times)]
                     if gemv == "cuda-core":
                         reference[ctx] = t1
                     ref = reference.get(ctx)
-                    print(f"{shape:9} {gemv:11} {norm:6} {ctx:>6} {t1:>7.3f} {t5:>7.3f} {t5 / t1:>6.2f} "
+                    print(f"{shape:9} {gemv:11} {norm:6} {str(l2):5} {ctx:>6} {t1:>7.3f} {t5:>7.3f} {t5 / t1:>6.2f} "
                           f"{t1 / ref if ref else float('nan'):>15.3f}", flush=True)
                     if args.json:
                         with open(args.json, "a") as f:
                             f.write(json.dumps(dict(
-                                shape=shape, gemv=gemv, norm=norm, run=i, context=ctx,
+                                shape=shape, gemv=gemv, norm=norm, l2_prefetch=l2, run=i, context=ctx,
                                 step_ms_by_rows={t: 1e3 * v for t, v in times.items()},
                                 x_cuda_core_t1=t1 / ref if ref else None,
                                 tokens_as_first_run=same,

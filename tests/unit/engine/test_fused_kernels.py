@@ -251,10 +251,11 @@ def _lean_case(bias: bool, tied: bool, dtype, seed: int, s: int):
 
 
 # CPU (CI): one case (the kernels' no-bias variants are covered above); the interpreter takes seconds per step.
-@pytest.mark.parametrize("gemv,norm", [("cuda-core", "kernel"), ("tensor-core", "kernel"), ("tensor-core", "tail")])
+@pytest.mark.parametrize("gemv,norm,l2", [("cuda-core", "kernel", False), ("tensor-core", "kernel", False),
+                                         ("tensor-core", "tail", False), ("tensor-core", "tail", True)])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("bias,tied", [(True, True)] + ([(False, False)] if DEVICE == "cuda" else []))
-def test_lean_step_matches_the_transformer(dtype, bias, tied, gemv, norm):
+def test_lean_step_matches_the_transformer(dtype, bias, tied, gemv, norm, l2):
     cfg, model, cos, sin, k, v = _lean_case(bias, tied, dtype, seed=3, s=48)
     k_ref, v_ref = k.clone(), v.clone()
     pos, token = 37, torch.tensor([11], device=DEVICE)
@@ -265,8 +266,9 @@ def test_lean_step_matches_the_transformer(dtype, bias, tied, gemv, norm):
                     ctx, num_logits=1)
         lean = LeanStep(model, cos, sin, list(k.unbind(0)), list(v.unbind(0)), gemv=gemv)
         lean.set_norm(norm)
+        lean.set_l2_prefetch(l2)  # compiled out where PDL is off (the CPU's interpreter); on a GPU it runs
         out = lean.forward(token, start)
-    assert lean.gemv == gemv and lean.norm == norm
+    assert lean.gemv == gemv and lean.norm == norm and lean.l2_prefetch == l2
     assert out.shape == ref.shape == (1, cfg.vocab_size)
     assert _rel(out, ref) < STEP_TOL[dtype]
     assert _rel(k, k_ref) < STEP_TOL[dtype] and _rel(v, v_ref) < STEP_TOL[dtype]
@@ -623,3 +625,16 @@ def test_the_lean_step_refuses_more_rows_than_it_was_built_for():
         lean.set_norm("tail")
     with pytest.raises(ValueError, match="one of kernel, tail"):
         lean.set_norm("folded")
+    with pytest.raises(ValueError, match="the L2 prefetch is the tensor-core family's"):
+        lean.set_l2_prefetch(True)
+    lean.set_l2_prefetch(False)
+    assert lean.l2_prefetch is False
+
+
+def test_l2_lines_are_the_prologues_tiles_in_a_power_of_two():
+    """fused_dot.l2_lines: the lines of 64 weights in the first STAGES - 1 tiles a row, rounded down to a power of
+    two (tl.arange's length), at least one; 0 when off."""
+    assert fused_dot.l2_lines((64, 256, 5, 4), True) == 16  # 4 tiles of 4 lines
+    assert fused_dot.l2_lines((64, 128, 7, 4), True) == 8  # 6 tiles of 2 lines: 12, rounded down
+    assert fused_dot.l2_lines((16, 32, 2, 4), True) == 1  # half a line: one
+    assert fused_dot.l2_lines((64, 256, 5, 4), False) == 0

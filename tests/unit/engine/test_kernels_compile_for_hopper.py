@@ -47,21 +47,31 @@ def _tritons_ptxas_for_hopper() -> str:
 PTXAS = _tritons_ptxas_for_hopper()
 pytestmark = pytest.mark.skipif(not (PTXAS and os.access(PTXAS, os.X_OK)), reason="this Triton wheel ships no ptxas")
 
-# 8B shape: hidden 4096, 32 / 8 heads of 128.
+# 8B shape: hidden 4096, 32 / 8 heads of 128. L2_LINES > 0: the first tiles' weights prefetched into the L2
+# before the PDL wait (fused_dot._weights_to_l2; the lines of 4 tiles of 256 or 128 columns).
 CASES = {
     "rms_rows": (fused_dot._rms_rows_kernel, 4, dict(K_POW2=4096)),
     "qkv_rope": (fused_dot._qkv_rope_kernel, 4, dict(NH=32, NKV=8, D=128, HAS_BIAS=False, BJ=32, BLOCK_K=256,
-                                                     STAGES=5)),
+                                                     STAGES=5, L2_LINES=0)),
     "qkv_rope with bias": (fused_dot._qkv_rope_kernel, 4, dict(NH=32, NKV=8, D=128, HAS_BIAS=True, BJ=32,
-                                                              BLOCK_K=256, STAGES=5)),
+                                                              BLOCK_K=256, STAGES=5, L2_LINES=0)),
+    "qkv_rope + L2 prefetch": (fused_dot._qkv_rope_kernel, 4, dict(NH=32, NKV=8, D=128, HAS_BIAS=False, BJ=32,
+                                                                  BLOCK_K=256, STAGES=5, L2_LINES=16)),
     "gemv_residual": (fused_dot._gemv_residual_kernel, 4, dict(HAS_BIAS=False, BLOCK_N=32, BLOCK_K=256, STAGES=5,
-                                                               NORM=False, N_POW2=4096)),
+                                                               NORM=False, N_POW2=4096, L2_LINES=0)),
     "gemv_residual + norm tail": (fused_dot._gemv_residual_kernel, 4, dict(HAS_BIAS=False, BLOCK_N=32, BLOCK_K=256,
-                                                                           STAGES=5, NORM=True, N_POW2=4096)),
-    "gemv_residual + norm tail, 8 warps": (fused_dot._gemv_residual_kernel, 8, dict(
-        HAS_BIAS=False, BLOCK_N=64, BLOCK_K=128, STAGES=5, NORM=True, N_POW2=4096)),
-    "gate_up_silu": (fused_dot._gate_up_silu_kernel, 4, dict(HAS_BIAS=False, BJ=32, BLOCK_K=128, STAGES=5)),
-    "lm_head + argmax": (fused_dot._gemv_kernel, 4, dict(BLOCK_N=64, BLOCK_K=128, STAGES=5, ARGMAX=True)),
+                                                                           STAGES=5, NORM=True, N_POW2=4096,
+                                                                           L2_LINES=0)),
+    "gemv_residual + norm tail, 8 warps, L2 prefetch": (fused_dot._gemv_residual_kernel, 8, dict(
+        HAS_BIAS=False, BLOCK_N=64, BLOCK_K=128, STAGES=5, NORM=True, N_POW2=4096, L2_LINES=8)),
+    "gate_up_silu": (fused_dot._gate_up_silu_kernel, 4, dict(HAS_BIAS=False, BJ=32, BLOCK_K=128, STAGES=5,
+                                                             L2_LINES=0)),
+    "gate_up_silu + L2 prefetch": (fused_dot._gate_up_silu_kernel, 4, dict(HAS_BIAS=False, BJ=32, BLOCK_K=128,
+                                                                          STAGES=5, L2_LINES=8)),
+    "lm_head + argmax": (fused_dot._gemv_kernel, 4, dict(BLOCK_N=64, BLOCK_K=128, STAGES=5, ARGMAX=True,
+                                                         L2_LINES=0)),
+    "lm_head + argmax + L2 prefetch": (fused_dot._gemv_kernel, 4, dict(BLOCK_N=64, BLOCK_K=128, STAGES=5,
+                                                                       ARGMAX=True, L2_LINES=8)),
 }
 
 
@@ -94,6 +104,13 @@ def test_kernel_compiles_for_sm90_without_spilling(case, tmp_path):
     assert not missing, f"the case names no value for {missing}"
     compiled = triton.compile(ASTSource(fn=kernel, signature=_signature(kernel), constexprs=constexprs),
                               target=HOPPER, options={"num_warps": warps})
+    ptx_text = compiled.asm["ptx"]
+    prefetches = ptx_text.count("prefetch.global.L2")
+    if constexprs.get("L2_LINES"):
+        # every prefetch is issued before the PDL wait (the weights are constant; nothing else is touched there)
+        assert prefetches and ptx_text.rindex("prefetch.global.L2") < ptx_text.index("griddepcontrol.wait"), case
+    else:
+        assert prefetches == 0, case
     if _on_hopper():
         # Triton built the cubin with the toolchain it runs with; the driver loads it and says what it spills
         # (what the engine's block-shape picker reads). A standalone ptxas need not accept that PTX's .version

@@ -3,7 +3,8 @@
 the one-row step's logits bit for bit at its position, at positions on both sides of the split-KV attention's
 chunk boundaries (a row's splits are those of its own length: chunk = ceil(ceil(len / splits) / 64) * 64, so the
 chunk grows at every multiple of splits * 64, 2,048 at 8 KV heads on an H200), for both GEMV families and both
-verify attentions, and the tensor-core family with its norms as the residual kernels' tails (models/lean.py).
+verify attentions, and the tensor-core family with its norms as the residual kernels' tails, with and without its
+weights' L2 prefetch (models/lean.py).
 
 The block shapes are each kernel's first fitting candidate, not the engine's timed picks (timing them would take
 a minute a shape and family); bit-identity holds for any one shape that the one-row step and the verify share,
@@ -57,13 +58,15 @@ def test_each_verify_row_is_the_one_row_step_at_the_real_shapes(shape, first_fit
     v = torch.randn(shape_kv, device=dev, dtype=torch.bfloat16, generator=gen)
     k1, v1 = k.clone(), v.clone()
     tokens = torch.tensor([11, 3, 90, 42, 7], device=dev)
-    cases = [("cuda-core", "kernel", "per-row"), ("cuda-core", "kernel", "shared"), ("tensor-core", "kernel", "per-row"),
-             ("tensor-core", "kernel", "shared"), ("tensor-core", "tail", "per-row")]
-    for gemv, norm, attn in cases:
+    cases = [("cuda-core", "kernel", "per-row", False), ("cuda-core", "kernel", "shared", False),
+             ("tensor-core", "kernel", "per-row", False), ("tensor-core", "kernel", "shared", False),
+             ("tensor-core", "tail", "per-row", False), ("tensor-core", "tail", "per-row", True)]
+    for gemv, norm, attn, l2 in cases:
         verify = LeanStep(model, cos, sin, list(k.unbind(0)), list(v.unbind(0)), max_rows=5, gemv=gemv)
         one = LeanStep(model, cos, sin, list(k1.unbind(0)), list(v1.unbind(0)), max_rows=5, gemv=gemv)
-        verify.set_norm(norm)
-        one.set_norm(norm)
+        for step in (verify, one):
+            step.set_norm(norm)
+            step.set_l2_prefetch(l2)
         verify.set_verify_attention(attn)
         for rows, pos in [(5, boundary - 3), (2, boundary - 1), (3, boundary), (5, boundary + 60), (4, 37)]:
             with torch.no_grad():
@@ -72,5 +75,5 @@ def test_each_verify_row_is_the_one_row_step_at_the_real_shapes(shape, first_fit
                         for r in range(rows)]
             torch.cuda.synchronize()
             for r in range(rows):
-                assert torch.equal(got[r], want[r][0]), (shape, gemv, norm, attn, rows, pos, r)
+                assert torch.equal(got[r], want[r][0]), (shape, gemv, norm, attn, l2, rows, pos, r)
         assert torch.equal(k, k1) and torch.equal(v, v1), (shape, gemv, attn)  # the same K/V rows written

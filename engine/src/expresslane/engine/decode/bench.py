@@ -363,6 +363,9 @@ def main(argv: list[str] | None = None) -> None:
                     help="the lean step's verify attention (models/lean.py VERIFY_ATTENTION)")
     ap.add_argument("--lean-norm", choices=["kernel", "tail"], default="kernel",
                     help="where the tensor-core family runs its RMSNorms (models/lean.py LEAN_NORMS)")
+    ap.add_argument("--lean-l2-prefetch", action="store_true",
+                    help="the tensor-core projections prefetch their first weight tiles into the L2 before "
+                         "their PDL wait (models/lean.py)")
     ap.add_argument("--speculation-k", type=int, default=4, help="most drafts per verify step (0: off)")
     ap.add_argument("--oracle-k", default="", help="acceptance sweep: comma-separated k for the oracle drafter")
     ap.add_argument("--lookup", action="store_true",
@@ -414,6 +417,8 @@ def main(argv: list[str] | None = None) -> None:
             engine.runner.set_verify_attention(args.verify_attention)
         if args.lean_norm != "kernel":
             engine.runner.set_lean_norm(args.lean_norm)
+        if args.lean_l2_prefetch:
+            engine.runner.set_lean_l2_prefetch(True)
         engine.warmup()
     except (OSError, ValueError) as e:  # missing checkpoint, unsupported model, bad option combination
         ap.error(str(e))
@@ -423,7 +428,7 @@ def main(argv: list[str] | None = None) -> None:
     model_name = args.model or args.random_shape  # the JSON's "model": a shape's name for random weights
     print(f"model={model_name} type={engine.config.model_type} dtype={args.dtype} device={args.device} "
           f"attention={engine.attention} step={engine.runner.mode.value} gemv={gemv} "
-          f"verify_attention={engine.runner.verify_attention} lean_norm={engine.runner.lean_norm} compile_mode={args.compile_mode} threads={torch.get_num_threads()} "
+          f"verify_attention={engine.runner.verify_attention} lean_norm={engine.runner.lean_norm} l2_prefetch={engine.runner.lean_l2_prefetch} compile_mode={args.compile_mode} threads={torch.get_num_threads()} "
           f"max_seq_len={max_seq_len} load+warmup_s={load_s:.1f} weights={engine.weight_bytes() / 1e9:.3f}GB"
           + (f" copy_bandwidth={bw / 1e9:.0f}GB/s" if bw else ""), flush=True)
     if engine.warmup_report:
@@ -449,6 +454,7 @@ def main(argv: list[str] | None = None) -> None:
                                         "step": engine.runner.mode.value, "gemv": gemv,
                                         "verify_attention": engine.runner.verify_attention,
                                         "lean_norm": engine.runner.lean_norm,
+                                        "l2_prefetch": engine.runner.lean_l2_prefetch,
                                         "speculation_k": args.speculation_k, "load_warmup_s": round(load_s, 2),
                                         "warmup": engine.warmup_report, **r}) + "\n")
 

@@ -138,6 +138,18 @@ class StepRunner:
     def lean_norm(self) -> str | None:
         return self._lean.norm if self._lean is not None else None
 
+    def set_lean_l2_prefetch(self, on: bool) -> None:
+        """Whether the lean step's tensor-core projections prefetch their first weight tiles into the L2 before
+        their PDL wait (models/lean.py); the graphs are captured again. ValueError without that step."""
+        if self._lean is None:
+            raise ValueError("the L2 prefetch is the lean step's: no lean step here")
+        self._lean.set_l2_prefetch(on)
+        self._graphs.clear()
+
+    @property
+    def lean_l2_prefetch(self) -> bool | None:
+        return self._lean.l2_prefetch if self._lean is not None else None
+
     @property
     def lean(self) -> bool:
         return self._lean is not None

@@ -97,6 +97,25 @@ def _norm_tail(x_ptr, nw_ptr, out_ptr, ticket_ptr, R, K, eps, sx, so, K_POW2: tl
 
 
 @triton.jit
+def _l2_prefetch(ptrs):
+    """prefetch.global.L2 of each address (no value is read; is_pure=False keeps it in the kernel)."""
+    return tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                                     is_pure=False, pack=1)
+
+
+@triton.jit
+def _weights_to_l2(w_ptr, rows, rmask, K, L2_LINES: tl.constexpr):
+    """Ask for the first L2_LINES x 64 weights of each of this program's rows to be brought into the L2 (one
+    prefetch a 128-byte line of bf16; every other line of float32). Issued before the PDL wait (the weights are
+    constant): while the kernel before this one finishes, the first tiles the software pipeline will load come
+    from HBM into the L2, with no register or shared memory held (a tile loaded into registers before the wait
+    bypassed the pipeline and made the step slower: docs/bench/2026-12-04-tensor-core-verify/). Addresses are
+    clamped into the weight matrix (a masked row or column prefetches row 0 / column K - 1 again)."""
+    cols = tl.minimum(tl.arange(0, L2_LINES) * 64, K - 1)
+    _l2_prefetch(w_ptr + tl.where(rmask, rows, 0)[:, None] * K + cols[None, :])
+
+
+@triton.jit
 def _dot_rows(w_ptr, rows, rmask, x_ptr, R, K, sx, acc, BLOCK_K: tl.constexpr, RP: tl.constexpr,
               STAGES: tl.constexpr, IEEE: tl.constexpr):
     """acc[BLOCK_N, RP] += w[rows, :] @ x[:RP, :]^T (x rows >= R read as zero), K in BLOCK_K steps."""
@@ -141,7 +160,8 @@ def _dot_rows2(w_ptr, rows_a, rows_b, rmask, x_ptr, R, K, sx, acc_a, acc_b, BLOC
 def _qkv_rope_kernel(x_ptr, w_ptr, b_ptr, cos_ptr, sin_ptr, start_ptr, q_ptr, kc_ptr, vc_ptr, R, K, sx, sq,
                      stride_kc_s, stride_kc_h, stride_vc_s, stride_vc_h, NH: tl.constexpr, NKV: tl.constexpr,
                      D: tl.constexpr, HAS_BIAS: tl.constexpr, BJ: tl.constexpr, BLOCK_K: tl.constexpr,
-                     RP: tl.constexpr, STAGES: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
+                     RP: tl.constexpr, STAGES: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
+                     L2_LINES: tl.constexpr):
     """BJ row pairs (j, j + D/2) of the QKV projection (pairs numbered over all heads, so a program may span
     heads), their RoPE at start + r for each input row r, q out or the K/V cache rows start + r."""
     HALF: tl.constexpr = D // 2
@@ -152,6 +172,9 @@ def _qkv_rope_kernel(x_ptr, w_ptr, b_ptr, cos_ptr, sin_ptr, start_ptr, q_ptr, kc
     j = p % HALF
     rows_a = head * D + j
     rows_b = rows_a + HALF
+    if PDL and L2_LINES > 0:
+        _weights_to_l2(w_ptr, rows_a, ok, K, L2_LINES)
+        _weights_to_l2(w_ptr, rows_b, ok, K, L2_LINES)
     pdl_wait(PDL)
     a = tl.zeros([BJ, RP], tl.float32)
     b = tl.zeros([BJ, RP], tl.float32)
@@ -190,12 +213,14 @@ def _qkv_rope_kernel(x_ptr, w_ptr, b_ptr, cos_ptr, sin_ptr, start_ptr, q_ptr, kc
 def _gemv_residual_kernel(a_ptr, w_ptr, b_ptr, res_ptr, nw_ptr, xn_ptr, ticket_ptr, R, N, K, sa, sres, sxn, eps,
                           HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, RP: tl.constexpr,
                           STAGES: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr, NORM: tl.constexpr,
-                          N_POW2: tl.constexpr):
+                          N_POW2: tl.constexpr, L2_LINES: tl.constexpr):
     """res[r] += a[r] @ W^T (+ bias), rounded as the residual sum rounds; NORM: then the next layer norm of the
     new residual into xn (`_norm_tail`: the last program to finish), so no norm kernel runs between this one
     and the projection that reads xn."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < N
+    if PDL and L2_LINES > 0:
+        _weights_to_l2(w_ptr, rows, rmask, K, L2_LINES)
     pdl_wait(PDL)
     y = _dot_rows(w_ptr, rows, rmask, a_ptr, R, K, sa, tl.zeros([BLOCK_N, RP], tl.float32), BLOCK_K, RP, STAGES,
                   IEEE)
@@ -214,10 +239,13 @@ def _gemv_residual_kernel(a_ptr, w_ptr, b_ptr, res_ptr, nw_ptr, xn_ptr, ticket_p
 @triton.jit(do_not_specialize=["R"])
 def _gate_up_silu_kernel(x_ptr, w_ptr, b_ptr, out_ptr, R, I, K, sx, so, HAS_BIAS: tl.constexpr, BJ: tl.constexpr,
                          BLOCK_K: tl.constexpr, RP: tl.constexpr, STAGES: tl.constexpr, IEEE: tl.constexpr,
-                         PDL: tl.constexpr):
+                         PDL: tl.constexpr, L2_LINES: tl.constexpr):
     rows_g = tl.program_id(0) * BJ + tl.arange(0, BJ)
     rows_u = rows_g + I
     ok = rows_g < I
+    if PDL and L2_LINES > 0:
+        _weights_to_l2(w_ptr, rows_g, ok, K, L2_LINES)
+        _weights_to_l2(w_ptr, rows_u, ok, K, L2_LINES)
     pdl_wait(PDL)
     g = tl.zeros([BJ, RP], tl.float32)
     u = tl.zeros([BJ, RP], tl.float32)
@@ -236,11 +264,13 @@ def _gate_up_silu_kernel(x_ptr, w_ptr, b_ptr, out_ptr, R, I, K, sx, so, HAS_BIAS
 @triton.jit(do_not_specialize=["R"])
 def _gemv_kernel(x_ptr, w_ptr, out_ptr, key_ptr, R, N, K, sx, so, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  RP: tl.constexpr, STAGES: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
-                 ARGMAX: tl.constexpr):
+                 ARGMAX: tl.constexpr, L2_LINES: tl.constexpr):
     """The lm_head: float32 logits (rounded to the model dtype); ARGMAX: also row 0's best (value, first row) of
     this program as one key (models/fused.py's greedy_advance takes the largest)."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < N
+    if PDL and L2_LINES > 0:
+        _weights_to_l2(w_ptr, rows, rmask, K, L2_LINES)
     pdl_wait(PDL)
     y = _dot_rows(w_ptr, rows, rmask, x_ptr, R, K, sx, tl.zeros([BLOCK_N, RP], tl.float32), BLOCK_K, RP, STAGES,
                   IEEE)
@@ -290,6 +320,20 @@ def _ieee(t: torch.Tensor) -> bool:
     return t.dtype == torch.float32
 
 
+def l2_lines(cfg, on: bool) -> int:
+    """L2_LINES for a block shape: the lines (of 64 weights) of the first STAGES - 1 tiles a row, what the
+    pipeline's prologue loads first, rounded down to a power of two (tl.arange's); 0 where `on` is False."""
+    if not on:
+        return 0
+    lines = max(1, (cfg[2] - 1) * cfg[1] // 64)
+    return 1 << (lines.bit_length() - 1)
+
+
+def _name(name: str, l2: bool) -> str:
+    """The picker's key for a kernel variant (a variant's picks are timed and kept apart)."""
+    return name + ("_l2" if l2 else "")
+
+
 def rms_rows(x, norm_w, eps, out):
     """out [R, K] = RMSNorm(x [R, K]) in the model dtype (x [K] / out [K]: one row)."""
     rows, sx = _rows(x)
@@ -300,8 +344,10 @@ def rms_rows(x, norm_w, eps, out):
                               num_warps=4 if k <= 4096 else 8, launch_pdl=pdl)
 
 
-def qkv_rope(xn, w, b, cos, sin, start, q_out, k_cache, v_cache, num_heads, num_kv_heads, head_dim, config=None):
-    """fused.norm_qkv_rope over an input normalised by rms_rows (xn [R, K] or [K])."""
+def qkv_rope(xn, w, b, cos, sin, start, q_out, k_cache, v_cache, num_heads, num_kv_heads, head_dim, config=None,
+             l2=False):
+    """fused.norm_qkv_rope over an input normalised by rms_rows (xn [R, K] or [K]). l2: the first tiles'
+    weights are prefetched into the L2 before the PDL wait (`_weights_to_l2`; only where PDL is on)."""
     k = xn.shape[-1]
     rows, sx = _rows(xn)
     sq = q_out.stride(0) if q_out.dim() > 1 else 0
@@ -314,10 +360,11 @@ def qkv_rope(xn, w, b, cos, sin, start, q_out, k_cache, v_cache, num_heads, num_
         args = (xn, w, b if b is not None else w, cos, sin, start, q_out, k_cache, v_cache, rows, k, sx, sq,
                 k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1))
         kw = dict(NH=num_heads, NKV=num_kv_heads, D=head_dim, HAS_BIAS=b is not None, BJ=bj, BLOCK_K=bk, RP=RP,
-                  STAGES=stages, IEEE=_ieee(xn), PDL=pdl, num_warps=warps, launch_pdl=pdl)
+                  STAGES=stages, IEEE=_ieee(xn), PDL=pdl, L2_LINES=l2_lines(cfg, l2), num_warps=warps,
+                  launch_pdl=pdl)
         return _launch(_qkv_rope_kernel, grid, compile_only, *args, **kw)
 
-    launch(_pick("qkv_rope", pairs * 2, k, DOT_PAIR_CONFIGS, launch, xn.device, config))
+    launch(_pick(_name("qkv_rope", l2), pairs * 2, k, DOT_PAIR_CONFIGS, launch, xn.device, config))
 
 
 def new_ticket(device) -> torch.Tensor:
@@ -327,10 +374,10 @@ def new_ticket(device) -> torch.Tensor:
     return torch.zeros(1, dtype=torch.int32, device=device)
 
 
-def gemv_residual(a, w, b, residual, config=None, norm=None):
+def gemv_residual(a, w, b, residual, config=None, norm=None, l2=False):
     """fused.gemv_residual on the tensor cores. norm: (norm_w, eps, xn, ticket): also xn = RMSNorm(residual)
     with norm_w, as `rms_rows` would write it, from the last program to finish (no norm kernel after this one;
-    ticket: `new_ticket`, at 0)."""
+    ticket: `new_ticket`, at 0). l2: as qkv_rope's."""
     n, k = w.shape
     rows, sa = _rows(a)
     sres = residual.stride(0) if residual.dim() > 1 else 0
@@ -349,16 +396,17 @@ def gemv_residual(a, w, b, residual, config=None, norm=None):
         grid = (triton.cdiv(n, bn),)
         args = (a, w, b if b is not None else w, residual, norm_w, xn, ticket, rows, n, k, sa, sres, sxn, eps)
         kw = dict(HAS_BIAS=b is not None, BLOCK_N=bn, BLOCK_K=bk, RP=RP, STAGES=stages, IEEE=_ieee(a), PDL=pdl,
-                  NORM=norm is not None, N_POW2=triton.next_power_of_2(n), num_warps=warps, launch_pdl=pdl)
+                  NORM=norm is not None, N_POW2=triton.next_power_of_2(n), L2_LINES=l2_lines(cfg, l2),
+                  num_warps=warps, launch_pdl=pdl)
         return _launch(_gemv_residual_kernel, grid, compile_only, *args, **kw)
 
     restore = residual if residual.dim() == 1 else residual[0]
-    name = "gemv_residual_norm" if norm is not None else "gemv_residual"
+    name = _name("gemv_residual_norm" if norm is not None else "gemv_residual", l2)
     launch(_pick(name, n, k, DOT_CONFIGS, launch, a.device, config, restore=restore))
 
 
-def gate_up_silu(xn, w, b, out, config=None):
-    """fused.norm_gate_up_silu over an input normalised by rms_rows."""
+def gate_up_silu(xn, w, b, out, config=None, l2=False):
+    """fused.norm_gate_up_silu over an input normalised by rms_rows. l2: as qkv_rope's."""
     i2, k = w.shape
     i = i2 // 2
     rows, sx = _rows(xn)
@@ -370,15 +418,16 @@ def gate_up_silu(xn, w, b, out, config=None):
         grid = (triton.cdiv(i, bj),)
         args = (xn, w, b if b is not None else w, out, rows, i, k, sx, so)
         kw = dict(HAS_BIAS=b is not None, BJ=bj, BLOCK_K=bk, RP=RP, STAGES=stages, IEEE=_ieee(xn), PDL=pdl,
-                  num_warps=warps, launch_pdl=pdl)
+                  L2_LINES=l2_lines(cfg, l2), num_warps=warps, launch_pdl=pdl)
         return _launch(_gate_up_silu_kernel, grid, compile_only, *args, **kw)
 
-    launch(_pick("gate_up_silu", i2, k, DOT_PAIR_CONFIGS, launch, xn.device, config))
+    launch(_pick(_name("gate_up_silu", l2), i2, k, DOT_PAIR_CONFIGS, launch, xn.device, config))
 
 
-def gemv(xn, w, out, config=None, argmax_keys=None) -> int:
+def gemv(xn, w, out, config=None, argmax_keys=None, l2=False) -> int:
     """fused.norm_gemv (the lm_head) over an input normalised by rms_rows; argmax_keys: row 0's per-program
-    (value, first row) keys (one row only). Returns the number of programs launched (the keys written)."""
+    (value, first row) keys (one row only). Returns the number of programs launched (the keys written). l2: as
+    qkv_rope's."""
     n, k = w.shape
     rows, sx = _rows(xn)
     so = out.stride(0) if out.dim() > 1 else 0
@@ -391,10 +440,10 @@ def gemv(xn, w, out, config=None, argmax_keys=None) -> int:
         grid = (triton.cdiv(n, bn),)
         args = (xn, w, out, keys if keys is not None else out, rows, n, k, sx, so)
         kw = dict(BLOCK_N=bn, BLOCK_K=bk, RP=RP, STAGES=stages, IEEE=_ieee(xn), PDL=pdl, ARGMAX=keys is not None,
-                  num_warps=warps, launch_pdl=pdl)
+                  L2_LINES=l2_lines(cfg, l2), num_warps=warps, launch_pdl=pdl)
         return _launch(_gemv_kernel, grid, compile_only, *args, **kw)
 
-    cfg = _pick("gemv", n, k, DOT_CONFIGS, lambda c, rows=rows, compile_only=False: launch(
+    cfg = _pick(_name("gemv", l2), n, k, DOT_CONFIGS, lambda c, rows=rows, compile_only=False: launch(
         c, None, rows, compile_only), xn.device, config)
     launch(cfg, argmax_keys)
     return triton.cdiv(n, cfg[0])

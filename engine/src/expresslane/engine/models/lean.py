@@ -36,8 +36,9 @@ the oracle 4.26x (1,052 tok/s at 1k). At the 1B shape (hidden 2048) its one-row 
 and off; only with cuda-core are they also the same bits as a node built without speculation.
 
 The tensor-core family's norms run as kernels of their own (`kernel`, the default) or as the tails of the
-residual kernels before them (`tail`, LEAN_NORMS: `set_norm`, the bench's --lean-norm): the candidate for the 4 %
-its one-row step loses, which scripts/probe_lean_norm.py measures (docs/performance.md).
+residual kernels before them (`tail`, LEAN_NORMS: `set_norm`, the bench's --lean-norm), and its projections may
+prefetch their first weight tiles into the L2 before their PDL wait (`set_l2_prefetch`, --lean-l2-prefetch): the
+candidates for the 4 % its one-row step loses, which scripts/probe_lean_norm.py measures (docs/performance.md).
 """
 
 from __future__ import annotations
@@ -90,6 +91,7 @@ class LeanStep:
         self.gemv = gemv_family(gemv)
         self.verify_attention = "per-row"
         self.norm = "kernel"
+        self.l2_prefetch = False
         p = next(model.parameters())
         dtype, device = p.dtype, p.device
         # Each row count's own buffers (a captured graph's output stays valid until that graph replays again).
@@ -128,6 +130,15 @@ class LeanStep:
         if where != "kernel" and self.gemv != "tensor-core":
             raise ValueError(f"the norm tail is the tensor-core family's; this step runs {self.gemv}")
         self.norm = where
+
+    def set_l2_prefetch(self, on: bool) -> None:
+        """Whether the tensor-core family's projections prefetch their first weight tiles into the L2 before
+        their PDL wait (fused_dot._weights_to_l2; a candidate, like the norm tail); a captured graph keeps the
+        kernels it was captured with. ValueError for the CUDA-core family (its kernels load their first tile
+        before the wait already)."""
+        if on and self.gemv != "tensor-core":
+            raise ValueError(f"the L2 prefetch is the tensor-core family's; this step runs {self.gemv}")
+        self.l2_prefetch = bool(on)
 
     @staticmethod
     def unsupported_reason(model: Transformer) -> str | None:
@@ -180,7 +191,7 @@ class LeanStep:
         m, cfg = self.model, self.cfg
         r = tokens.shape[0]
         q3 = q.view(r, cfg.num_heads, cfg.head_dim)
-        tail = self.norm == "tail"
+        tail, l2 = self.norm == "tail", self.l2_prefetch
         # the norm after each residual update: the next layer's input norm, the final one after the last layer
         after_mlp = [layer.input_layernorm for layer in m.layers[1:]] + [m.norm]
 
@@ -192,16 +203,16 @@ class LeanStep:
         for layer, kc, vc, next_ln in zip(m.layers, self.k_layers, self.v_layers, after_mlp):
             att, mlp, ln = layer.self_attn, layer.mlp, layer.post_attention_layernorm
             fused_dot.qkv_rope(xn, att.qkv_proj.weight, att.qkv_proj.bias, self.cos, self.sin, start, q, kc, vc,
-                               cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+                               cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, l2=l2)
             out = split_kv_attention_rows(q3, kc, vc, start, att.scale, shared=shared)
-            fused_dot.gemv_residual(out.view(r, -1), att.o_proj.weight, att.o_proj.bias, x, norm=norm_of(ln))
+            fused_dot.gemv_residual(out.view(r, -1), att.o_proj.weight, att.o_proj.bias, x, norm=norm_of(ln), l2=l2)
             if not tail:
                 fused_dot.rms_rows(x, ln.weight, ln.eps, xn)
-            fused_dot.gate_up_silu(xn, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, h)
-            fused_dot.gemv_residual(h, mlp.down_proj.weight, mlp.down_proj.bias, x, norm=norm_of(next_ln))
+            fused_dot.gate_up_silu(xn, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, h, l2=l2)
+            fused_dot.gemv_residual(h, mlp.down_proj.weight, mlp.down_proj.bias, x, norm=norm_of(next_ln), l2=l2)
             if not tail:
                 fused_dot.rms_rows(x, next_ln.weight, next_ln.eps, xn)
-        keys = fused_dot.gemv(xn, m.lm_head.weight, logits, argmax_keys=self.argmax_keys if greedy else None)
+        keys = fused_dot.gemv(xn, m.lm_head.weight, logits, argmax_keys=self.argmax_keys if greedy else None, l2=l2)
         if greedy:
             fused.greedy_advance(self.argmax_keys, keys, tokens, start, self.token_ring, self.greedy_seq)
         return logits
