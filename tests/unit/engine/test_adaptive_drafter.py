@@ -248,6 +248,13 @@ def test_the_simulation_tallies_forwards_as_the_greedy_chain_launches_them():
 
     simulate_speedup(NoHint(), prompt, output, costs, 4, tally=tally)
     assert tally == {"verify": 0, "synced": len(output) - 1, "queued": 0}
+    # sync_overhead is charged to the synced forwards only: all of them here, one (the first) for the lookup
+    c1, pen = costs.at(len(prompt), 1)[0], 0.1 * costs.at(len(prompt), 1)[0]
+    assert simulate_speedup(NoHint(), prompt, output, costs, 4, sync_overhead=pen) == pytest.approx(
+        c1 / (c1 + pen), rel=1e-3)
+    n = len(output) - 1
+    assert simulate_speedup(PromptLookupDrafter(), prompt, output, costs, 4, sync_overhead=pen) == pytest.approx(
+        n * c1 / (n * c1 + pen), rel=1e-3)
     texts = json.loads(TEXTS.read_text())["texts"]
     t = texts["agentic"]
     d = SpeculationConfig().drafter(costs, start_length=len(t["prompt"]))

@@ -178,16 +178,18 @@ class TextReplayDrafter:
 
 def simulate_speedup(drafter, prompt: list[int], output: list[int], costs: StepCosts, k: int,
                      verify_overhead: float = 0.0, start: int | None = None,
-                     tally: dict[str, int] | None = None) -> float:
+                     tally: dict[str, int] | None = None, sync_overhead: float = 0.0) -> float:
     """Plain decoding's time over speculative decoding's for a recorded greedy request (prompt, output), with
     `drafter` and step `costs` (at the row's position), without a model: the output is fixed, so a draft is
     kept exactly where it matches it. verify_overhead: added to each verify's cost (what a host wait costs
     beyond the costs' own; the engine's measured costs already hold it). start: the position of the output's
     first token (default: the prompt's length). The engine's loop, step for step.
 
-    tally: filled with the forwards by how the greedy chain (decode/chain.py) launches them: `verify`, `synced`
-    (a plain step after a host sync: after a verify, or where the drafter's hint said it might draft) and
-    `queued` (a plain step queued ahead of the host)."""
+    Forwards are told apart by how the greedy chain (decode/chain.py) launches them: `verify`, `synced` (a plain
+    step after a host sync: after a verify, or where the drafter's hint said it might draft) and `queued` (a
+    plain step queued ahead of the host). tally: filled with their counts. sync_overhead: added to every
+    forward launched after a host sync (verifies and synced plain steps; the plain baseline's steps are all
+    queued)."""
     drafter.start([*prompt, output[0]])
     pos, i, spec, plain = len(prompt) if start is None else start, 1, 0.0, 0.0
     synced = True
@@ -200,13 +202,14 @@ def simulate_speedup(drafter, prompt: list[int], output: list[int], costs: StepC
         while kept < len(drafts) and drafts[kept] == output[i + kept]:
             kept += 1
         step = costs.at(pos, len(drafts) + 1)
-        spec += step[len(drafts)] + (verify_overhead if drafts else 0.0)
+        spec += step[len(drafts)] + (verify_overhead if drafts else 0.0) + (sync_overhead if drafts or synced
+                                                                            else 0.0)
         emitted = output[i:i + kept + 1]
         plain += sum(costs.at(pos + j, 1)[0] for j in range(len(emitted)))
         if tally is not None:
             tally["verify" if drafts else "synced" if synced else "queued"] += 1
-            hint = getattr(drafter, "may_draft_next", None)  # asked after a plain step, before its extend
-            synced = bool(drafts) or hint is None or bool(hint())
+        hint = getattr(drafter, "may_draft_next", None)  # asked after a plain step, before its extend
+        synced = bool(drafts) or hint is None or bool(hint())
         drafter.extend(emitted)
         i += len(emitted)
         pos += len(emitted)
