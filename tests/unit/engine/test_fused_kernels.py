@@ -228,6 +228,36 @@ def test_tensor_core_kernels_match_the_step(dtype, bias):
             assert _rel(logits, ref_logits[:r]) < TOL[dtype], c
 
 
+@pytest.mark.skipif(DEVICE != "cuda", reason="a race between programs needs a GPU's programs running at once")
+@pytest.mark.parametrize("cfg", [(16, 256, 5, 4), (64, 128, 5, 8)])
+def test_the_norm_tail_reads_every_programs_residual_launch_after_launch(cfg):
+    """The norm tail at the 8B's o_proj shape (256 or 64 programs running at once): the last program to finish
+    reads the residual rows every other program wrote (the ticket's barrier, acquire-release atomic and reads
+    past the L1). 100 launches queued back to back (with PDL, each waits for the one before it), each on its own
+    residual: every one's norm is the first one's bits and within rounding of rms_rows over its residual, and
+    the ticket is back at 0. A program that read a row before its writer's store landed would leave a stale
+    value in one launch's norm."""
+    n = k = 4096
+    rows, launches = 5, 100
+    gen = torch.Generator(device=DEVICE).manual_seed(5)
+    w = (0.02 * torch.randn(n, k, device=DEVICE, generator=gen)).to(torch.bfloat16)
+    a = torch.randn(rows, k, device=DEVICE, generator=gen).to(torch.bfloat16)
+    nw = (1.0 + 0.1 * torch.randn(n, device=DEVICE, generator=gen)).to(torch.bfloat16)
+    base = torch.randn(rows, n, device=DEVICE, generator=gen).to(torch.bfloat16)
+    res = [base.clone() for _ in range(launches)]
+    xn = [torch.full_like(base, float("nan")) for _ in range(launches)]
+    ticket = fused_dot.new_ticket(DEVICE)
+    for i in range(launches):
+        fused_dot.gemv_residual(a, w, None, res[i], config=cfg, norm=(nw, 1e-5, xn[i], ticket))
+    _sync()
+    assert int(ticket) == 0
+    want = torch.empty_like(base)
+    fused_dot.rms_rows(res[0], nw, 1e-5, want)
+    assert _rel(xn[0], want) < TOL[torch.bfloat16]
+    for i in range(1, launches):
+        assert torch.equal(res[i], res[0]) and torch.equal(xn[i], xn[0]), i
+
+
 def test_the_gemv_family_is_the_engines_choice():
     """auto: the CUDA-core kernels for every model (the tensor-core one-row step costs 4 % more at the 8B shape:
     a speculating node would be slower than a plain one on text that never repeats); an explicit choice wins;
