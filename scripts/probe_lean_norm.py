@@ -70,7 +70,8 @@ def main() -> None:
         tokens_by_norm: dict[str, list[int]] = {}
         for gemv, runs in (("cuda-core", [("kernel", False)]), ("tensor-core", variants)):
             t0 = time.perf_counter()
-            engine = DecodeEngine.from_checkpoint_tensors(config, tensors, dtype="bfloat16", device="cuda",
+            # a copy of the dict (the loader empties the one it is given); the tensors are shared
+            engine = DecodeEngine.from_checkpoint_tensors(config, dict(tensors), dtype="bfloat16", device="cuda",
                                                           max_seq_len=args.max_seq_len,
                                                           speculation=SpeculationConfig(k=4), lean_gemv=gemv)
             engine.warmup()
