@@ -10,7 +10,8 @@
 #                                                # with their hashes in images/gpu/check-wheels.lock, into
 #                                                # .carry/gpu-check/ (nixl-cu13 repacked as tar.xz: 59 -> 32 MB)
 #   bash scripts/gpu_check.sh run OUTDIR [PART]  # there: PART all (default) | tests | bench | norm (the
-#                                                # tensor-core norm probe and the FORCED benches only)
+#                                                # tensor-core norm probe, the FORCED benches and their shapes'
+#                                                # engines without speculation only)
 #   bash scripts/gpu_check.sh summary OUTDIR     # anywhere: the table again from OUTDIR's pytest.txt, bench.jsonl
 #
 # The GPU machine (see docs/performance.md, "Method") has python3 3.12 with torch, triton, transformers,
@@ -123,7 +124,16 @@ run_bench() {
       --lean-gemv "$family" --verify-attention "$attn" --lean-norm "$norm" ${l2:+--lean-l2-prefetch} --oracle-k 4 --lookup ${replay:+--replay "$replay"} ${texts:+--replay-text "$texts"} --repeats "${REPEATS:-2}" \
       --json "$out/bench.jsonl" 2>&1 | tee -a "$out/bench.log"
   done
-  [[ $part == norm ]] && return 0
+  if [[ $part == norm ]]; then
+    # each forced shape's engine without speculation at the same contexts: the node the forced rows' random-prompt
+    # and recorded-text speeds are judged against (>= 0.97x and never slower: scripts/gpu_check_targets.py)
+    for shape in $(for pair in ${FORCED-llama-8b:tensor-core:per-row:tail}; do echo "${pair%%:*}"; done | sort -u); do
+      python3 -m expresslane.engine.decode.bench --random-shape "$shape" --device cuda --dtype bfloat16 \
+        --contexts "${FORCED_CONTEXTS:-1024,32768}" --max-seq-len "${MAX_SEQ_LEN:-33100}" --tokens "${TOKENS:-256}" \
+        --speculation-k 0 --repeats "${REPEATS:-2}" --json "$out/bench.jsonl" 2>&1 | tee -a "$out/bench.log"
+    done
+    return 0
+  fi
   for shape in ${SHAPES:-llama-8b llama-1b}; do
     echo "== bench $shape"
     python3 -m expresslane.engine.decode.bench --random-shape "$shape" --device cuda --dtype bfloat16 \
