@@ -114,37 +114,35 @@ class StepRunner:
         else:
             self._lean = None
 
-    def set_verify_attention(self, kind: str) -> None:
-        """The lean step's verify attention (models/lean.py VERIFY_ATTENTION: per-row, the default, or shared);
-        the graphs are captured again. ValueError without the lean step."""
+    def _set_lean_option(self, what: str, setter: str, value) -> None:
+        """LeanStep.<setter>(value), then the graphs are captured again (a captured graph keeps the kernels it
+        was captured with). ValueError without the lean step (`what` names the option)."""
         if self._lean is None:
-            raise ValueError("the verify attention is the lean step's: no lean step here")
-        self._lean.set_verify_attention(kind)
+            raise ValueError(f"the {what} is the lean step's: no lean step here")
+        getattr(self._lean, setter)(value)
         self._graphs.clear()
+
+    def set_verify_attention(self, kind: str) -> None:
+        """The lean step's verify attention (models/lean.py VERIFY_ATTENTION: per-row, the default, or shared)."""
+        self._set_lean_option("verify attention", "set_verify_attention", kind)
+
+    def set_lean_norm(self, where: str) -> None:
+        """Where the lean step's tensor-core family runs its norms (models/lean.py LEAN_NORMS: kernel, the
+        default, or tail)."""
+        self._set_lean_option("norm placement", "set_norm", where)
+
+    def set_lean_l2_prefetch(self, on: bool) -> None:
+        """Whether the lean step's tensor-core projections prefetch their first weight tiles into the L2 before
+        their PDL wait (models/lean.py)."""
+        self._set_lean_option("L2 prefetch", "set_l2_prefetch", on)
 
     @property
     def verify_attention(self) -> str | None:
         return self._lean.verify_attention if self._lean is not None else None
 
-    def set_lean_norm(self, where: str) -> None:
-        """Where the lean step's tensor-core family runs its norms (models/lean.py LEAN_NORMS: kernel, the
-        default, or tail); the graphs are captured again. ValueError without that step."""
-        if self._lean is None:
-            raise ValueError("the norm placement is the lean step's: no lean step here")
-        self._lean.set_norm(where)
-        self._graphs.clear()
-
     @property
     def lean_norm(self) -> str | None:
         return self._lean.norm if self._lean is not None else None
-
-    def set_lean_l2_prefetch(self, on: bool) -> None:
-        """Whether the lean step's tensor-core projections prefetch their first weight tiles into the L2 before
-        their PDL wait (models/lean.py); the graphs are captured again. ValueError without that step."""
-        if self._lean is None:
-            raise ValueError("the L2 prefetch is the lean step's: no lean step here")
-        self._lean.set_l2_prefetch(on)
-        self._graphs.clear()
 
     @property
     def lean_l2_prefetch(self) -> bool | None:
