@@ -326,8 +326,9 @@ def test_runner_refuses_lean_where_it_does_not_apply():
     with pytest.raises(ValueError, match="CUDA graph"):
         engine.runner.set_lean(True)
     # the lean step's options name themselves where there is no lean step (the bench's --verify-attention etc.)
-    for setter, value, what in (("set_verify_attention", "shared", "verify attention"),
-                                ("set_lean_norm", "tail", "norm placement"), ("set_lean_l2_prefetch", True, "L2 prefetch")):
+    options = (("set_verify_attention", "shared", "verify attention"), ("set_lean_norm", "tail", "norm placement"),
+               ("set_lean_l2_prefetch", True, "L2 prefetch"))
+    for setter, value, what in options:
         with pytest.raises(ValueError, match=f"the {what} is the lean step's: no lean step here"):
             getattr(engine.runner, setter)(value)
     assert (engine.runner.verify_attention, engine.runner.lean_norm, engine.runner.lean_l2_prefetch) == (None,) * 3

@@ -431,7 +431,8 @@ def main(argv: list[str] | None = None) -> None:
     model_name = args.model or args.random_shape  # the JSON's "model": a shape's name for random weights
     print(f"model={model_name} type={engine.config.model_type} dtype={args.dtype} device={args.device} "
           f"attention={engine.attention} step={engine.runner.mode.value} gemv={gemv} "
-          f"verify_attention={engine.runner.verify_attention} lean_norm={engine.runner.lean_norm} l2_prefetch={engine.runner.lean_l2_prefetch} compile_mode={args.compile_mode} threads={torch.get_num_threads()} "
+          f"verify_attention={engine.runner.verify_attention} lean_norm={engine.runner.lean_norm} "
+          f"l2_prefetch={engine.runner.lean_l2_prefetch} compile_mode={args.compile_mode} threads={torch.get_num_threads()} "
           f"max_seq_len={max_seq_len} load+warmup_s={load_s:.1f} weights={engine.weight_bytes() / 1e9:.3f}GB"
           + (f" copy_bandwidth={bw / 1e9:.0f}GB/s" if bw else ""), flush=True)
     if engine.warmup_report:
