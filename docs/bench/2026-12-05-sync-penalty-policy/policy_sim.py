@@ -12,6 +12,11 @@ For each text row of that run (its own calibrated `step_costs`), this plays the 
 request (bench.simulate_speedup) with a penalty p (a fraction of a one-row step) charged to every synced forward,
 twice: the drafter as it is (weighing the calibrated costs), and a drafter that weighs every verify at its
 calibrated cost + p. Prints plain time over speculative time for each p, as "as it is -> aware".
+
+Then, at the penalty the device measured (0.15 of a step at 1B, 0.05 at 8B), the drafter as it is three ways:
+as the chain runs now; with the step after a verify queued ahead wherever the drafter, once it knows the
+verify's tokens, says it cannot draft next (`verify_queues_ahead`: the most a verify that advanced the chain on
+the device could give); and with no penalty at all (what removing the host sync would give).
 """
 
 import json
@@ -42,6 +47,7 @@ def main() -> None:
     run = REPO / "docs/bench/2026-12-05-gpu-check-green/bench.jsonl"
     texts = load_texts(str(REPO / "docs/bench/2026-12-04-cost-aware-drafter/texts.json"))
     print("p = penalty per synced forward, in one-row steps; plain time / speculative time: as it is -> aware")
+    rows = []
     for line in run.read_text().splitlines():
         r = json.loads(line)
         mode = str(r.get("mode", ""))
@@ -60,6 +66,16 @@ def main() -> None:
                     for weighed in (costs, VerifyPenalty(costs, pen))]
             cells.append(f"p={frac:.2f} {runs[0]:.3f}->{runs[1]:.3f}")
         print(f'{Path(r["model"]).name[:9]:9s} {r["gemv"]:11s} {r["context"]:6d} {mode:20s} ' + "  ".join(cells))
+        rows.append((r, costs, prompt, output, at, c1))
+    print("\nat the measured penalty: the chain as it is / a verify that queues the next step ahead (upper bound) / "
+          "no host sync")
+    for r, costs, prompt, output, at, c1 in rows:
+        pen = (0.15 if "1b" in r["model"] else 0.05) * c1
+        runs = [simulate_speedup(SpeculationConfig(k=4).drafter(costs, start_length=at), prompt, output, costs, 4,
+                                 start=at, sync_overhead=p, verify_queues_ahead=ahead)
+                for p, ahead in ((pen, False), (pen, True), (0.0, False))]
+        print(f'{Path(r["model"]).name[:9]:9s} {r["gemv"]:11s} {r["context"]:6d} {r["mode"]:20s} '
+              + " / ".join(f"{x:.3f}" for x in runs))
 
 
 if __name__ == "__main__":

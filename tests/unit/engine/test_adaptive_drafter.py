@@ -255,6 +255,29 @@ def test_the_simulation_tallies_forwards_as_the_greedy_chain_launches_them():
     n = len(output) - 1
     assert simulate_speedup(PromptLookupDrafter(), prompt, output, costs, 4, sync_overhead=pen) == pytest.approx(
         n * c1 / (n * c1 + pen), rel=1e-3)
+
+    class OneDraft:  # one right draft at the first step, then none; says it cannot draft next
+        def __init__(self):
+            self.steps = 0
+
+        def start(self, context):
+            self.steps = 0
+
+        def propose(self, k):
+            self.steps += 1
+            return [output[1]] if self.steps == 1 else []
+
+        def may_draft_next(self):
+            return False
+
+        def extend(self, tokens):
+            pass
+
+    # the step after the verify: synced as the chain runs now, queued where a verify left the chain ahead
+    simulate_speedup(OneDraft(), prompt, output, costs, 4, tally=tally)
+    assert tally == {"verify": 1, "synced": 1, "queued": len(output) - 4}
+    simulate_speedup(OneDraft(), prompt, output, costs, 4, tally=tally, verify_queues_ahead=True)
+    assert tally == {"verify": 1, "synced": 0, "queued": len(output) - 3}
     texts = json.loads(TEXTS.read_text())["texts"]
     t = texts["agentic"]
     d = SpeculationConfig().drafter(costs, start_length=len(t["prompt"]))

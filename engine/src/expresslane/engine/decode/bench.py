@@ -178,7 +178,8 @@ class TextReplayDrafter:
 
 def simulate_speedup(drafter, prompt: list[int], output: list[int], costs: StepCosts, k: int,
                      verify_overhead: float = 0.0, start: int | None = None,
-                     tally: dict[str, int] | None = None, sync_overhead: float = 0.0) -> float:
+                     tally: dict[str, int] | None = None, sync_overhead: float = 0.0,
+                     verify_queues_ahead: bool = False) -> float:
     """Plain decoding's time over speculative decoding's for a recorded greedy request (prompt, output), with
     `drafter` and step `costs` (at the row's position), without a model: the output is fixed, so a draft is
     kept exactly where it matches it. verify_overhead: added to each verify's cost (what a host wait costs
@@ -189,7 +190,9 @@ def simulate_speedup(drafter, prompt: list[int], output: list[int], costs: StepC
     step after a host sync: after a verify, or where the drafter's hint said it might draft) and `queued` (a
     plain step queued ahead of the host). tally: filled with their counts. sync_overhead: added to every
     forward launched after a host sync (verifies and synced plain steps; the plain baseline's steps are all
-    queued)."""
+    queued). verify_queues_ahead: the step after a verify is queued ahead where the drafter's hint, asked once
+    the verify's tokens are known, says it cannot draft next (the most a verify that advanced the chain on
+    the device could give: the engine would have to decide before it reads the verify)."""
     drafter.start([*prompt, output[0]])
     pos, i, spec, plain = len(prompt) if start is None else start, 1, 0.0, 0.0
     synced = True
@@ -211,6 +214,8 @@ def simulate_speedup(drafter, prompt: list[int], output: list[int], costs: StepC
         hint = getattr(drafter, "may_draft_next", None)  # asked after a plain step, before its extend
         synced = bool(drafts) or hint is None or bool(hint())
         drafter.extend(emitted)
+        if drafts and verify_queues_ahead:
+            synced = hint is None or bool(hint())
         i += len(emitted)
         pos += len(emitted)
     return plain / spec if spec else 1.0
