@@ -202,6 +202,10 @@ rows = [json.loads(line) for line in open(sys.argv[1]) if line.strip()]
 print("lean norm (scripts/probe_lean_norm.py): each step's forward ms by rows; x cuda-core: its one-row step over "
       "the CUDA-core family's; tokens: 64 greedy tokens as the kernel placement's")
 for r in rows:
+    if "sync_us" in r:  # the host's path: us a forward, queued / after a read / replays / verifies with their read
+        print(f"  {r['shape']:9} {r['gemv']:11} ctx {r['context']:>6}  us a forward: "
+              + ", ".join(f"{k} {v:.1f}" for k, v in r["sync_us"].items()))
+        continue
     t = {int(k): v for k, v in r["step_ms_by_rows"].items()}
     x = r.get("x_cuda_core_t1")
     l2 = "+l2" if r.get("l2_prefetch") else "   "

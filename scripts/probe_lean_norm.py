@@ -21,6 +21,13 @@ each variant and says whether they are the kernel placement's tokens (the
 norms' sums may be added in another order in a program of other warps: a difference is a rounding, not an
 error; within one placement a verify row is the one-row step's bits, which the GPU tests check).
 
+Then, on the CUDA-core engine, what a host sync costs (docs/bench/2026-12-05-sync-penalty-policy/: 100-200 us a
+synced forward at 1B in the decode loop): per forward, at the first context, a one-row step queued back to back
+(the greedy chain's steady state: each step submitted before the one before it is read), a one-row step
+launched after reading the one before it (the chain's start, its submit and its read, as after a verify), graph
+replays of 1 and 5 rows with no read, and verifies of 2 and 5 rows as the engine runs them (the rows to the
+device, the forward, the argmax and its read: DecodeEngine._greedy_rows). The differences are the host's path.
+
     python3 scripts/probe_lean_norm.py --json OUT.jsonl     # on a CUDA machine (scripts/gpu_check.sh bench)
 """
 
@@ -47,6 +54,48 @@ def greedy_tokens(engine: DecodeEngine, prompt: list[int], n: int) -> list[int]:
     engine.prefill(prompt)
     gen = engine.generate(prompt[-1], len(prompt), SamplingParams(max_tokens=n, ignore_eos=True, speculative=False))
     return list(gen)
+
+
+def per_call_us(fn, device: torch.device, reps: int = 200) -> float:
+    """Microseconds per call of fn, the best of 3 runs of `reps` calls (the device drained before and after)."""
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    best = float("inf")
+    for _ in range(3):
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        sync()
+        best = min(best, (time.perf_counter() - t0) / reps)
+    return 1e6 * best
+
+
+def sync_costs(engine: DecodeEngine, pos: int) -> dict[str, float]:
+    """us per forward at `pos`: the greedy chain queued and after a read, graph replays, verifies with their read
+    (the rows each writes lie past the live length: scratch)."""
+    chain, runner = engine._chain, engine.runner
+    out = {}
+
+    def queued():  # steady state: the next step submitted before the previous one is read
+        chain.result(chain.submit() - 1)
+
+    chain.start(1, pos)
+    chain.submit()
+    out["plain queued"] = per_call_us(queued, engine.device)
+    chain.result(chain.submitted - 1)
+
+    def synced():  # as after a verify: start, submit, read
+        chain.start(1, pos)
+        chain.result(chain.submit())
+
+    out["plain after a read"] = per_call_us(synced, engine.device)
+    for rows in (1, 5):
+        toks = torch.arange(rows, device=engine.device)
+        out[f"replay {rows} rows, no read"] = per_call_us(lambda: runner.forward(toks, pos), engine.device)
+    for rows in (2, 5):
+        out[f"verify {rows} rows with its read"] = per_call_us(lambda: engine._greedy_rows(list(range(rows)), pos),
+                                                               engine.device)
+    return out
 
 
 def main() -> None:
@@ -100,6 +149,13 @@ def main() -> None:
                                 tokens_as_first_run=same,
                                 tokens_as_kernel_norm=(tokens == tokens_by_norm["kernel"]
                                                        if gemv == "tensor-core" else None))) + "\n")
+            if gemv == "cuda-core":
+                costs = sync_costs(engine, contexts[0])
+                print(f"{shape} {gemv} ctx {contexts[0]}: us a forward: "
+                      + ", ".join(f"{k} {v:.1f}" for k, v in costs.items()), flush=True)
+                if args.json:
+                    with open(args.json, "a") as f:
+                        f.write(json.dumps(dict(shape=shape, gemv=gemv, context=contexts[0], sync_us=costs)) + "\n")
             del engine
             torch.cuda.empty_cache()
         del tensors
