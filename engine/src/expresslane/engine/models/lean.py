@@ -195,8 +195,10 @@ class LeanStep:
         # the norm after each residual update: the next layer's input norm, the final one after the last layer
         after_mlp = [layer.input_layernorm for layer in m.layers[1:]] + [m.norm]
 
-        def norm_of(ln):  # a residual kernel's norm tail, or None (then rms_rows runs after it)
-            return (ln.weight, ln.eps, xn, self._ticket) if tail else None
+        def residual(a, w, b, ln):  # x += a @ w^T (+ b), then xn = ln(x): the kernel's tail, or rms_rows after it
+            fused_dot.gemv_residual(a, w, b, x, norm=(ln.weight, ln.eps, xn, self._ticket) if tail else None, l2=l2)
+            if not tail:
+                fused_dot.rms_rows(x, ln.weight, ln.eps, xn)
 
         ln0 = m.layers[0].input_layernorm
         fused_dot.rms_rows(x, ln0.weight, ln0.eps, xn)
@@ -205,13 +207,9 @@ class LeanStep:
             fused_dot.qkv_rope(xn, att.qkv_proj.weight, att.qkv_proj.bias, self.cos, self.sin, start, q, kc, vc,
                                cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, l2=l2)
             out = split_kv_attention_rows(q3, kc, vc, start, att.scale, shared=shared)
-            fused_dot.gemv_residual(out.view(r, -1), att.o_proj.weight, att.o_proj.bias, x, norm=norm_of(ln), l2=l2)
-            if not tail:
-                fused_dot.rms_rows(x, ln.weight, ln.eps, xn)
+            residual(out.view(r, -1), att.o_proj.weight, att.o_proj.bias, ln)
             fused_dot.gate_up_silu(xn, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, h, l2=l2)
-            fused_dot.gemv_residual(h, mlp.down_proj.weight, mlp.down_proj.bias, x, norm=norm_of(next_ln), l2=l2)
-            if not tail:
-                fused_dot.rms_rows(x, next_ln.weight, next_ln.eps, xn)
+            residual(h, mlp.down_proj.weight, mlp.down_proj.bias, next_ln)
         keys = fused_dot.gemv(xn, m.lm_head.weight, logits, argmax_keys=self.argmax_keys if greedy else None, l2=l2)
         if greedy:
             fused.greedy_advance(self.argmax_keys, keys, tokens, start, self.token_ring, self.greedy_seq)
