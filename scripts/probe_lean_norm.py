@@ -25,8 +25,10 @@ Then, on the CUDA-core engine, what a host sync costs (docs/bench/2026-12-05-syn
 synced forward at 1B in the decode loop): per forward, at the first context, a one-row step queued back to back
 (the greedy chain's steady state: each step submitted before the one before it is read), a one-row step
 launched after reading the one before it (the chain's start, its submit and its read, as after a verify), graph
-replays of 1 and 5 rows with no read, and verifies of 2 and 5 rows as the engine runs them (the rows to the
-device, the forward, the argmax and its read: DecodeEngine._greedy_rows). The differences are the host's path.
+replays of 1 and 5 rows with no read, and verifies of 2 and 5 rows as the engine runs them (the rows staged in
+pinned memory, the forward with its argmax in the graph, the read: StepRunner.greedy_rows), and a verify of 5
+rows by the host path before it (the rows as a device tensor, the start and the rows set by two kernels, the
+argmax after the graph, the read). The differences are the host's path.
 
     python3 scripts/probe_lean_norm.py --json OUT.jsonl     # on a CUDA machine (scripts/gpu_check.sh bench)
 """
@@ -95,6 +97,11 @@ def sync_costs(engine: DecodeEngine, pos: int) -> dict[str, float]:
     for rows in (2, 5):
         out[f"verify {rows} rows with its read"] = per_call_us(lambda: engine._greedy_rows(list(range(rows)), pos),
                                                                engine.device)
+
+    def unstaged(rows):  # the host path before StepRunner.greedy_rows: a pageable copy, two kernels, the argmax
+        return runner.forward(torch.tensor(rows, device=engine.device), pos).argmax(dim=-1).tolist()
+
+    out["verify 5 rows, unstaged read"] = per_call_us(lambda: unstaged(list(range(5))), engine.device)
     return out
 
 

@@ -139,7 +139,7 @@ def counted_forwards(engine: DecodeEngine):
     forward = engine.runner.forward
 
     def counting(tokens, start_pos):
-        calls.append((tokens.shape[0], start_pos))
+        calls.append((len(tokens), start_pos))
         return forward(tokens, start_pos)
 
     engine.runner.forward = counting

@@ -119,7 +119,7 @@ class GreedyChain:
         self._ring = ring[0] if ring is not None else None
         if ring is not None:
             self._ring_view = ring[0].numpy()  # pinned host memory the step writes: read it in place
-            self._seq0 = int(ring[1][0])  # steps counted so far (waits for any step still queued)
+            self._seq0 = ring[1]  # steps counted so far (on the host: no read of the device)
         self._pos = pos
         self._submitted = 0
         self._cpu_results.clear()

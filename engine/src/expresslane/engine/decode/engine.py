@@ -453,8 +453,7 @@ class DecodeEngine:
                 drafts = drafter.propose(min(self.speculation.k, room)) if drafter and room > 0 else []
                 with torch.inference_mode():
                     if drafts:
-                        rows = torch.tensor([out[-1], *drafts], dtype=torch.long, device=self.device)
-                        logits = sampler.constrain(self.runner.forward(rows, pos), drafts)
+                        logits = sampler.constrain(self.runner.forward([out[-1], *drafts], pos), drafts)
                         pending = sampler.verify(logits, drafts, len(out))
                         token = torch.tensor(pending[-1:], dtype=torch.long, device=self.device)
                         if k_lp is not None:
@@ -555,5 +554,4 @@ class DecodeEngine:
     @torch.inference_mode()
     def _greedy_rows(self, rows: list[int], pos: int) -> list[int]:
         """One forward of `rows` at positions pos ..: each row's argmax (one host sync)."""
-        tokens = torch.tensor(rows, dtype=torch.long, device=self.device)
-        return self.runner.forward(tokens, pos).argmax(dim=-1).tolist()
+        return self.runner.greedy_rows(rows, pos)

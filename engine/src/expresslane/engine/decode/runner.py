@@ -28,12 +28,19 @@ more graph per runner (the T = 1 step plus the argmax and the advance; the lean 
 lm_head kernel and advances in one more kernel, models/lean.py); elsewhere the same three operations run one
 after the other.
 
+The host's path around a forward is short because the engine syncs on it: a verify's rows are read back before
+the next forward is known. Token ids given as a host list are staged (`_stage`: on a GPU the start position and
+the rows written into a pinned slot and set with one asynchronous copy, instead of a pageable copy and two
+kernels), and a verify's graph ends with its rows' argmax copied into pinned memory, which `greedy_rows` reads
+after an event (the GIL released while it waits) instead of an argmax kernel and a read after the graph.
+
 The model owns the math, the engine owns the cache; the runner owns nothing else.
 """
 
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 
 import torch
 
@@ -54,6 +61,9 @@ class StepMode(str, enum.Enum):
 
 
 class StepRunner:
+    #: Pinned host slots a forward's inputs are staged in (`_stage`).
+    STAGING_SLOTS = 4
+
     def __init__(self, model: Transformer, cache: StaticKVCache, cos: torch.Tensor, sin: torch.Tensor, *,
                  attention: AttentionKind, compile: bool, cuda_graph: bool, max_rows: int,
                  compile_mode: str | None = None, lean: bool | None = None, lean_gemv: str = "auto") -> None:
@@ -71,8 +81,22 @@ class StepRunner:
         # Made in inference mode, like every tensor a step sees: the compiled step's guards see one kind.
         with torch.inference_mode():
             self._arange = torch.arange(cache.geometry.max_seq_len, device=device)
-            self._start = torch.zeros(1, dtype=torch.long, device=device)
-            self._tokens = torch.zeros(max_rows, dtype=torch.long, device=device)
+            # A forward's inputs in one buffer, [start, rows ...], so the host sets them with one copy (`_stage`).
+            self._inputs = torch.zeros(1 + max_rows, dtype=torch.long, device=device)
+            self._start, self._tokens = self._inputs[:1], self._inputs[1:]
+            self._rows_argmax = torch.zeros(max_rows, dtype=torch.long, device=device)
+        # On a GPU the host stages a forward's inputs in pinned slots (each reused once its copy ran) and a
+        # verify's graph copies its rows' argmaxes into pinned memory (`greedy_rows`).
+        self._staging = self._argmax_host = None
+        self._staged = 0
+        if device.type == "cuda":
+            self._staging = torch.zeros(self.STAGING_SLOTS, 1 + max_rows, dtype=torch.long, pin_memory=True)
+            self._staging_np = self._staging.numpy()
+            self._staging_done = [torch.cuda.Event() for _ in range(self.STAGING_SLOTS)]
+            self._argmax_host = torch.zeros(max_rows, dtype=torch.long, pin_memory=True)
+            self._argmax_np = self._argmax_host.numpy()
+            self._argmax_done = torch.cuda.Event()
+        self._greedy_steps = 0  # the lean greedy graph's replays: its greedy_seq, counted on the host
         # Keyed by T, and GREEDY for the chained T = 1 step.
         self._graphs: dict[int | str, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._lean = None
@@ -113,6 +137,7 @@ class StepRunner:
                                   max_rows=self.max_rows)
         else:
             self._lean = None
+        self._greedy_steps = 0  # a new lean step's greedy_seq starts at 0
 
     def _set_lean_option(self, what: str, setter: str, value) -> None:
         """LeanStep.<setter>(value), then the graphs are captured again (a captured graph keeps the kernels it
@@ -184,17 +209,38 @@ class StepRunner:
         cos, sin = self.cos.index_select(0, pos), self.sin.index_select(0, pos)
         return self.model(tokens, pos, cos, sin, self.cache.k_layers, self.cache.v_layers, ctx, num_logits=t)
 
+    def _stage(self, start_pos: int, rows: Sequence[int]) -> None:
+        """Set the device buffers a forward reads: the start position and its rows. On a GPU: written into a
+        pinned slot and copied with one asynchronous copy (no kernel, no pageable copy, no wait for the
+        device; the slot is reused only after its last copy ran); elsewhere in place."""
+        t = len(rows)
+        if self._staging is None:
+            self._inputs[:1 + t].copy_(torch.tensor([start_pos, *rows], dtype=torch.long))
+            return
+        slot = self._staged % self.STAGING_SLOTS
+        self._staged += 1
+        done = self._staging_done[slot]
+        done.synchronize()  # this slot's copy of STAGING_SLOTS forwards ago has run (at once when never recorded)
+        host = self._staging_np[slot]
+        host[0] = start_pos
+        host[1:1 + t] = rows
+        self._inputs[:1 + t].copy_(self._staging[slot, :1 + t], non_blocking=True)
+        done.record()
+
     @torch.inference_mode()
-    def forward(self, tokens: torch.Tensor, start_pos: int) -> torch.Tensor:
-        """tokens: [T] long on the device, at positions start_pos .. start_pos+T-1 (their K/V are written
-        there). Returns float32 logits [T, vocab]; on the graph path they live in the graph's output buffer
-        until the next forward with the same T."""
-        t = tokens.shape[0]
+    def forward(self, tokens: torch.Tensor | Sequence[int], start_pos: int) -> torch.Tensor:
+        """tokens: [T] long on the device, or T token ids on the host (staged: `_stage`), at positions
+        start_pos .. start_pos+T-1 (their K/V are written there). Returns float32 logits [T, vocab]; on the
+        graph path they live in the graph's output buffer until the next forward with the same T."""
+        t = len(tokens)
         if not 1 <= t <= self.max_rows:
             raise ValueError(f"a step takes 1..{self.max_rows} tokens, got {t}")
-        self._start.fill_(start_pos)
         rows = self._tokens[:t]
-        rows.copy_(tokens)
+        if isinstance(tokens, torch.Tensor):
+            self._start.fill_(start_pos)
+            rows.copy_(tokens)
+        else:
+            self._stage(start_pos, tokens)
         if not self.cuda_graph:
             kv_len = start_pos + t if self.attention is AttentionKind.LIVE else None
             return self._step(rows, self._start, kv_len)
@@ -205,10 +251,25 @@ class StepRunner:
         return logits
 
     @torch.inference_mode()
-    def start_greedy(self, token: int, start_pos: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def greedy_rows(self, rows: Sequence[int], start_pos: int) -> list[int]:
+        """One forward of `rows` (host token ids) at start_pos ..: each row's argmax, the greedy verify's
+        targets (the host waits for them). A verify's graph (T > 1) ends with that argmax and its copy into
+        pinned host memory, so the host waits on an event (the GIL released) and reads them in place; elsewhere
+        the same argmax runs after the forward."""
+        logits = self.forward(rows, start_pos)
+        t = len(rows)
+        if self.cuda_graph and t > 1:
+            self._argmax_done.record()
+            self._argmax_done.synchronize()
+            return self._argmax_np[:t].tolist()
+        return logits.argmax(dim=-1).tolist()
+
+    @torch.inference_mode()
+    def start_greedy(self, token: int, start_pos: int) -> tuple[torch.Tensor, int] | None:
         """Set the device buffers a greedy chain starts from (`token` at position `start_pos`) and return the
         lean step's (token ring, step count) where the greedy step writes each token itself (models/lean.py's
-        token_ring and greedy_seq), or None (read the token buffer).
+        token_ring and greedy_seq, which the host counts too: every greedy_step replays the greedy graph once,
+        and a capture's warm-ups leave the count as it was), or None (read the token buffer).
 
         The lean greedy graph is captured here when it is not yet, and only AFTER the buffers are set: a
         capture's warm-up runs compute the step at the runner's buffers and write its K/V row at their start
@@ -217,13 +278,12 @@ class StepRunner:
         token and overwrote a live cache row: on a fresh engine, row 0 of the first request's prompt, which
         then decoded wrong tokens from its second token on (H200, 2026-12-04; tests/unit/engine/
         test_first_request.py). No capture then runs between the caller's read of the count and its reads."""
-        self._tokens[:1].fill_(token)
-        self._start.fill_(start_pos)
+        self._stage(start_pos, (token,))
         if self._lean is None or not self.cuda_graph or self.device.type != "cuda":
             return None
         if GREEDY not in self._graphs:
             self._capture(1, greedy=True)
-        return self._lean.token_ring, self._lean.greedy_seq
+        return self._lean.token_ring, self._greedy_steps
 
     @torch.inference_mode()
     def greedy_step(self, start_pos: int) -> torch.Tensor:
@@ -238,6 +298,7 @@ class StepRunner:
             if GREEDY not in self._graphs:
                 self._capture(1, greedy=True)
             self._graphs[GREEDY][0].replay()
+            self._greedy_steps += self._lean is not None  # the lean greedy graph counts itself (greedy_seq)
             return tokens
         kv_len = start_pos + 1 if self.attention is AttentionKind.LIVE else None
         self._advance(self._step(tokens, self._start, kv_len))
@@ -284,4 +345,7 @@ class StepRunner:
                 logits = step(tokens, self._start, None)
                 if greedy:
                     self._advance(logits)
+                elif t > 1:  # a verify: its rows' argmaxes into pinned host memory (greedy_rows)
+                    torch.argmax(logits, dim=-1, out=self._rows_argmax[:t])
+                    self._argmax_host[:t].copy_(self._rows_argmax[:t], non_blocking=True)
         self._graphs[GREEDY if greedy else t] = (graph, logits)

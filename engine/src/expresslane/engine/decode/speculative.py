@@ -265,13 +265,13 @@ class DraftModelDrafter:
             pending = []
         for i in range(0, len(pending), runner.max_rows):
             chunk = pending[i:i + runner.max_rows]
-            runner.forward(torch.tensor(chunk, dtype=torch.long, device=e.device), self.cached)
+            runner.forward(chunk, self.cached)
             self.cached += len(chunk)
         drafts: list[int] = []
         tok = self.tokens[-1]
         pos = len(self.tokens) - 1
         for _ in range(k):
-            logits = runner.forward(torch.tensor([tok], dtype=torch.long, device=e.device), pos)
+            logits = runner.forward([tok], pos)
             tok = int(logits[-1].argmax())
             drafts.append(tok)
             pos += 1
