@@ -18,7 +18,7 @@
 # pytest, httpx and aiohttp, and no network: `prepare`'s folder travels with the run (the device tool's carry).
 # Environment: PLAIN_ENGINE (1: also bench an engine built without speculation),
 # SHAPES (llama-8b llama-1b), CONTEXTS (1024,8192,32768), TOKENS (256), ORACLE_K (1,2,3,4),
-# FORCED (llama-8b:tensor-core:per-row:tail: shape:family[:verify attention[:norm[:l2]]] also benched with that
+# FORCED (llama-8b:tensor-core:per-row: shape:family[:verify attention[:norm[:l2]]] also benched with that
 # GEMV family, verify attention, norm placement and L2 prefetch (models/lean.py; per-row, kernel and none when
 # absent) forced, at
 # FORCED_CONTEXTS 1024,32768: the opt-in's numbers, what auto's choice weighs; tensor-core with the norm kernels
@@ -115,7 +115,7 @@ run_bench() {
   # The shapes' random weights are built in memory by each bench (--random-shape: decode/shapes.py, the weights
   # scripts/gpu_make_shape_model.py would write), not written and read back.
   local pair shape family attn norm l2
-  for pair in ${FORCED-llama-8b:tensor-core:per-row:tail}; do
+  for pair in ${FORCED-llama-8b:tensor-core:per-row}; do
     IFS=: read -r shape family attn norm l2 <<<"$pair"
     attn="${attn:-per-row}" norm="${norm:-kernel}"
     echo "== bench $shape $family $attn $norm ${l2}"
@@ -127,7 +127,7 @@ run_bench() {
   if [[ $part == norm ]]; then
     # each forced shape's engine without speculation at the same contexts: the node the forced rows' random-prompt
     # and recorded-text speeds are judged against (>= 0.97x and never slower: scripts/gpu_check_targets.py)
-    for shape in $(for pair in ${FORCED-llama-8b:tensor-core:per-row:tail}; do echo "${pair%%:*}"; done | sort -u); do
+    for shape in $(for pair in ${FORCED-llama-8b:tensor-core:per-row}; do echo "${pair%%:*}"; done | sort -u); do
       python3 -m expresslane.engine.decode.bench --random-shape "$shape" --device cuda --dtype bfloat16 \
         --contexts "${FORCED_CONTEXTS:-1024,32768}" --max-seq-len "${MAX_SEQ_LEN:-33100}" --tokens "${TOKENS:-256}" \
         --speculation-k 0 --repeats "${REPEATS:-2}" --json "$out/bench.jsonl" 2>&1 | tee -a "$out/bench.log"

@@ -415,9 +415,9 @@ def test_pdl_changes_no_bit_of_the_lean_graphs_tokens_or_logits():
                                   attention="split", speculation=None)
             assert engine.runner.lean
             if not on:  # the block shapes PDL's run picked: the same summation order in both runs
-                for key, cfg_picked in list(fused._PICKED.items()):
-                    if key[-1]:
-                        fused._PICKED[key[:-1] + (False,)] = cfg_picked
+                for key, cfg_picked in list(fused._PICKED.items()):  # (name, n, k, rows, device, pdl, dtype)
+                    if key[5]:
+                        fused._PICKED[key[:5] + (False,) + key[6:]] = cfg_picked
             engine.warmup()
             first = int(engine.prefill(prompt).argmax())
             tokens = [first, *engine.generate(first, len(prompt), SamplingParams(max_tokens=64, ignore_eos=True))]
@@ -448,7 +448,7 @@ def test_the_greedy_steps_argmax_is_torchs_first_maximum(gemv, cfg_pick):
     cfg, model, cos, sin, k, v = _lean_case(False, False, torch.float32, seed=9, s=48)
     lean = LeanStep(model, cos, sin, list(k.unbind(0)), list(v.unbind(0)), gemv=gemv)
     key = ("norm_gemv" if gemv == "cuda-core" else "dot_gemv", cfg.vocab_size, cfg.hidden_size, 1,
-           str(torch.device(DEVICE)), fused.use_pdl(torch.device(DEVICE)))
+           str(torch.device(DEVICE)), fused.use_pdl(torch.device(DEVICE)), torch.float32)
     saved = fused._PICKED.get(key)
     fused._PICKED[key] = cfg_pick  # the block shape decides which rows share a program
     try:
@@ -543,6 +543,23 @@ def test_each_verify_row_is_the_one_row_step_bit_for_bit(dtype, rows, pos, bias,
     for r in range(rows):
         assert torch.equal(verify[r], steps[r][0]), (r, _rel(verify[r], steps[r][0]))
     assert torch.equal(k, k1) and torch.equal(v, v1)  # the same K/V rows start .. start + R - 1, nothing else
+
+
+def test_a_pick_is_kept_per_weight_dtype():
+    """A float32 kernel's pipeline stages take twice the shared memory of a bf16 one's: a block shape picked for
+    bf16 weights of one (kernel, N, K) must not serve float32 weights of the same shape (on the H100 a float32
+    tensor-core residual kernel with the bf16 pick asked for 245,760 bytes of the 232,448 there: OutOfResources,
+    2026-12-05). Each dtype is picked from its own candidates here (off a GPU the first that fits)."""
+    name, n, k = "test_pick_per_dtype", 64, 4096
+    try:
+        got = [fused.pick_config(name, n, k, [cands], lambda c: None, dtype=dtype)
+               for cands, dtype in (((4, 2048, 0), torch.bfloat16), ((8, 512, 1), torch.float32))]
+        assert got == [(4, 2048, 0), (8, 512, 1)]
+        assert fused.picked_config(name, n, k, 1, None, torch.float32) == (8, 512, 1)
+        assert fused.picked_config(name, n, k, 1, None, torch.float16) is None
+    finally:
+        for key in [key for key in fused._PICKED if key[0] == name]:
+            del fused._PICKED[key]
 
 
 def test_a_verifying_step_keeps_only_the_block_shapes_that_do_not_spill():

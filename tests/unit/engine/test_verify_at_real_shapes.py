@@ -31,8 +31,9 @@ def first_fitting_picks(monkeypatch):
     real = fused.pick_config
 
     def first(name, n, k, candidates, launch, max_block_rows=None, restore=None, device=None, config=None, rows=1,
-              spills=None, compile=None):
-        return real(name, n, k, candidates, launch, max_block_rows=max_block_rows, config=config, rows=rows)
+              spills=None, compile=None, dtype=None):
+        return real(name, n, k, candidates, launch, max_block_rows=max_block_rows, config=config, rows=rows,
+                    dtype=dtype)
 
     monkeypatch.setattr(fused, "pick_config", first)
     monkeypatch.setattr(fused_dot, "pick_config", first)

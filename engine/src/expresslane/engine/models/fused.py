@@ -505,20 +505,26 @@ def least_spilling(candidates, spills) -> tuple[list, dict]:
     return [c for c in candidates if spilled[c] == fewest], spilled
 
 
-def _pick_key(name: str, n: int, k: int, rows: int, device: torch.device | None) -> tuple:
-    return (name, n, k, rows, str(device), use_pdl(device) if device is not None else False)
+def _pick_key(name: str, n: int, k: int, rows: int, device: torch.device | None,
+              dtype: torch.dtype | None) -> tuple:
+    # dtype: the weights' (a block shape's shared memory for its stages scales with the element size, so a
+    # float32 kernel with the bf16 pick's stages may not fit the device: OutOfResources on the H100, 2026-12-05)
+    return (name, n, k, rows, str(device), use_pdl(device) if device is not None else False, dtype)
 
 
-def picked_config(name: str, n: int, k: int, rows: int, device: torch.device | None) -> tuple[int, ...] | None:
-    """The block shape pick_config already picked for (name, n, k, rows) on this device, None if none yet."""
-    return _PICKED.get(_pick_key(name, n, k, rows, device))
+def picked_config(name: str, n: int, k: int, rows: int, device: torch.device | None,
+                  dtype: torch.dtype | None = None) -> tuple[int, ...] | None:
+    """The block shape pick_config already picked for (name, n, k, rows) and dtype on this device, None if none
+    yet."""
+    return _PICKED.get(_pick_key(name, n, k, rows, device, dtype))
 
 
 def pick_config(name: str, n: int, k: int, candidates, launch, max_block_rows: int | None = None,
                 restore: torch.Tensor | None = None, device: torch.device | None = None,
                 config: tuple[int, ...] | None = None, rows: int = 1, spills=None,
-                compile=None) -> tuple[int, ...]:
-    """The fastest candidate for (name, n, k) on this device, timed once (`launch(cfg)` runs the kernel);
+                compile=None, dtype: torch.dtype | None = None) -> tuple[int, ...]:
+    """The fastest candidate for (name, n, k) and the weights' dtype on this device, timed once (`launch(cfg)`
+    runs the kernel);
     `restore`: a tensor the kernel updates in place, put back after the timing runs; `config`: use this one.
 
     rows: the most rows the step that asks runs (a lean step that also verifies: 1 + the drafts). Its T = 1
@@ -534,7 +540,7 @@ def pick_config(name: str, n: int, k: int, candidates, launch, max_block_rows: i
     kernels it times, then the picked shape's kernels of the row counts in between (the verify's graphs)."""
     if config is not None:
         return config
-    key = _pick_key(name, n, k, rows, device)
+    key = _pick_key(name, n, k, rows, device, dtype)
     if key in _PICKED:
         return _PICKED[key]
     fitting = [c for c in candidates if _fits(c, k, max_block_rows)] or [min(candidates)]
@@ -625,7 +631,7 @@ def norm_qkv_rope(x, norm_w, eps, w, b, cos, sin, start, q_out, k_cache, v_cache
     one = lambda cfg, compile_only=False: launch(cfg, _first(x), _first(q_out), 1, compile_only)  # noqa: E731
     launch(pick_config("norm_qkv_rope", w.shape[0], k, cands, one, max_block_rows=half, device=x.device,
                        config=config, rows=max_rows or rows, spills=_spills(launch, max_rows or rows),
-                       compile=_compiles(launch, one)))
+                       compile=_compiles(launch, one), dtype=w.dtype))
 
 
 def gemv_residual(a, w, b, residual, config=None, max_rows=None):
@@ -645,7 +651,7 @@ def gemv_residual(a, w, b, residual, config=None, max_rows=None):
     one = lambda cfg, compile_only=False: launch(cfg, _first(a), _first(residual), 1, compile_only)  # noqa: E731
     launch(pick_config("gemv_residual", n, k, GEMV_CONFIGS, one, restore=_first(residual), device=a.device,
                        config=config, rows=max_rows or rows, spills=_spills(launch, max_rows or rows),
-                       compile=_compiles(launch, one)))
+                       compile=_compiles(launch, one), dtype=w.dtype))
 
 
 def norm_gate_up_silu(x, norm_w, eps, w, b, out, config=None, max_rows=None):
@@ -667,7 +673,7 @@ def norm_gate_up_silu(x, norm_w, eps, w, b, out, config=None, max_rows=None):
     one = lambda cfg, compile_only=False: launch(cfg, _first(x), _first(out), 1, compile_only)  # noqa: E731
     launch(pick_config("norm_gate_up_silu", i2, k, PAIR_CONFIGS, one, device=x.device, config=config,
                        rows=max_rows or rows, spills=_spills(launch, max_rows or rows),
-                       compile=_compiles(launch, one)))
+                       compile=_compiles(launch, one), dtype=w.dtype))
 
 
 #: Below every key _argmax_key makes (the masked lanes of greedy_advance's maximum).
@@ -706,7 +712,7 @@ def norm_gemv(x, norm_w, eps, w, out, config=None, argmax_keys=None, max_rows=No
     one = lambda cfg, compile_only=False: launch(cfg, None, _first(x), _first(out), 1, compile_only)  # noqa: E731
     cfg = pick_config("norm_gemv", n, k, GEMV_CONFIGS, one, device=x.device, config=config,
                       rows=max_rows or rows, spills=_spills(launch, max_rows or rows),
-                      compile=_compiles(launch, one))
+                      compile=_compiles(launch, one), dtype=w.dtype)
     launch(cfg, argmax_keys)
     return triton.cdiv(n, cfg[0])
 

@@ -298,14 +298,15 @@ def _runnable(launch):
     return lambda cfg: spilled_bytes(launch(cfg, compile_only=True)) < 1 << 30
 
 
-def _pick(name, n, k, cands, launch, device, config, max_block_rows=None, restore=None):
+def _pick(name, n, k, cands, launch, device, config, dtype, max_block_rows=None, restore=None):
     """One block shape for every row count (the row-invariant verify), timed on one row (the steps that do not
     verify must be fast; five rows cost about what one does here). Picked once per (kernel, N, K) and device:
     the candidates are compiled in parallel first (models/precompile.py; the row count is not specialised, so
-    one binary serves every row count), then loaded to drop those this device cannot run, then timed."""
+    one binary serves every row count), then loaded to drop those this device cannot run, then timed. dtype: the
+    weights' (a pick is kept per dtype: fused._pick_key)."""
     if config is not None:
         return config
-    picked = picked_config("dot_" + name, n, k, 1, device)
+    picked = picked_config("dot_" + name, n, k, 1, device, dtype)
     if picked is not None:
         return picked
     fitting = [c for c in cands if _fits(c, k, max_block_rows)] or [min(cands)]
@@ -313,7 +314,8 @@ def _pick(name, n, k, cands, launch, device, config, max_block_rows=None, restor
         precompile([functools.partial(launch, c, compile_only=True) for c in fitting])
         runs = _runnable(launch)
         fitting = [c for c in fitting if runs(c)] or fitting[-1:]
-    return pick_config("dot_" + name, n, k, fitting, lambda c: launch(c, rows=1), device=device, restore=restore)
+    return pick_config("dot_" + name, n, k, fitting, lambda c: launch(c, rows=1), device=device, restore=restore,
+                       dtype=dtype)
 
 
 def _ieee(t: torch.Tensor) -> bool:
@@ -364,7 +366,7 @@ def qkv_rope(xn, w, b, cos, sin, start, q_out, k_cache, v_cache, num_heads, num_
                   launch_pdl=pdl)
         return _launch(_qkv_rope_kernel, grid, compile_only, *args, **kw)
 
-    launch(_pick(_name("qkv_rope", l2), pairs * 2, k, DOT_PAIR_CONFIGS, launch, xn.device, config))
+    launch(_pick(_name("qkv_rope", l2), pairs * 2, k, DOT_PAIR_CONFIGS, launch, xn.device, config, w.dtype))
 
 
 def new_ticket(device) -> torch.Tensor:
@@ -402,7 +404,7 @@ def gemv_residual(a, w, b, residual, config=None, norm=None, l2=False):
 
     restore = residual if residual.dim() == 1 else residual[0]
     name = _name("gemv_residual_norm" if norm is not None else "gemv_residual", l2)
-    launch(_pick(name, n, k, DOT_CONFIGS, launch, a.device, config, restore=restore))
+    launch(_pick(name, n, k, DOT_CONFIGS, launch, a.device, config, w.dtype, restore=restore))
 
 
 def gate_up_silu(xn, w, b, out, config=None, l2=False):
@@ -421,7 +423,7 @@ def gate_up_silu(xn, w, b, out, config=None, l2=False):
                   L2_LINES=l2_lines(cfg, l2), num_warps=warps, launch_pdl=pdl)
         return _launch(_gate_up_silu_kernel, grid, compile_only, *args, **kw)
 
-    launch(_pick(_name("gate_up_silu", l2), i2, k, DOT_PAIR_CONFIGS, launch, xn.device, config))
+    launch(_pick(_name("gate_up_silu", l2), i2, k, DOT_PAIR_CONFIGS, launch, xn.device, config, w.dtype))
 
 
 def gemv(xn, w, out, config=None, argmax_keys=None, l2=False) -> int:
@@ -444,6 +446,6 @@ def gemv(xn, w, out, config=None, argmax_keys=None, l2=False) -> int:
         return _launch(_gemv_kernel, grid, compile_only, *args, **kw)
 
     cfg = _pick(_name("gemv", l2), n, k, DOT_CONFIGS, lambda c, rows=rows, compile_only=False: launch(
-        c, None, rows, compile_only), xn.device, config)
+        c, None, rows, compile_only), xn.device, config, w.dtype)
     launch(cfg, argmax_keys)
     return triton.cdiv(n, cfg[0])
