@@ -28,7 +28,8 @@
 # REPEATS (2), MAX_SEQ_LEN (33100), REPLAY_TEXT (docs/bench/2026-12-04-cost-aware-drafter/texts.json; empty: none),
 # REPLAY (recorded (drafted, kept) traces, bench --replay; none by default), PROBE_ATTENTION (0; 1: the verify
 # attention probe first, into verify-attention.jsonl, at PROBE_CONTEXTS 1024,8190,32768; it decided per-row,
-# docs/bench/2026-12-05-gpu-check/), TEST_BUDGET_S (400: the tests' share
+# docs/bench/2026-12-05-gpu-check/), TESTS (tests/unit/engine tests/unit/transfer: the test paths; a subset re-runs
+# what a change touched where the device time left is short of the whole), TEST_BUDGET_S (400: the tests' share
 # of the run), RUN_BUDGET_S (570: the whole run's, each phase stopped where it would pass it), TEST_WORKERS (8),
 # EXPRESSLANE_COMMIT (the commit the tree is, for the table's title).
 # Output in OUTDIR: pytest.txt, bench.log, bench.jsonl, verify-attention.jsonl, lean-norm.jsonl, phases.txt, summary.txt (the
@@ -80,7 +81,7 @@ run_tests() {
   # 16 cores instead of 16 each.
   EXPRESSLANE_COMPILE_THREADS="${TEST_COMPILE_THREADS:-4}" timeout --signal=INT --kill-after=15 "$budget" \
     python3 -m pytest -v -o addopts= -p no:cacheprovider --timeout 180 -rfE \
-    -n "${TEST_WORKERS:-8}" --dist worksteal --durations 15 tests/unit/engine tests/unit/transfer 2>&1 | tee "$out/pytest.txt" \
+    -n "${TEST_WORKERS:-8}" --dist worksteal --durations 15 ${TESTS:-tests/unit/engine tests/unit/transfer} 2>&1 | tee "$out/pytest.txt" \
     | grep -vE " (PASSED|SKIPPED) " | tail -80
   local rc=${PIPESTATUS[0]}
   # interrupted at its budget, pytest still prints a closing "N passed" line: say so where the targets read it
