@@ -38,7 +38,9 @@ and off; only with cuda-core are they also the same bits as a node built without
 The tensor-core family's norms run as kernels of their own (`kernel`, the default) or as the tails of the
 residual kernels before them (`tail`, LEAN_NORMS: `set_norm`, the bench's --lean-norm), and its projections may
 prefetch their first weight tiles into the L2 before their PDL wait (`set_l2_prefetch`, --lean-l2-prefetch): the
-candidates for the 4 % its one-row step loses, which scripts/probe_lean_norm.py measures (docs/performance.md).
+candidates for the gap its one-row step loses, both measured slower (an H100, 2026-12-05: the one-row step at
+1.057x the CUDA-core one at 8B with the norm kernels, 1.086x with the tail, 1.116x with the tail and the prefetch;
+scripts/probe_lean_norm.py, docs/bench/2026-12-05-h100-gpu-check/).
 """
 
 from __future__ import annotations
@@ -53,13 +55,12 @@ from .triton_decode import split_kv_attention_rows
 GEMV_FAMILIES = ("auto", "cuda-core", "tensor-core")
 #: How a verify's attention runs (models/triton_decode.py split_kv_attention_rows): per-row (the default: one
 #: program per row, side by side so the rows share the cache reads through L2) or shared (one program reads each
-#: cache tile once for every row; each row's bits the same; a candidate until the GPU check measures it).
+#: cache tile once for every row; each row's bits the same; measured not faster: docs/performance.md).
 VERIFY_ATTENTION = ("per-row", "shared")
 #: Where the tensor-core family's RMSNorms run (fused_dot.py): `kernel` (the default: `rms_rows`, a kernel of
 #: its own before each projection that reads a normalised input, two a layer) or `tail` (the o_proj / down_proj
 #: kernel's last program to finish normalises the residual it wrote: `gemv_residual(norm=...)`; only the first
-#: layer's input norm keeps its kernel). The same sums either way; a candidate until the GPU check measures it
-#: (each norm kernel is one more launch on the step's critical path).
+#: layer's input norm keeps its kernel). The same sums either way; measured slower than `kernel` (see above).
 LEAN_NORMS = ("kernel", "tail")
 
 
@@ -133,7 +134,7 @@ class LeanStep:
 
     def set_l2_prefetch(self, on: bool) -> None:
         """Whether the tensor-core family's projections prefetch their first weight tiles into the L2 before
-        their PDL wait (fused_dot._weights_to_l2; a candidate, like the norm tail); a captured graph keeps the
+        their PDL wait (fused_dot._weights_to_l2; measured slower, like the norm tail); a captured graph keeps the
         kernels it was captured with. ValueError for the CUDA-core family (its kernels load their first tile
         before the wait already)."""
         if on and self.gemv != "tensor-core":
