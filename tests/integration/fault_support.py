@@ -183,6 +183,54 @@ async def greedy_references(prefill: str, model: str, todo: dict[str, tuple[str,
     return out
 
 
+#: The widest gap (nats) between the single server's token and the one a lane chose instead at their first
+#: difference that still counts as a float32 rounding tie: two implementations of the same float32 model (vLLM's
+#: kernels, ours) sum in other orders, and where the top two logits lie within that rounding (0.0004 apart at
+#: 86.28 in the one such case seen, a burst of 768 on the CPU, 2026-12-05) greedy can take either. A wrong K/V or
+#: position diverges where the gap is wide.
+TIE_NATS = 0.01
+
+
+async def first_difference_is_a_tie(prefill: str, model: str, kind: str, body: dict, got: str,
+                                    headers: dict[str, str] | None = None, timeout_s: float = 300) -> tuple[bool, str]:
+    """Whether `got` (a lane's greedy answer to `body`) leaves the single server's answer only at a rounding tie:
+    the server's own greedy answer with its top-5 logprobs, walked token by token; at the first token whose text
+    `got` does not continue, the text `got` continues with must be one of the server's alternatives there, within
+    TIE_NATS of the server's token. Returns (tie, what was found)."""
+    path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
+    extra = {"logprobs": True, "top_logprobs": 5} if kind == "chat" else {"logprobs": 5}
+    async with httpx.AsyncClient(timeout=timeout_s, trust_env=False, headers=headers) as client:
+        r = await client.post(prefill + path, json=dict(body, model=model, stream=False, **extra))
+    if r.status_code != 200:
+        return False, f"the reference with logprobs failed: {r.status_code} {r.text[:200]}"
+    lp = r.json()["choices"][0]["logprobs"]
+    if kind == "chat":
+        steps = [(c["token"], c["logprob"], {t["token"]: t["logprob"] for t in c["top_logprobs"]})
+                 for c in lp["content"]]
+    else:
+        steps = list(zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"]))
+    return tie_at_first_difference(steps, got)
+
+
+def tie_at_first_difference(steps: list[tuple[str, float, dict[str, float]]], got: str) -> tuple[bool, str]:
+    """first_difference_is_a_tie's walk over the server's steps (its token, that token's logprob, the top
+    alternatives' logprobs by token)."""
+    done = ""
+    for i, (token, logprob, top) in enumerate(steps):
+        if got.startswith(done + token):
+            done += token
+            continue
+        rest = got[len(done):]
+        near = {alt: logprob - alp for alt, alp in top.items()
+                if alt != token and alt and rest.startswith(alt) and logprob - alp <= TIE_NATS}
+        where = f"token {i} after {done[-24:]!r}: the server's {token!r} ({logprob:.5f})"
+        if near:
+            alt, gap = min(near.items(), key=lambda kv: kv[1])
+            return True, f"{where}, the lane's {alt!r} {gap:.5f} nats below it"
+        return False, f"{where}; the lane went on with {rest[:16]!r}, not within {TIE_NATS} nats: {top}"
+    return got == done, "the server's answer with logprobs is the lane's" if got == done else "the lane's is longer"
+
+
 # ---- Prometheus text --------------------------------------------------------------------------------------
 _SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)')
 _LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
