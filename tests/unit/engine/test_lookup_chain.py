@@ -243,11 +243,12 @@ def test_prompt_lookup_mixed(engines):
     assert s["accepted_tokens"] > 0 and s["drafted_tokens"] > s["accepted_tokens"] and s["plain_steps"] > 0, s
 
 
-@pytest.mark.parametrize("ngram", [(1, 1), (2, 4), (3, 3), (1, 3)])
+@pytest.mark.parametrize("ngram", [(1, 1), (2, 4), (3, 3), (1, 3), (3, 4)])
 def test_lookup_hint_is_never_wrong_when_it_says_no(ngram):
-    """PromptLookupDrafter.may_draft_next() False: for every next token, the proposal after it is empty
-    (checked exhaustively over a 5-token vocabulary, where repeats and self-overlaps like "a a a" are common);
-    and it does say no (else the chain would never run ahead under prompt lookup)."""
+    """PromptLookupDrafter.may_draft_next() with hint_ngram_min = ngram_min (every key length asked) False: for
+    every next token, the proposal after it is empty (checked exhaustively over a 5-token vocabulary, where
+    repeats and self-overlaps like "a a a" are common); and it does say no (else the chain would never run
+    ahead under prompt lookup). (3, 4) is the default hint's own key lengths."""
     import copy
     import random
 
@@ -256,7 +257,7 @@ def test_lookup_hint_is_never_wrong_when_it_says_no(ngram):
     rng = random.Random(0)
     said_no = 0
     for _ in range(300):
-        d = PromptLookupDrafter(*ngram)
+        d = PromptLookupDrafter(*ngram, hint_ngram_min=ngram[0])
         d.start([rng.randrange(5) for _ in range(rng.randrange(1, 9))])
         for _ in range(rng.randrange(0, 6)):
             d.extend([rng.randrange(5)])
@@ -269,6 +270,44 @@ def test_lookup_hint_is_never_wrong_when_it_says_no(ngram):
             assert e.propose(4) == [], (d.tokens, t)
     if ngram[0] > 1:  # with 1-grams any token seen before matches: then it rightly never says no
         assert said_no >= 20
+
+
+def test_the_default_hint_leaves_out_2_grams():
+    """The default hint asks 3- and 4-gram keys only: a "no" where only a 2-gram follows (then the chain splits
+    that verify: exact, one more forward), and on random tokens it stops saying "may" where the last token alone
+    was seen before. At a 32k context over Llama 3's vocabulary the exact hint says "may" at about a fifth of
+    the steps and no proposal follows any of them; the default says it at almost none."""
+    import random
+
+    from expresslane.engine.decode import PromptLookupDrafter
+
+    d = PromptLookupDrafter()  # ngram 2..4, the hint from 3
+    d.start([5, 6, 1, 2, 7])
+    assert not d.may_draft_next()  # "7" heads the 2-gram key "7 x" only if seen before: not here
+    d.extend([1])  # "1" heads "1 2": the exact hint says may, the default (no 3-gram "7 1 x") says no
+    exact = PromptLookupDrafter(hint_ngram_min=2)
+    exact.start([5, 6, 1, 2, 7, 1])
+    assert exact.may_draft_next() and not d.may_draft_next()
+    d.extend([2])
+    assert d.propose(4) == [7, 1, 2]  # the 2-gram proposal after the "no" is still made (a split verify)
+    d.extend([7])  # "1 2 7" -> "2 7" heads the 3-gram key "2 7 1"
+    assert d.may_draft_next()
+
+    rng = random.Random(0)
+    context = [rng.randrange(128256) for _ in range(32768)]
+    rates = {}
+    for hint_min in (2, 3):
+        d = PromptLookupDrafter(hint_ngram_min=hint_min)
+        d.start(context)
+        said, followed = 0, 0
+        for _ in range(2000):
+            may = d.may_draft_next()
+            d.extend([rng.randrange(128256)])
+            said += may
+            followed += may and bool(d.propose(4))
+        rates[hint_min] = (said / 2000, followed)
+    assert rates[2][0] > 0.15 and rates[2][1] == 0, rates
+    assert rates[3][0] < 0.002, rates
 
 
 def test_adaptive_hint_says_no_where_drafting_does_not_pay():

@@ -41,10 +41,12 @@ draft; the engine (DecodeEngine._run_chain) runs those on the chain too, in two 
                          step if the draft is right, the next plain step if it is wrong. So it is queued before
                          the read; a wrong draft stays AHEAD, a right one -> SYNCED.
 
-The hint: `Drafter.may_draft_next()` is False where the next proposal is empty whatever token comes next
-(prompt lookup: no n-gram of the context's last n - 1 tokens heads a key of its index; the adaptive drafter:
-pausing). Only there is a plain step's successor queued ahead, so with a right hint no queued step is ever
-row 0 of a verify, and every verify is the per-token loop's one forward. A drafter without the hint is taken
+The hint: `Drafter.may_draft_next()` is False where the next proposal is predicted empty whatever token comes
+next (prompt lookup: the context's last n - 1 tokens head no key of its index for n = 3, 4, 2-grams left out
+because on text that does not repeat the last token alone heads a key at up to a fifth of the steps while the
+next token almost never completes it; the adaptive drafter: pausing). Only there is a plain step's successor
+queued ahead, so with a right hint no queued step is ever row 0 of a verify, and every verify is the per-token
+loop's one forward; a "may" where no draft follows costs the sync the queue-ahead saves. A drafter without the hint is taken
 to draft anywhere, so its plain steps do not run ahead (DraftModelDrafter says as much: it drafts every step).
 
 The drafter is asked at the same points with the same context and k (the hint is read-only), the counters
