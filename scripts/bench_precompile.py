@@ -34,13 +34,13 @@ HIDDEN = 4096  # the 8B shape's K (K_POW2 of the norm kernels)
 KERNELS = {
     "norm_qkv_rope": (fused._norm_qkv_rope_kernel, [c for c in fused.PAIR_CONFIGS if 64 % c[0] == 0],
                       lambda c: dict(NH=32, NKV=8, D=128, HAS_BIAS=False, BJ=c[0], BLOCK_K=c[1], PREFETCH=c[2],
-                                     K_POW2=HIDDEN)),
+                                     K_POW2=HIDDEN, PACK=fused._pack(c))),
     "gemv_residual": (fused._gemv_residual_kernel, list(fused.GEMV_CONFIGS),
-                      lambda c: dict(HAS_BIAS=False, BLOCK_N=c[0], BLOCK_K=c[1], PREFETCH=c[2])),
+                      lambda c: dict(HAS_BIAS=False, BLOCK_N=c[0], BLOCK_K=c[1], PREFETCH=c[2], PACK=fused._pack(c))),
     "norm_gate_up_silu": (fused._norm_gate_up_silu_kernel, list(fused.PAIR_CONFIGS),
-                          lambda c: dict(HAS_BIAS=False, BJ=c[0], BLOCK_K=c[1], PREFETCH=c[2], K_POW2=HIDDEN)),
+                          lambda c: dict(HAS_BIAS=False, BJ=c[0], BLOCK_K=c[1], PREFETCH=c[2], K_POW2=HIDDEN, PACK=fused._pack(c))),
     "norm_gemv": (fused._norm_gemv_kernel, list(fused.GEMV_CONFIGS),
-                  lambda c: dict(BLOCK_N=c[0], BLOCK_K=c[1], PREFETCH=c[2], K_POW2=HIDDEN, ARGMAX=False)),
+                  lambda c: dict(BLOCK_N=c[0], BLOCK_K=c[1], PREFETCH=c[2], K_POW2=HIDDEN, ARGMAX=False, PACK=fused._pack(c))),
 }
 
 

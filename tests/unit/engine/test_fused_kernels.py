@@ -88,8 +88,11 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 # Block shapes the tests run (rows or row pairs, K per iteration, prefetch): the measured loop and the prefetching
 # one, each at a shape whose K-block is larger and one smaller than the test's K (64).
 # On CPU (CI) three of each: the interpreter takes about a second per kernel call.
-SINGLE = [(4, 2048, 0), (8, 512, 1), (32, 16, 1)] + ([(16, 512, 0), (16, 512, 0, 8)] if DEVICE == "cuda" else [])
-PAIRS = [(2, 2048, 0), (4, 512, 1), (2, 16, 1)] + ([(8, 512, 0), (8, 256, 1, 8)] if DEVICE == "cuda" else [])
+# A fifth element packs each group of that many columns into one accumulator (fused._fma): one per CPU list.
+SINGLE = [(4, 2048, 0), (8, 512, 1), (32, 16, 1), (8, 64, 1, 4, 8)] + (
+    [(16, 512, 0), (16, 512, 0, 8), (4, 1024, 1, 4, 8), (4, 2048, 0, 8, 4)] if DEVICE == "cuda" else [])
+PAIRS = [(2, 2048, 0), (4, 512, 1), (2, 16, 1), (2, 32, 0, 4, 8)] + (
+    [(8, 512, 0), (8, 256, 1, 8), (4, 512, 1, 8, 8), (8, 256, 0, 4, 2)] if DEVICE == "cuda" else [])
 
 
 def _pairs(cands, limit):
@@ -153,6 +156,49 @@ def test_gemv_residual_gate_up_and_head_match_the_step(dtype):
         fused.norm_gate_up_silu(x, layer.post_attention_layernorm.weight, cfg.rms_norm_eps,
                                 layer.mlp.gate_up_proj.weight, layer.mlp.gate_up_proj.bias, h, config=c)
         assert _rel(h, ref_h) < TOL[dtype], c
+
+
+@pytest.mark.parametrize("cfg,pair", [((8, 64, 1, 4, 8), False), ((4, 32, 0, 4, 2), False),
+                                      ((2, 32, 0, 4, 8), True), ((2, 64, 1, 4, 4), True)]
+                         + ([((4, 1024, 1, 4, 8), False), ((4, 512, 1, 8, 8), True)] if DEVICE == "cuda" else []))
+def test_each_row_of_a_packed_launch_is_the_one_row_launch_bit_for_bit(cfg, pair):
+    """A packed block shape (its fifth element: columns a group's one accumulator sums, fused._fma) keeps the
+    verify's promise: row r of an R-row launch equals a one-row launch over row r, bit for bit, in each of the
+    four CUDA-core kernels; and the one-row launch matches the PyTorch step."""
+    dtype = DTYPES[-1]
+    cfg_m = _config(bias=True, tied=False)
+    model = _model(cfg_m, dtype, seed=5)
+    layer = model.layers[0]
+    rows = 3 if DEVICE == "cpu" else fused.MAX_ROWS
+    x = torch.randn(rows, cfg_m.hidden_size, device=DEVICE).to(dtype)
+    a = torch.randn(rows, cfg_m.q_size, device=DEVICE).to(dtype)
+    ln, eps = layer.post_attention_layernorm.weight, cfg_m.rms_norm_eps
+    if pair:
+        w, b, n_out = layer.mlp.gate_up_proj.weight, layer.mlp.gate_up_proj.bias, cfg_m.intermediate_size
+        run = lambda xs, out: fused.norm_gate_up_silu(xs, ln, eps, w, b, out, config=cfg)  # noqa: E731
+        with torch.no_grad():
+            gate, up = layer.mlp.gate_up_proj(layer.post_attention_layernorm(x)).split(n_out, dim=-1)
+            ref = torch.nn.functional.silu(gate) * up
+        many = torch.full((rows, n_out), float("nan"), dtype=dtype, device=DEVICE)
+    else:
+        w, n_out = model.lm_head.weight, cfg_m.vocab_size
+        run = lambda xs, out: fused.norm_gemv(xs, model.norm.weight, eps, w, out, config=cfg)  # noqa: E731
+        with torch.no_grad():
+            ref = model.lm_head(model.norm(x)).float()
+        many = torch.full((rows, n_out), float("nan"), device=DEVICE)
+    run(x, many)
+    for r in range(rows):
+        one = torch.full_like(many[r], float("nan"))
+        run(x[r], one)
+        assert torch.equal(many[r], one), (cfg, r)
+        assert _rel(one, ref[r]) < TOL[dtype], (cfg, r)
+    if not pair:  # the residual GEMV (o_proj / down_proj) too
+        res = x.clone()
+        fused.gemv_residual(a, layer.self_attn.o_proj.weight, layer.self_attn.o_proj.bias, res, config=cfg)
+        for r in range(rows):
+            one = x[r].clone()
+            fused.gemv_residual(a[r], layer.self_attn.o_proj.weight, layer.self_attn.o_proj.bias, one, config=cfg)
+            assert torch.equal(res[r], one), (cfg, r)
 
 
 # The tensor-core family's block shapes the tests run: (rows or pairs, K per iteration, stages, warps); K-blocks

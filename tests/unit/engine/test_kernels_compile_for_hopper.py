@@ -141,11 +141,13 @@ def _on_hopper() -> bool:
 # Triton's compile releases the GIL. That is only sound if compiling on threads builds the very kernels compiling
 # one after another does.
 PARALLEL_CASES = [
-    (fused._gemv_residual_kernel, dict(HAS_BIAS=False, BLOCK_N=bn, BLOCK_K=bk, PREFETCH=pre), warps)
-    for bn, bk, pre, *w in fused.GEMV_CONFIGS[:3] + fused.GEMV_CONFIGS[7:8] for warps in [w[0] if w else 4]
+    (fused._gemv_residual_kernel, dict(HAS_BIAS=False, BLOCK_N=c[0], BLOCK_K=c[1], PREFETCH=c[2],
+                                       PACK=fused._pack(c)), fused._warps(c))
+    for c in fused.GEMV_CONFIGS[:3] + fused.GEMV_CONFIGS[7:8]
 ] + [
-    (fused._norm_gate_up_silu_kernel, dict(HAS_BIAS=False, BJ=bj, BLOCK_K=bk, PREFETCH=pre, K_POW2=4096), warps)
-    for bj, bk, pre, *w in fused.PAIR_CONFIGS[4:6] for warps in [w[0] if w else 4]
+    (fused._norm_gate_up_silu_kernel, dict(HAS_BIAS=False, BJ=c[0], BLOCK_K=c[1], PREFETCH=c[2], K_POW2=4096,
+                                           PACK=fused._pack(c)), fused._warps(c))
+    for c in fused.PAIR_CONFIGS[4:6]
 ]
 
 

@@ -107,8 +107,32 @@ MAX_ROWS = 5
 
 
 @triton.jit
-def _load_rows(w_ptr, rows, rmask, cols, K):
-    return tl.load(w_ptr + rows[:, None] * K + cols[None, :], mask=rmask[:, None] & (cols[None, :] < K), other=0.0)
+def _cols(k0, BLOCK_K: tl.constexpr, PACK: tl.constexpr):
+    """The K indices of one iteration's tile: [BLOCK_K], or with PACK [BLOCK_K // PACK, PACK] (PACK consecutive
+    columns a group, summed inside one thread: see _fma_rows)."""
+    if PACK > 0:
+        return k0 + tl.arange(0, BLOCK_K // PACK)[:, None] * PACK + tl.arange(0, PACK)[None, :]
+    else:
+        return k0 + tl.arange(0, BLOCK_K)
+
+
+@triton.jit
+def _load_rows(w_ptr, rows, rmask, cols, K, PACK: tl.constexpr):
+    if PACK > 0:
+        return tl.load(w_ptr + rows[:, None, None] * K + cols[None, :, :],
+                       mask=rmask[:, None, None] & (cols[None, :, :] < K), other=0.0)
+    else:
+        return tl.load(w_ptr + rows[:, None] * K + cols[None, :], mask=rmask[:, None] & (cols[None, :] < K),
+                       other=0.0)
+
+
+@triton.jit
+def _zeros(BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PACK: tl.constexpr):
+    """One row's accumulators: [BLOCK_N, BLOCK_K], or with PACK one per group [BLOCK_N, BLOCK_K // PACK]."""
+    if PACK > 0:
+        return tl.zeros([BLOCK_N, BLOCK_K // PACK], tl.float32)
+    else:
+        return tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
 
 
 @triton.jit
@@ -148,20 +172,82 @@ def _rstd_rows(x_ptr, sx, K, eps, BLOCK_K: tl.constexpr, K_POW2: tl.constexpr, O
 
 
 @triton.jit
+def _halves(t):
+    """[a, b, 2m] -> its even and odd elements of the last axis, [a, b, m] each (in one thread: free)."""
+    if t.shape[2] == 2:
+        return tl.split(t)
+    else:
+        return tl.split(tl.reshape(t, [t.shape[0], t.shape[1], t.shape[2] // 2, 2]))
+
+
+@triton.jit
+def _fma(acc, wf, xc, PACK: tl.constexpr):
+    """acc + one row's products of a tile: w * x elementwise, or with PACK (2, 4, 8) each group's PACK products
+    added to the group's one accumulator as a chain of FMAs in a fixed order (its columns are one vector load, in
+    one thread), so the accumulator a row keeps is PACK times smaller."""
+    if PACK == 0:
+        return acc + wf * xc[None, :]
+    else:
+        w = wf
+        x = tl.broadcast_to(xc[None, :, :], wf.shape)
+        if PACK == 8:
+            w0, w1 = _halves(w)
+            x0, x1 = _halves(x)
+            w00, w01 = _halves(w0)
+            w10, w11 = _halves(w1)
+            x00, x01 = _halves(x0)
+            x10, x11 = _halves(x1)
+            a, b = _halves(w00)
+            c, d = _halves(x00)
+            acc += a * c
+            acc += b * d
+            a, b = _halves(w01)
+            c, d = _halves(x01)
+            acc += a * c
+            acc += b * d
+            a, b = _halves(w10)
+            c, d = _halves(x10)
+            acc += a * c
+            acc += b * d
+            a, b = _halves(w11)
+            c, d = _halves(x11)
+            acc += a * c
+            acc += b * d
+        elif PACK == 4:
+            w0, w1 = _halves(w)
+            x0, x1 = _halves(x)
+            a, b = _halves(w0)
+            c, d = _halves(x0)
+            acc += a * c
+            acc += b * d
+            a, b = _halves(w1)
+            c, d = _halves(x1)
+            acc += a * c
+            acc += b * d
+        else:
+            tl.static_assert(PACK == 2, "PACK is 0, 2, 4 or 8")
+            a, b = _halves(w)
+            c, d = _halves(x)
+            acc += a * c
+            acc += b * d
+        return acc
+
+
+@triton.jit
 def _fma_rows(w, a0, a1, a2, a3, a4, x_ptr, sx, nw_ptr, cols, K, r0, r1, r2, r3, r4, HAS_NORM: tl.constexpr,
-              ROWS: tl.constexpr):
+              ROWS: tl.constexpr, PACK: tl.constexpr):
     """a_r += w * in_r[cols] for each of the ROWS rows: the tile w, loaded once, serves every row, and each
     row's accumulator sees exactly the operations a one-row kernel's accumulator sees, in the same order."""
     wf = w.to(tl.float32)
-    a0 += wf * _input_chunk(x_ptr, nw_ptr, cols, K, r0, HAS_NORM)[None, :]
+    a0 = _fma(a0, wf, _input_chunk(x_ptr, nw_ptr, cols, K, r0, HAS_NORM), PACK)
     if ROWS > 1:
-        a1 += wf * _input_chunk(x_ptr + sx, nw_ptr, cols, K, r1, HAS_NORM)[None, :]
+        a1 = _fma(a1, wf, _input_chunk(x_ptr + sx, nw_ptr, cols, K, r1, HAS_NORM), PACK)
     if ROWS > 2:
-        a2 += wf * _input_chunk(x_ptr + 2 * sx, nw_ptr, cols, K, r2, HAS_NORM)[None, :]
+        a2 = _fma(a2, wf, _input_chunk(x_ptr + 2 * sx, nw_ptr, cols, K, r2, HAS_NORM), PACK)
     if ROWS > 3:
-        a3 += wf * _input_chunk(x_ptr + 3 * sx, nw_ptr, cols, K, r3, HAS_NORM)[None, :]
+        a3 = _fma(a3, wf, _input_chunk(x_ptr + 3 * sx, nw_ptr, cols, K, r3, HAS_NORM), PACK)
     if ROWS > 4:
-        a4 += wf * _input_chunk(x_ptr + 4 * sx, nw_ptr, cols, K, r4, HAS_NORM)[None, :]
+        a4 = _fma(a4, wf, _input_chunk(x_ptr + 4 * sx, nw_ptr, cols, K, r4, HAS_NORM), PACK)
     return a0, a1, a2, a3, a4
 
 
@@ -186,44 +272,46 @@ def _sum_rows(a0, a1, a2, a3, a4, ROWS: tl.constexpr):
 @triton.jit
 def _gemv1(w_ptr, rows, rmask, x_ptr, nw_ptr, K, eps, sx, HAS_NORM: tl.constexpr, BLOCK_N: tl.constexpr,
            BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr, K_POW2: tl.constexpr, PDL: tl.constexpr,
-           ROWS: tl.constexpr):
+           ROWS: tl.constexpr, PACK: tl.constexpr):
     """sum_k w[rows, k] * in_r[k] in float32 for each of the ROWS input rows (row r at x_ptr + r * sx),
     in_r = RMSNorm(x_r) (HAS_NORM) or x_r. Each weight tile is loaded once for all rows. Row r's sums are
     bit-identical to a one-row launch's over x_r: the same tile shapes, the same accumulation order, the same
     final reduction (the row-invariant verify, models/lean.py). PDL: the first weight tile (the weights are
-    constant) is loaded before the wait for the kernel this one depends on (models/pdl.py)."""
-    a0 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    constant) is loaded before the wait for the kernel this one depends on (models/pdl.py). PACK: each group
+    of PACK columns is summed in its thread before it joins the row's accumulator (_fma)."""
+    a0 = _zeros(BLOCK_N, BLOCK_K, PACK)
     a1 = a0
     a2 = a0
     a3 = a0
     a4 = a0
     if PREFETCH:
-        w_cur = _load_rows(w_ptr, rows, rmask, tl.arange(0, BLOCK_K), K)
+        w_cur = _load_rows(w_ptr, rows, rmask, _cols(0, BLOCK_K, PACK), K, PACK)
         pdl_wait(PDL)
         r0, r1, r2, r3, r4 = _rstd_rows(x_ptr, sx, K, eps, BLOCK_K, K_POW2, True, ROWS, HAS_NORM)
         for k0 in range(0, K, BLOCK_K):
-            cols = k0 + tl.arange(0, BLOCK_K)
-            w_next = _load_rows(w_ptr, rows, rmask, cols + BLOCK_K, K)
+            cols = _cols(k0, BLOCK_K, PACK)
+            w_next = _load_rows(w_ptr, rows, rmask, cols + BLOCK_K, K, PACK)
             a0, a1, a2, a3, a4 = _fma_rows(w_cur, a0, a1, a2, a3, a4, x_ptr, sx, nw_ptr, cols, K,
-                                           r0, r1, r2, r3, r4, HAS_NORM, ROWS)
+                                           r0, r1, r2, r3, r4, HAS_NORM, ROWS, PACK)
             w_cur = w_next
     else:
         pdl_wait(PDL)
         r0, r1, r2, r3, r4 = _rstd_rows(x_ptr, sx, K, eps, BLOCK_K, K_POW2, False, ROWS, HAS_NORM)
         for k0 in range(0, K, BLOCK_K):
-            cols = k0 + tl.arange(0, BLOCK_K)
-            w = _load_rows(w_ptr, rows, rmask, cols, K)
+            cols = _cols(k0, BLOCK_K, PACK)
+            w = _load_rows(w_ptr, rows, rmask, cols, K, PACK)
             a0, a1, a2, a3, a4 = _fma_rows(w, a0, a1, a2, a3, a4, x_ptr, sx, nw_ptr, cols, K,
-                                           r0, r1, r2, r3, r4, HAS_NORM, ROWS)
+                                           r0, r1, r2, r3, r4, HAS_NORM, ROWS, PACK)
     y0, y1, y2, y3, y4 = _sum_rows(a0, a1, a2, a3, a4, ROWS)
     return y0, y1, y2, y3, y4
 
 
 @triton.jit
 def _gemv2(w_ptr, rows_a, rows_b, rmask, x_ptr, nw_ptr, K, eps, sx, BJ: tl.constexpr, BLOCK_K: tl.constexpr,
-           PREFETCH: tl.constexpr, K_POW2: tl.constexpr, PDL: tl.constexpr, ROWS: tl.constexpr):
+           PREFETCH: tl.constexpr, K_POW2: tl.constexpr, PDL: tl.constexpr, ROWS: tl.constexpr,
+           PACK: tl.constexpr):
     """_gemv1 over RMSNorm(x_r) for two row sets that share the input (RoPE pairs, gate and up rows)."""
-    a0 = tl.zeros([BJ, BLOCK_K], tl.float32)
+    a0 = _zeros(BJ, BLOCK_K, PACK)
     a1 = a0
     a2 = a0
     a3 = a0
@@ -234,32 +322,32 @@ def _gemv2(w_ptr, rows_a, rows_b, rmask, x_ptr, nw_ptr, K, eps, sx, BJ: tl.const
     b3 = a0
     b4 = a0
     if PREFETCH:
-        first = tl.arange(0, BLOCK_K)
-        wa = _load_rows(w_ptr, rows_a, rmask, first, K)
-        wb = _load_rows(w_ptr, rows_b, rmask, first, K)
+        first = _cols(0, BLOCK_K, PACK)
+        wa = _load_rows(w_ptr, rows_a, rmask, first, K, PACK)
+        wb = _load_rows(w_ptr, rows_b, rmask, first, K, PACK)
         pdl_wait(PDL)
         r0, r1, r2, r3, r4 = _rstd_rows(x_ptr, sx, K, eps, BLOCK_K, K_POW2, True, ROWS, True)
         for k0 in range(0, K, BLOCK_K):
-            cols = k0 + tl.arange(0, BLOCK_K)
-            wa_next = _load_rows(w_ptr, rows_a, rmask, cols + BLOCK_K, K)
-            wb_next = _load_rows(w_ptr, rows_b, rmask, cols + BLOCK_K, K)
+            cols = _cols(k0, BLOCK_K, PACK)
+            wa_next = _load_rows(w_ptr, rows_a, rmask, cols + BLOCK_K, K, PACK)
+            wb_next = _load_rows(w_ptr, rows_b, rmask, cols + BLOCK_K, K, PACK)
             a0, a1, a2, a3, a4 = _fma_rows(wa, a0, a1, a2, a3, a4, x_ptr, sx, nw_ptr, cols, K,
-                                           r0, r1, r2, r3, r4, True, ROWS)
+                                           r0, r1, r2, r3, r4, True, ROWS, PACK)
             b0, b1, b2, b3, b4 = _fma_rows(wb, b0, b1, b2, b3, b4, x_ptr, sx, nw_ptr, cols, K,
-                                           r0, r1, r2, r3, r4, True, ROWS)
+                                           r0, r1, r2, r3, r4, True, ROWS, PACK)
             wa = wa_next
             wb = wb_next
     else:
         pdl_wait(PDL)
         r0, r1, r2, r3, r4 = _rstd_rows(x_ptr, sx, K, eps, BLOCK_K, K_POW2, False, ROWS, True)
         for k0 in range(0, K, BLOCK_K):
-            cols = k0 + tl.arange(0, BLOCK_K)
-            wa = _load_rows(w_ptr, rows_a, rmask, cols, K)
-            wb = _load_rows(w_ptr, rows_b, rmask, cols, K)
+            cols = _cols(k0, BLOCK_K, PACK)
+            wa = _load_rows(w_ptr, rows_a, rmask, cols, K, PACK)
+            wb = _load_rows(w_ptr, rows_b, rmask, cols, K, PACK)
             a0, a1, a2, a3, a4 = _fma_rows(wa, a0, a1, a2, a3, a4, x_ptr, sx, nw_ptr, cols, K,
-                                           r0, r1, r2, r3, r4, True, ROWS)
+                                           r0, r1, r2, r3, r4, True, ROWS, PACK)
             b0, b1, b2, b3, b4 = _fma_rows(wb, b0, b1, b2, b3, b4, x_ptr, sx, nw_ptr, cols, K,
-                                           r0, r1, r2, r3, r4, True, ROWS)
+                                           r0, r1, r2, r3, r4, True, ROWS, PACK)
     ya0, ya1, ya2, ya3, ya4 = _sum_rows(a0, a1, a2, a3, a4, ROWS)
     yb0, yb1, yb2, yb3, yb4 = _sum_rows(b0, b1, b2, b3, b4, ROWS)
     return ya0, ya1, ya2, ya3, ya4, yb0, yb1, yb2, yb3, yb4
@@ -304,7 +392,7 @@ def _norm_qkv_rope_kernel(x_ptr, nw_ptr, w_ptr, b_ptr, cos_ptr, sin_ptr, start_p
                           K, eps, sx, sq, stride_kc_s, stride_kc_h, stride_vc_s, stride_vc_h,
                           NH: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr, HAS_BIAS: tl.constexpr,
                           BJ: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr,
-                          K_POW2: tl.constexpr, PDL: tl.constexpr, ROWS: tl.constexpr):
+                          K_POW2: tl.constexpr, PDL: tl.constexpr, ROWS: tl.constexpr, PACK: tl.constexpr):
     HALF: tl.constexpr = D // 2
     NBLK: tl.constexpr = HALF // BJ
     pid = tl.program_id(0)
@@ -314,7 +402,7 @@ def _norm_qkv_rope_kernel(x_ptr, nw_ptr, w_ptr, b_ptr, cos_ptr, sin_ptr, start_p
     rows_b = rows_a + HALF
     ok = j < HALF
     ya0, ya1, ya2, ya3, ya4, yb0, yb1, yb2, yb3, yb4 = _gemv2(w_ptr, rows_a, rows_b, ok, x_ptr, nw_ptr, K, eps, sx,
-                                                              BJ, BLOCK_K, PREFETCH, K_POW2, PDL, ROWS)
+                                                              BJ, BLOCK_K, PREFETCH, K_POW2, PDL, ROWS, PACK)
     pos = tl.load(start_ptr)  # row r is the token at pos + r
     _qkv_rope_store(ya0, yb0, j, rows_a, rows_b, head, pos, b_ptr, cos_ptr, sin_ptr, q_ptr, kc_ptr, vc_ptr,
                     stride_kc_s, stride_kc_h, stride_vc_s, stride_vc_h, NH, NKV, D, HAS_BIAS)
@@ -345,11 +433,11 @@ def _residual_store(y, rows, rmask, b_ptr, res_ptr, HAS_BIAS: tl.constexpr):
 @triton.jit
 def _gemv_residual_kernel(a_ptr, w_ptr, b_ptr, res_ptr, N, K, sa, sres, HAS_BIAS: tl.constexpr,
                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr,
-                          PDL: tl.constexpr, ROWS: tl.constexpr):
+                          PDL: tl.constexpr, ROWS: tl.constexpr, PACK: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < N
     y0, y1, y2, y3, y4 = _gemv1(w_ptr, rows, rmask, a_ptr, a_ptr, K, 0.0, sa, False, BLOCK_N, BLOCK_K, PREFETCH, 16,
-                                PDL, ROWS)
+                                PDL, ROWS, PACK)
     _residual_store(y0, rows, rmask, b_ptr, res_ptr, HAS_BIAS)
     if ROWS > 1:
         _residual_store(y1, rows, rmask, b_ptr, res_ptr + sres, HAS_BIAS)
@@ -376,12 +464,13 @@ def _silu_store(g, u, rows_g, rows_u, ok, b_ptr, out_ptr, HAS_BIAS: tl.constexpr
 @triton.jit
 def _norm_gate_up_silu_kernel(x_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, I, K, eps, sx, so, HAS_BIAS: tl.constexpr,
                               BJ: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr,
-                              K_POW2: tl.constexpr, PDL: tl.constexpr, ROWS: tl.constexpr):
+                              K_POW2: tl.constexpr, PDL: tl.constexpr, ROWS: tl.constexpr,
+                              PACK: tl.constexpr):
     rows_g = tl.program_id(0) * BJ + tl.arange(0, BJ)
     rows_u = rows_g + I
     ok = rows_g < I
     g0, g1, g2, g3, g4, u0, u1, u2, u3, u4 = _gemv2(w_ptr, rows_g, rows_u, ok, x_ptr, nw_ptr, K, eps, sx, BJ,
-                                                    BLOCK_K, PREFETCH, K_POW2, PDL, ROWS)
+                                                    BLOCK_K, PREFETCH, K_POW2, PDL, ROWS, PACK)
     _silu_store(g0, u0, rows_g, rows_u, ok, b_ptr, out_ptr, HAS_BIAS)
     if ROWS > 1:
         _silu_store(g1, u1, rows_g, rows_u, ok, b_ptr, out_ptr + so, HAS_BIAS)
@@ -396,11 +485,11 @@ def _norm_gate_up_silu_kernel(x_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, I, K, eps, s
 @triton.jit
 def _norm_gemv_kernel(x_ptr, nw_ptr, w_ptr, out_ptr, key_ptr, N, K, eps, sx, so, BLOCK_N: tl.constexpr,
                       BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr, K_POW2: tl.constexpr, PDL: tl.constexpr,
-                      ARGMAX: tl.constexpr, ROWS: tl.constexpr):
+                      ARGMAX: tl.constexpr, ROWS: tl.constexpr, PACK: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < N
     y0, y1, y2, y3, y4 = _gemv1(w_ptr, rows, rmask, x_ptr, nw_ptr, K, eps, sx, True, BLOCK_N, BLOCK_K, PREFETCH,
-                                K_POW2, PDL, ROWS)
+                                K_POW2, PDL, ROWS, PACK)
     dt = x_ptr.dtype.element_ty
     logits = y0.to(dt).to(tl.float32)
     tl.store(out_ptr + rows, logits, mask=rmask)
@@ -470,8 +559,13 @@ def _warps(cfg: tuple[int, ...]) -> int:
     return cfg[3] if len(cfg) > 3 else 4
 
 
+def _pack(cfg: tuple[int, ...]) -> int:
+    return cfg[4] if len(cfg) > 4 else 0
+
+
 def _label(cfg: tuple[int, ...]) -> str:
-    return f"{cfg[0]}x{cfg[1]}" + ("p" if cfg[2] else "") + (f"w{_warps(cfg)}" if _warps(cfg) != 4 else "")
+    return (f"{cfg[0]}x{cfg[1]}" + ("p" if cfg[2] else "") + (f"w{_warps(cfg)}" if _warps(cfg) != 4 else "")
+            + (f"s{_pack(cfg)}" if _pack(cfg) else ""))
 
 
 def _fits(cfg: tuple[int, ...], k: int, max_block_rows: int | None) -> bool:
@@ -605,11 +699,13 @@ def _first(x: torch.Tensor) -> torch.Tensor:
 
 
 def norm_qkv_rope(x, norm_w, eps, w, b, cos, sin, start, q_out, k_cache, v_cache, num_heads, num_kv_heads,
-                  head_dim, config=None, max_rows=None):
+                  head_dim, config=None, max_rows=None, compile_only=False):
     """x [K] residual (or [R, K]: R rows, row r the token at start + r); w [(NH + 2 NKV) * D, K]; writes q_out
     [NH * D] (or [R, NH * D]) and k_cache/v_cache[start + r] (caches [S, NKV, D]); cos/sin: rope.py's tables
     [S, D]; start: [1] long on the device. Row r's results are bit-identical to a one-row launch at start + r.
-    max_rows (every launcher): the most rows the calling step runs (pick_config's `rows`; default: x's)."""
+    max_rows (every launcher): the most rows the calling step runs (pick_config's `rows`; default: x's);
+    compile_only (every launcher): compile the kernel these arguments launch and return it, do not run it (a
+    probe's parallel compile)."""
     k = x.shape[-1]
     half = head_dim // 2
     heads = num_heads + 2 * num_kv_heads
@@ -623,18 +719,19 @@ def norm_qkv_rope(x, norm_w, eps, w, b, cos, sin, start, q_out, k_cache, v_cache
             _norm_qkv_rope_kernel, (heads * (half // bj),), compile_only, x, norm_w, w, b if b is not None else w, cos, sin, start, q_out, k_cache, v_cache, k, eps, sx, sq,
             k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
             NH=num_heads, NKV=num_kv_heads, D=head_dim, HAS_BIAS=b is not None, BJ=bj, BLOCK_K=bk, PREFETCH=pre,
-            K_POW2=triton.next_power_of_2(k), PDL=pdl, ROWS=rows, num_warps=_warps(cfg), launch_pdl=pdl)
+            K_POW2=triton.next_power_of_2(k), PDL=pdl, ROWS=rows, PACK=_pack(cfg), num_warps=_warps(cfg),
+            launch_pdl=pdl)
 
     cands = [c for c in PAIR_CONFIGS if half % c[0] == 0] or [(1, 2048, 0)]
     # The block shape is the one-row step's (timed one row at a time): the rows of a verify must run the T = 1
     # step's shapes to give its bits.
     one = lambda cfg, compile_only=False: launch(cfg, _first(x), _first(q_out), 1, compile_only)  # noqa: E731
-    launch(pick_config("norm_qkv_rope", w.shape[0], k, cands, one, max_block_rows=half, device=x.device,
+    return launch(pick_config("norm_qkv_rope", w.shape[0], k, cands, one, max_block_rows=half, device=x.device,
                        config=config, rows=max_rows or rows, spills=_spills(launch, max_rows or rows),
-                       compile=_compiles(launch, one), dtype=w.dtype))
+                       compile=_compiles(launch, one), dtype=w.dtype), compile_only=compile_only)
 
 
-def gemv_residual(a, w, b, residual, config=None, max_rows=None):
+def gemv_residual(a, w, b, residual, config=None, max_rows=None, compile_only=False):
     """residual [N] += (w [N, K] @ a [K] + b), rounded as the PyTorch step rounds, in place; a [R, K] and
     residual [R, N]: each row so, row r bit-identical to a one-row launch."""
     n, k = w.shape
@@ -646,15 +743,16 @@ def gemv_residual(a, w, b, residual, config=None, max_rows=None):
         bn, bk, pre = cfg[:3]
         return _launch(_gemv_residual_kernel, (triton.cdiv(n, bn),), compile_only, a, w,
                        b if b is not None else w, residual, n, k, sa, sres, HAS_BIAS=b is not None, BLOCK_N=bn,
-                       BLOCK_K=bk, PREFETCH=pre, PDL=pdl, ROWS=rows, num_warps=_warps(cfg), launch_pdl=pdl)
+                       BLOCK_K=bk, PREFETCH=pre, PDL=pdl, ROWS=rows, PACK=_pack(cfg), num_warps=_warps(cfg),
+                       launch_pdl=pdl)
 
     one = lambda cfg, compile_only=False: launch(cfg, _first(a), _first(residual), 1, compile_only)  # noqa: E731
-    launch(pick_config("gemv_residual", n, k, GEMV_CONFIGS, one, restore=_first(residual), device=a.device,
+    return launch(pick_config("gemv_residual", n, k, GEMV_CONFIGS, one, restore=_first(residual), device=a.device,
                        config=config, rows=max_rows or rows, spills=_spills(launch, max_rows or rows),
-                       compile=_compiles(launch, one), dtype=w.dtype))
+                       compile=_compiles(launch, one), dtype=w.dtype), compile_only=compile_only)
 
 
-def norm_gate_up_silu(x, norm_w, eps, w, b, out, config=None, max_rows=None):
+def norm_gate_up_silu(x, norm_w, eps, w, b, out, config=None, max_rows=None, compile_only=False):
     """out [I] = silu(gate) * up of gate_up_proj (w [2I, K], gate rows first) over RMSNorm(x); x [R, K] and
     out [R, I]: each row so, row r bit-identical to a one-row launch."""
     i2, k = w.shape
@@ -668,12 +766,12 @@ def norm_gate_up_silu(x, norm_w, eps, w, b, out, config=None, max_rows=None):
         return _launch(_norm_gate_up_silu_kernel, (triton.cdiv(i, bj),), compile_only, x, norm_w, w,
                        b if b is not None else w, out, i, k, eps, sx, so, HAS_BIAS=b is not None, BJ=bj,
                        BLOCK_K=bk, PREFETCH=pre, K_POW2=triton.next_power_of_2(k), PDL=pdl, ROWS=rows,
-                       num_warps=_warps(cfg), launch_pdl=pdl)
+                       PACK=_pack(cfg), num_warps=_warps(cfg), launch_pdl=pdl)
 
     one = lambda cfg, compile_only=False: launch(cfg, _first(x), _first(out), 1, compile_only)  # noqa: E731
-    launch(pick_config("norm_gate_up_silu", i2, k, PAIR_CONFIGS, one, device=x.device, config=config,
+    return launch(pick_config("norm_gate_up_silu", i2, k, PAIR_CONFIGS, one, device=x.device, config=config,
                        rows=max_rows or rows, spills=_spills(launch, max_rows or rows),
-                       compile=_compiles(launch, one), dtype=w.dtype))
+                       compile=_compiles(launch, one), dtype=w.dtype), compile_only=compile_only)
 
 
 #: Below every key _argmax_key makes (the masked lanes of greedy_advance's maximum).
@@ -688,7 +786,7 @@ def new_argmax_keys(n: int, device) -> torch.Tensor:
     return torch.full((triton.cdiv(n, fewest_rows),), ARGMAX_KEY_EMPTY, dtype=torch.int64, device=device)
 
 
-def norm_gemv(x, norm_w, eps, w, out, config=None, argmax_keys=None, max_rows=None) -> int:
+def norm_gemv(x, norm_w, eps, w, out, config=None, argmax_keys=None, max_rows=None, compile_only=False) -> int:
     """out [N] float32 = (w [N, K] @ RMSNorm(x)) rounded to the model dtype (the lm_head); x [R, K] and out
     [R, N]: each row so, row r bit-identical to a one-row launch. argmax_keys (one row only): each program also
     writes its best (value, first row) as one key (new_argmax_keys; greedy_advance takes the largest). Returns
@@ -705,7 +803,7 @@ def norm_gemv(x, norm_w, eps, w, out, config=None, argmax_keys=None, max_rows=No
         return _launch(_norm_gemv_kernel, (triton.cdiv(n, bn),), compile_only, x, norm_w, w, out,
                        keys if keys is not None else out, n, k, eps, sx, so, BLOCK_N=bn, BLOCK_K=bk, PREFETCH=pre,
                        K_POW2=triton.next_power_of_2(k), PDL=pdl, ARGMAX=keys is not None, ROWS=rows,
-                       num_warps=_warps(cfg), launch_pdl=pdl)
+                       PACK=_pack(cfg), num_warps=_warps(cfg), launch_pdl=pdl)
 
     # The block shape is timed on one row without the argmax (one pick for all: the epilogue is a few
     # instructions, and a verify's rows must run the T = 1 step's shapes to give its bits).
@@ -713,8 +811,8 @@ def norm_gemv(x, norm_w, eps, w, out, config=None, argmax_keys=None, max_rows=No
     cfg = pick_config("norm_gemv", n, k, GEMV_CONFIGS, one, device=x.device, config=config,
                       rows=max_rows or rows, spills=_spills(launch, max_rows or rows),
                       compile=_compiles(launch, one), dtype=w.dtype)
-    launch(cfg, argmax_keys)
-    return triton.cdiv(n, cfg[0])
+    launched = launch(cfg, argmax_keys, compile_only=compile_only)
+    return launched if compile_only else triton.cdiv(n, cfg[0])
 
 
 def greedy_advance(argmax_keys, num_keys, token, start, ring=None, seq=None):
