@@ -618,6 +618,26 @@ def test_a_verifying_step_keeps_only_the_block_shapes_that_do_not_spill():
     assert fused.least_spilling(list(some), some.__getitem__)[0] == [(8, 1024, 0), (16, 512, 0)]
 
 
+def test_a_verifying_step_picks_the_fastest_verify_among_the_fastest_one_row_shapes():
+    """fused.verify_pick: the shapes within ONE_ROW_SLACK (2 %) of the fastest one-row time are timed at the
+    step's rows (twice each, the better kept), and the fastest there is the pick; a shape slower at one row is
+    never timed, however fast its verify; alone within the slack, the fastest one-row shape with no timing."""
+    one_row = {(4, 1024, 1): 10.0, (4, 1024, 1, 4, 8): 10.15, (8, 512, 1, 4, 8): 10.3, (16, 512, 0): 12.0}
+    rows_times = {(4, 1024, 1): [25.0, 24.0], (4, 1024, 1, 4, 8): [13.0, 12.5], (8, 512, 1, 4, 8): [9.0, 9.0],
+                  (16, 512, 0): [5.0, 5.0]}
+    calls = []
+
+    def time_rows(cfg):
+        calls.append(cfg)
+        return rows_times[cfg][sum(c == cfg for c in calls) - 1]
+    best, seen = fused.verify_pick(one_row, time_rows)
+    assert best == (4, 1024, 1, 4, 8) and seen == {(4, 1024, 1): 24.0, (4, 1024, 1, 4, 8): 12.5}
+    assert sorted(calls) == sorted([(4, 1024, 1), (4, 1024, 1, 4, 8)] * 2)
+    calls.clear()
+    assert fused.verify_pick({(4, 1024, 1): 10.0, (16, 512, 0): 12.0}, time_rows) == ((4, 1024, 1), {})
+    assert calls == []
+
+
 @pytest.mark.skipif(DEVICE != "cuda", reason="ptxas's spill count: a compiled CUDA kernel")
 def test_the_lean_steps_picks_for_a_verify_of_five_rows_do_not_spill():
     """A lean step built for five rows picks, for every kernel, a block shape whose five-row kernel spills no
@@ -644,6 +664,11 @@ def test_the_lean_steps_picks_for_a_verify_of_five_rows_do_not_spill():
         best = fused._label(tuple(e["best"]))
         assert e["spilled"][best] == min(e["spilled"].values()), e
         assert set(e["us"]) == {c for c, b in e["spilled"].items() if b == e["spilled"][best]}, e
+        # the verify-aware pick: the fastest five-row time of the shapes within the slack at one row
+        fastest = min(e["us"].values())
+        assert e["us"][best] <= fastest * (1 + fused.ONE_ROW_SLACK) + 0.01, e
+        if e["us_rows"]:
+            assert best == min(e["us_rows"], key=e["us_rows"].get), e
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the block-shape picker compiles and times only on a GPU")

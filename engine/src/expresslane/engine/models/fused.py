@@ -613,10 +613,32 @@ def picked_config(name: str, n: int, k: int, rows: int, device: torch.device | N
     return _PICKED.get(_pick_key(name, n, k, rows, device, dtype))
 
 
+#: A verifying step's pick: among the block shapes whose one-row time is within this fraction of the fastest one-row
+#: time, the one fastest at the step's most rows (a plain step stays within 2 % of the fastest shape that does not
+#: spill; the verify gets the shape that suits it).
+ONE_ROW_SLACK = 0.02
+
+
+def verify_pick(one_row: dict, time_rows) -> tuple[tuple[int, ...], dict]:
+    """(the pick of a verifying step, the `rows`-row times it measured): of the block shapes whose one-row time
+    (`one_row`: shape -> time) is within ONE_ROW_SLACK of the fastest, the fastest by `time_rows(shape)` (each
+    timed twice, the better kept); the fastest one-row shape where no other is that close."""
+    fastest = min(one_row, key=one_row.get)
+    close = [c for c in one_row if one_row[c] <= one_row[fastest] * (1 + ONE_ROW_SLACK)]
+    if len(close) == 1:
+        return fastest, {}
+    times: dict[tuple[int, ...], float] = {}
+    for _ in range(2):
+        for cfg in close:
+            t = time_rows(cfg)
+            times[cfg] = min(t, times.get(cfg, t))
+    return min(times, key=times.get), times
+
+
 def pick_config(name: str, n: int, k: int, candidates, launch, max_block_rows: int | None = None,
                 restore: torch.Tensor | None = None, device: torch.device | None = None,
                 config: tuple[int, ...] | None = None, rows: int = 1, spills=None,
-                compile=None, dtype: torch.dtype | None = None) -> tuple[int, ...]:
+                compile=None, dtype: torch.dtype | None = None, many=None) -> tuple[int, ...]:
     """The fastest candidate for (name, n, k) and the weights' dtype on this device, timed once (`launch(cfg)`
     runs the kernel);
     `restore`: a tensor the kernel updates in place, put back after the timing runs; `config`: use this one.
@@ -627,7 +649,9 @@ def pick_config(name: str, n: int, k: int, candidates, launch, max_block_rows: i
     (`spills(cfg)`: the bytes that kernel spills). Each row keeps its own accumulators, so a large tile times
     five rows no longer fits the registers: on the H200 the 8B's verify of five rows took 2.96x the one-row
     step with the one-row picks, whose five-row kernels spilled 2.5-4.6 KB a thread
-    (docs/bench/2026-12-04-row-invariant-verify). The fastest of the rest is then picked by one-row timing.
+    (docs/bench/2026-12-04-row-invariant-verify). The fastest of the rest is then picked by one-row timing, or,
+    given `many(cfg)` (the `rows`-row kernel run on scratch buffers), by its `rows`-row timing among those within
+    ONE_ROW_SLACK of the fastest one-row time.
 
     compile(cfg, r): compile (not run) cfg's kernel of r rows. Given, the kernels the pick reads are compiled in
     parallel first (models/precompile.py): the `rows`-row kernels the spill check loads, then the one-row
@@ -660,10 +684,15 @@ def pick_config(name: str, n: int, k: int, candidates, launch, max_block_rows: i
     if saved is not None:
         restore.copy_(saved)
     best = min(times, key=times.get)
+    times_many: dict[tuple[int, ...], float] = {}
+    if rows > 1 and many is not None:
+        best, times_many = verify_pick(
+            times, lambda cfg: triton.testing.do_bench(lambda: many(cfg), warmup=5, rep=20, return_mode="median"))
     PICK_STATS.picks += 1
     PICK_STATS.timing_s += time.perf_counter() - t0
     TUNING_LOG.append({"kernel": name, "n": n, "k": k, "rows": rows, "best": list(best),
                        "us": {_label(c): round(1e3 * t, 2) for c, t in times.items()},
+                       "us_rows": {_label(c): round(1e3 * t, 2) for c, t in times_many.items()},
                        "spilled": {_label(c): b for c, b in spilled.items()}})
     _PICKED[key] = best
     if compile is not None:  # the verify's row counts, before their graphs are captured one by one
@@ -698,6 +727,31 @@ def _first(x: torch.Tensor) -> torch.Tensor:
     return x if x.dim() == 1 else x[0]
 
 
+def _stride(x: torch.Tensor) -> int:
+    return x.stride(0) if x.dim() > 1 else 0
+
+
+def _many(launch, rows: int, make):
+    """pick_config's `many` for a launcher: its `rows`-row kernel run over scratch buffers, `make()` -> the
+    launch's tensor arguments, made at the first timing (a verify's buffers need not exist when a step's first
+    one-row launch picks; the step's own are never written)."""
+    if rows <= 1:
+        return None
+    bufs: dict = {}
+
+    def many(cfg):
+        if not bufs:
+            bufs.update(make())
+        return launch(cfg, rows=rows, **bufs)
+    return many
+
+
+def _rows_of(t: torch.Tensor, rows: int, dtype=None) -> torch.Tensor:
+    """A scratch [rows, ...] tensor: row 0 of `t` in every row."""
+    one = _first(t)
+    return one.expand(rows, *one.shape).contiguous().to(dtype or one.dtype)
+
+
 def norm_qkv_rope(x, norm_w, eps, w, b, cos, sin, start, q_out, k_cache, v_cache, num_heads, num_kv_heads,
                   head_dim, config=None, max_rows=None, compile_only=False):
     """x [K] residual (or [R, K]: R rows, row r the token at start + r); w [(NH + 2 NKV) * D, K]; writes q_out
@@ -709,14 +763,14 @@ def norm_qkv_rope(x, norm_w, eps, w, b, cos, sin, start, q_out, k_cache, v_cache
     k = x.shape[-1]
     half = head_dim // 2
     heads = num_heads + 2 * num_kv_heads
-    rows, sx = _rows(x)
-    sq = q_out.stride(0) if q_out.dim() > 1 else 0
+    rows, _ = _rows(x)
     pdl = use_pdl(x.device)
 
-    def launch(cfg, x=x, q_out=q_out, rows=rows, compile_only=False):
+    def launch(cfg, x=x, q_out=q_out, rows=rows, compile_only=False, k_cache=k_cache, v_cache=v_cache, start=start):
         bj, bk, pre = cfg[:3]
         return _launch(
-            _norm_qkv_rope_kernel, (heads * (half // bj),), compile_only, x, norm_w, w, b if b is not None else w, cos, sin, start, q_out, k_cache, v_cache, k, eps, sx, sq,
+            _norm_qkv_rope_kernel, (heads * (half // bj),), compile_only, x, norm_w, w, b if b is not None else w,
+            cos, sin, start, q_out, k_cache, v_cache, k, eps, _stride(x), _stride(q_out),
             k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
             NH=num_heads, NKV=num_kv_heads, D=head_dim, HAS_BIAS=b is not None, BJ=bj, BLOCK_K=bk, PREFETCH=pre,
             K_POW2=triton.next_power_of_2(k), PDL=pdl, ROWS=rows, PACK=_pack(cfg), num_warps=_warps(cfg),
@@ -726,30 +780,38 @@ def norm_qkv_rope(x, norm_w, eps, w, b, cos, sin, start, q_out, k_cache, v_cache
     # The block shape is the one-row step's (timed one row at a time): the rows of a verify must run the T = 1
     # step's shapes to give its bits.
     one = lambda cfg, compile_only=False: launch(cfg, _first(x), _first(q_out), 1, compile_only)  # noqa: E731
+    most = max_rows or rows
+    scratch = lambda: dict(x=_rows_of(x, most), q_out=_rows_of(q_out, most),  # noqa: E731
+                           k_cache=k_cache.new_empty((most,) + tuple(k_cache.shape[1:])),
+                           v_cache=v_cache.new_empty((most,) + tuple(v_cache.shape[1:])), start=start.new_zeros(1))
     return launch(pick_config("norm_qkv_rope", w.shape[0], k, cands, one, max_block_rows=half, device=x.device,
-                       config=config, rows=max_rows or rows, spills=_spills(launch, max_rows or rows),
-                       compile=_compiles(launch, one), dtype=w.dtype), compile_only=compile_only)
+                              config=config, rows=most, spills=_spills(launch, most),
+                              compile=_compiles(launch, one), dtype=w.dtype, many=_many(launch, most, scratch)),
+                  compile_only=compile_only)
 
 
 def gemv_residual(a, w, b, residual, config=None, max_rows=None, compile_only=False):
     """residual [N] += (w [N, K] @ a [K] + b), rounded as the PyTorch step rounds, in place; a [R, K] and
     residual [R, N]: each row so, row r bit-identical to a one-row launch."""
     n, k = w.shape
-    rows, sa = _rows(a)
-    sres = residual.stride(0) if residual.dim() > 1 else 0
+    rows, _ = _rows(a)
     pdl = use_pdl(a.device)
 
     def launch(cfg, a=a, residual=residual, rows=rows, compile_only=False):
         bn, bk, pre = cfg[:3]
         return _launch(_gemv_residual_kernel, (triton.cdiv(n, bn),), compile_only, a, w,
-                       b if b is not None else w, residual, n, k, sa, sres, HAS_BIAS=b is not None, BLOCK_N=bn,
+                       b if b is not None else w, residual, n, k, _stride(a), _stride(residual),
+                       HAS_BIAS=b is not None, BLOCK_N=bn,
                        BLOCK_K=bk, PREFETCH=pre, PDL=pdl, ROWS=rows, PACK=_pack(cfg), num_warps=_warps(cfg),
                        launch_pdl=pdl)
 
     one = lambda cfg, compile_only=False: launch(cfg, _first(a), _first(residual), 1, compile_only)  # noqa: E731
+    most = max_rows or rows
+    scratch = lambda: dict(a=_rows_of(a, most), residual=_rows_of(residual, most))  # noqa: E731
     return launch(pick_config("gemv_residual", n, k, GEMV_CONFIGS, one, restore=_first(residual), device=a.device,
-                       config=config, rows=max_rows or rows, spills=_spills(launch, max_rows or rows),
-                       compile=_compiles(launch, one), dtype=w.dtype), compile_only=compile_only)
+                              config=config, rows=most, spills=_spills(launch, most),
+                              compile=_compiles(launch, one), dtype=w.dtype, many=_many(launch, most, scratch)),
+                  compile_only=compile_only)
 
 
 def norm_gate_up_silu(x, norm_w, eps, w, b, out, config=None, max_rows=None, compile_only=False):
@@ -757,21 +819,23 @@ def norm_gate_up_silu(x, norm_w, eps, w, b, out, config=None, max_rows=None, com
     out [R, I]: each row so, row r bit-identical to a one-row launch."""
     i2, k = w.shape
     i = i2 // 2
-    rows, sx = _rows(x)
-    so = out.stride(0) if out.dim() > 1 else 0
+    rows, _ = _rows(x)
     pdl = use_pdl(x.device)
 
     def launch(cfg, x=x, out=out, rows=rows, compile_only=False):
         bj, bk, pre = cfg[:3]
         return _launch(_norm_gate_up_silu_kernel, (triton.cdiv(i, bj),), compile_only, x, norm_w, w,
-                       b if b is not None else w, out, i, k, eps, sx, so, HAS_BIAS=b is not None, BJ=bj,
+                       b if b is not None else w, out, i, k, eps, _stride(x), _stride(out), HAS_BIAS=b is not None,
+                       BJ=bj,
                        BLOCK_K=bk, PREFETCH=pre, K_POW2=triton.next_power_of_2(k), PDL=pdl, ROWS=rows,
                        PACK=_pack(cfg), num_warps=_warps(cfg), launch_pdl=pdl)
 
     one = lambda cfg, compile_only=False: launch(cfg, _first(x), _first(out), 1, compile_only)  # noqa: E731
+    most = max_rows or rows
+    scratch = lambda: dict(x=_rows_of(x, most), out=_rows_of(out, most))  # noqa: E731
     return launch(pick_config("norm_gate_up_silu", i2, k, PAIR_CONFIGS, one, device=x.device, config=config,
-                       rows=max_rows or rows, spills=_spills(launch, max_rows or rows),
-                       compile=_compiles(launch, one), dtype=w.dtype), compile_only=compile_only)
+                              rows=most, spills=_spills(launch, most), compile=_compiles(launch, one),
+                              dtype=w.dtype, many=_many(launch, most, scratch)), compile_only=compile_only)
 
 
 #: Below every key _argmax_key makes (the masked lanes of greedy_advance's maximum).
@@ -792,8 +856,7 @@ def norm_gemv(x, norm_w, eps, w, out, config=None, argmax_keys=None, max_rows=No
     writes its best (value, first row) as one key (new_argmax_keys; greedy_advance takes the largest). Returns
     the number of programs launched (the keys written)."""
     n, k = w.shape
-    rows, sx = _rows(x)
-    so = out.stride(0) if out.dim() > 1 else 0
+    rows, _ = _rows(x)
     if argmax_keys is not None and rows != 1:
         raise ValueError("the folded argmax takes one row")
     pdl = use_pdl(x.device)
@@ -801,16 +864,19 @@ def norm_gemv(x, norm_w, eps, w, out, config=None, argmax_keys=None, max_rows=No
     def launch(cfg, keys=None, x=x, out=out, rows=rows, compile_only=False):
         bn, bk, pre = cfg[:3]
         return _launch(_norm_gemv_kernel, (triton.cdiv(n, bn),), compile_only, x, norm_w, w, out,
-                       keys if keys is not None else out, n, k, eps, sx, so, BLOCK_N=bn, BLOCK_K=bk, PREFETCH=pre,
+                       keys if keys is not None else out, n, k, eps, _stride(x), _stride(out), BLOCK_N=bn,
+                       BLOCK_K=bk, PREFETCH=pre,
                        K_POW2=triton.next_power_of_2(k), PDL=pdl, ARGMAX=keys is not None, ROWS=rows,
                        PACK=_pack(cfg), num_warps=_warps(cfg), launch_pdl=pdl)
 
     # The block shape is timed on one row without the argmax (one pick for all: the epilogue is a few
     # instructions, and a verify's rows must run the T = 1 step's shapes to give its bits).
     one = lambda cfg, compile_only=False: launch(cfg, None, _first(x), _first(out), 1, compile_only)  # noqa: E731
-    cfg = pick_config("norm_gemv", n, k, GEMV_CONFIGS, one, device=x.device, config=config,
-                      rows=max_rows or rows, spills=_spills(launch, max_rows or rows),
-                      compile=_compiles(launch, one), dtype=w.dtype)
+    most = max_rows or rows
+    scratch = lambda: dict(x=_rows_of(x, most), out=_rows_of(out, most))  # noqa: E731
+    cfg = pick_config("norm_gemv", n, k, GEMV_CONFIGS, one, device=x.device, config=config, rows=most,
+                      spills=_spills(launch, most), compile=_compiles(launch, one), dtype=w.dtype,
+                      many=_many(launch, most, scratch))
     launched = launch(cfg, argmax_keys, compile_only=compile_only)
     return launched if compile_only else triton.cdiv(n, cfg[0])
 
