@@ -48,13 +48,21 @@ from .precompile import precompile
 # flight per program (docs/bench/2026-12-01-gpu-greedy-chain/: added after the lean step's first profile found the
 # 8B's QKV GEMV at 66 % and its gate/up at 86 % of copy speed; the first run with them picked 8x256pw8 for the QKV
 # of both shapes, 33 -> 24 us for the 8B's; the last row of each list adds the neighbours of the picks of that run).
+# A fifth element packs (PACK columns a group, one accumulator: _fma): the packed candidates, last, are the shapes
+# whose five-row kernels need the fewest registers in sm_90 ptxas (80-160 a thread where the unpacked shapes that
+# do not spill need up to 241, at a few warps an SM); a verifying step's pick weighs them by their verify
+# (verify_pick). Added after docs/bench/2026-12-05-h100-gpu-check, not yet timed on a device when added.
 GEMV_CONFIGS = ((4, 2048, 0), (8, 1024, 0), (16, 512, 0), (32, 256, 0), (8, 512, 1), (16, 256, 1), (32, 128, 1),
                 (16, 512, 0, 8), (32, 256, 0, 8), (16, 256, 1, 8),
-                (4, 1024, 1), (8, 1024, 1), (4, 512, 1), (8, 512, 1, 8), (4, 1024, 1, 8))
-# (row pairs per program, K per iteration, prefetch[, warps]) for the kernels that own two row sets.
+                (4, 1024, 1), (8, 1024, 1), (4, 512, 1), (8, 512, 1, 8), (4, 1024, 1, 8),
+                (4, 1024, 1, 4, 8), (4, 512, 1, 4, 8), (8, 512, 1, 4, 8), (4, 2048, 0, 8, 8), (8, 1024, 1, 8, 8),
+                (4, 1024, 1, 8, 8), (8, 2048, 0, 8, 8))
+# (row pairs per program, K per iteration, prefetch[, warps[, pack]]) for the kernels that own two row sets.
 PAIR_CONFIGS = ((2, 2048, 0), (4, 1024, 0), (8, 512, 0), (16, 256, 0), (4, 512, 1), (8, 256, 1), (16, 128, 1),
                 (8, 512, 0, 8), (16, 256, 0, 8), (8, 256, 1, 8),
-                (16, 128, 1, 8), (4, 256, 1, 8), (8, 128, 1, 8), (4, 512, 1, 8), (4, 256, 1))
+                (16, 128, 1, 8), (4, 256, 1, 8), (8, 128, 1, 8), (4, 512, 1, 8), (4, 256, 1),
+                (4, 512, 1, 8, 8), (8, 256, 1, 8, 8), (8, 512, 1, 8, 8), (4, 256, 1, 4, 8), (16, 256, 1, 8, 8),
+                (2, 1024, 1, 4, 8), (4, 1024, 1, 8, 8))
 
 
 @triton.jit
