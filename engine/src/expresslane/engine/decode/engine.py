@@ -124,6 +124,8 @@ class _PhaseClock:
         self.t0 = self.t = time.perf_counter()
         self.phases: dict[str, float] = {}
         self.start = self._counters()
+        fused = sys.modules.get("expresslane.engine.models.fused")
+        self.log_start = len(fused.TUNING_LOG) if fused is not None else 0
 
     @staticmethod
     def _counters() -> dict[str, float]:
@@ -137,6 +139,19 @@ class _PhaseClock:
             out.update(pick_timing_s=fused.PICK_STATS.timing_s, picks=fused.PICK_STATS.picks)
         return out
 
+    def _picked(self) -> list[str]:
+        """The block shapes this warm-up picked: "kernel NxK rows: shape (one-row us, rows-row us where timed)"."""
+        fused = sys.modules.get("expresslane.engine.models.fused")
+        if fused is None:
+            return []
+        out = []
+        for e in fused.TUNING_LOG[self.log_start:]:
+            best = fused._label(tuple(e["best"]))
+            rows_us = e.get("us_rows", {}).get(best)
+            out.append(f"{e['kernel']} {e['n']}x{e['k']} r{e['rows']}: {best} ({e['us'].get(best)} us"
+                       + (f", {rows_us} us at {e['rows']} rows)" if rows_us is not None else ")"))
+        return out
+
     def mark(self, phase: str) -> None:
         now = time.perf_counter()
         self.phases[phase] = round(now - self.t, 3)
@@ -145,7 +160,9 @@ class _PhaseClock:
     def report(self) -> dict:
         end = self._counters()
         within = {k: (round(v - self.start.get(k, 0), 3) if k != "compile_threads" else v) for k, v in end.items()}
-        return {"seconds": round(time.perf_counter() - self.t0, 3), "phases": self.phases, **within}
+        picked = self._picked()
+        return {"seconds": round(time.perf_counter() - self.t0, 3), "phases": self.phases, **within,
+                **({"picked": picked} if picked else {})}
 
 
 class DecodeEngine:
