@@ -6,7 +6,8 @@ chunk grows at every multiple of splits * 64, 2,048 at 8 KV heads on an H200), f
 verify attentions, and the tensor-core family with its norms as the residual kernels' tails, with and without its
 weights' L2 prefetch (models/lean.py).
 
-The block shapes are each kernel's first fitting candidate, not the engine's timed picks (timing them would take
+The block shapes are each kernel's first fitting candidate (and, for the CUDA-core family, its first
+packed one: fused._fma), not the engine's timed picks (timing them would take
 a minute a shape and family); bit-identity holds for any one shape that the one-row step and the verify share,
 which is what the small-shape tests check with the timed picks (test_fused_kernels.py), and the GPU check's
 oracle runs at these shapes check end to end (every draft kept, every token the plain run's)."""
@@ -26,17 +27,27 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "scripts"))
 
 @pytest.fixture
 def first_fitting_picks(monkeypatch):
+    """Each kernel's first fitting candidate, of the packed block shapes (fused._fma) or of the others as
+    `packed(on)` says (the picks made so far forgotten)."""
     from expresslane.engine.models import fused, fused_dot
 
     real = fused.pick_config
+    state = {"packed": False}
 
     def first(name, n, k, candidates, launch, max_block_rows=None, restore=None, device=None, config=None, rows=1,
-              spills=None, compile=None, dtype=None):
-        return real(name, n, k, candidates, launch, max_block_rows=max_block_rows, config=config, rows=rows,
+              spills=None, compile=None, dtype=None, many=None):
+        cands = [c for c in candidates if bool(fused._pack(c)) == state["packed"]] or list(candidates)
+        return real(name, n, k, cands, launch, max_block_rows=max_block_rows, config=config, rows=rows,
                     dtype=dtype)
 
     monkeypatch.setattr(fused, "pick_config", first)
     monkeypatch.setattr(fused_dot, "pick_config", first)
+    monkeypatch.setattr(fused, "_PICKED", {})
+
+    def packed(on: bool) -> None:
+        state["packed"] = on
+        fused._PICKED.clear()
+    return packed
 
 
 @pytest.mark.parametrize("shape", ["llama-1b", "llama-8b"])
@@ -59,10 +70,12 @@ def test_each_verify_row_is_the_one_row_step_at_the_real_shapes(shape, first_fit
     v = torch.randn(shape_kv, device=dev, dtype=torch.bfloat16, generator=gen)
     k1, v1 = k.clone(), v.clone()
     tokens = torch.tensor([11, 3, 90, 42, 7], device=dev)
-    cases = [("cuda-core", "kernel", "per-row", False), ("cuda-core", "kernel", "shared", False),
-             ("tensor-core", "kernel", "per-row", False), ("tensor-core", "kernel", "shared", False),
-             ("tensor-core", "tail", "per-row", False), ("tensor-core", "tail", "per-row", True)]
-    for gemv, norm, attn, l2 in cases:
+    cases = [("cuda-core", "kernel", "per-row", False, False), ("cuda-core", "kernel", "shared", False, False),
+             ("cuda-core", "kernel", "per-row", False, True),
+             ("tensor-core", "kernel", "per-row", False, False), ("tensor-core", "kernel", "shared", False, False),
+             ("tensor-core", "tail", "per-row", False, False), ("tensor-core", "tail", "per-row", True, False)]
+    for gemv, norm, attn, l2, packed in cases:
+        first_fitting_picks(packed)
         verify = LeanStep(model, cos, sin, list(k.unbind(0)), list(v.unbind(0)), max_rows=5, gemv=gemv)
         one = LeanStep(model, cos, sin, list(k1.unbind(0)), list(v1.unbind(0)), max_rows=5, gemv=gemv)
         for step in (verify, one):
@@ -76,5 +89,5 @@ def test_each_verify_row_is_the_one_row_step_at_the_real_shapes(shape, first_fit
                         for r in range(rows)]
             torch.cuda.synchronize()
             for r in range(rows):
-                assert torch.equal(got[r], want[r][0]), (shape, gemv, norm, attn, l2, rows, pos, r)
+                assert torch.equal(got[r], want[r][0]), (shape, gemv, norm, attn, l2, packed, rows, pos, r)
         assert torch.equal(k, k1) and torch.equal(v, v1), (shape, gemv, attn)  # the same K/V rows written
