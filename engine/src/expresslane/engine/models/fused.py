@@ -189,6 +189,30 @@ def _halves(t):
 
 
 @triton.jit
+def _fma2(acc, w, x):
+    """acc + w[..., 0] * x[..., 0] + w[..., 1] * x[..., 1], in that order (two FMAs)."""
+    a, b = _halves(w)
+    c, d = _halves(x)
+    acc += a * c
+    acc += b * d
+    return acc
+
+
+@triton.jit
+def _fma4(acc, w, x):
+    w0, w1 = _halves(w)
+    x0, x1 = _halves(x)
+    return _fma2(_fma2(acc, w0, x0), w1, x1)
+
+
+@triton.jit
+def _fma8(acc, w, x):
+    w0, w1 = _halves(w)
+    x0, x1 = _halves(x)
+    return _fma4(_fma4(acc, w0, x0), w1, x1)
+
+
+@triton.jit
 def _fma(acc, wf, xc, PACK: tl.constexpr):
     """acc + one row's products of a tile: w * x elementwise, or with PACK (2, 4, 8) each group's PACK products
     added to the group's one accumulator as a chain of FMAs in a fixed order (its columns are one vector load, in
@@ -196,49 +220,14 @@ def _fma(acc, wf, xc, PACK: tl.constexpr):
     if PACK == 0:
         return acc + wf * xc[None, :]
     else:
-        w = wf
         x = tl.broadcast_to(xc[None, :, :], wf.shape)
         if PACK == 8:
-            w0, w1 = _halves(w)
-            x0, x1 = _halves(x)
-            w00, w01 = _halves(w0)
-            w10, w11 = _halves(w1)
-            x00, x01 = _halves(x0)
-            x10, x11 = _halves(x1)
-            a, b = _halves(w00)
-            c, d = _halves(x00)
-            acc += a * c
-            acc += b * d
-            a, b = _halves(w01)
-            c, d = _halves(x01)
-            acc += a * c
-            acc += b * d
-            a, b = _halves(w10)
-            c, d = _halves(x10)
-            acc += a * c
-            acc += b * d
-            a, b = _halves(w11)
-            c, d = _halves(x11)
-            acc += a * c
-            acc += b * d
+            return _fma8(acc, wf, x)
         elif PACK == 4:
-            w0, w1 = _halves(w)
-            x0, x1 = _halves(x)
-            a, b = _halves(w0)
-            c, d = _halves(x0)
-            acc += a * c
-            acc += b * d
-            a, b = _halves(w1)
-            c, d = _halves(x1)
-            acc += a * c
-            acc += b * d
+            return _fma4(acc, wf, x)
         else:
             tl.static_assert(PACK == 2, "PACK is 0, 2, 4 or 8")
-            a, b = _halves(w)
-            c, d = _halves(x)
-            acc += a * c
-            acc += b * d
-        return acc
+            return _fma2(acc, wf, x)
 
 
 @triton.jit
