@@ -195,6 +195,8 @@ for r in rows:
           f"warm-up {w['seconds']:.1f} s ({phases}); compiles {w.get('compile_s', 0):.1f} s "
           f"({w.get('compile_jobs', 0)} kernels, {w.get('compile_threads', '?')} threads), "
           f"block-shape timing {w.get('pick_timing_s', 0):.1f} s ({w.get('picks', 0)} picks)")
+    for pick in w.get("picked", []):  # the block shapes it picked (one-row us, rows-row us where timed)
+        print(f"    {pick}")
 EOF
     python3 scripts/gpu_check_targets.py "$out"
     [[ -s $out/lean-norm.jsonl ]] && python3 - "$out/lean-norm.jsonl" <<'EOF'
