@@ -10,7 +10,7 @@ row, 80 at five). The hypothesis: a five-row verify is latency-bound at low occu
 brings it towards one row's cost without slowing the one-row step.
 
 For each projection of the 8B (and 1B) shape and each candidate block shape, packed or not, it times the kernel at
-one row and at five (CUDA-graph replay, median), reads what the five-row kernel spills,. That a packed
+one row and at five (CUDA-graph replay, median), reads what the five-row kernel spills. That a packed
 shape's rows are the one-row launch's bits is the tests' (tests/unit/engine/test_fused_kernels.py).
 
     python3 scripts/probe_packed_gemv.py --json OUT.jsonl [--model 8b|1b|both]     # on a CUDA machine
@@ -30,6 +30,7 @@ import triton.testing
 
 from expresslane.engine.models import fused
 from expresslane.engine.models.precompile import precompile
+from probe_verify_kernels import SHAPES_1B, SHAPES_8B
 
 ROWS = 5
 PACKED_SINGLE = [(4, 1024, 1, 4, 8), (4, 2048, 0, 4, 8), (4, 2048, 1, 4, 8), (8, 1024, 0, 4, 8),
@@ -39,19 +40,14 @@ PACKED_SINGLE = [(4, 1024, 1, 4, 8), (4, 2048, 0, 4, 8), (4, 2048, 1, 4, 8), (8,
 PACKED_PAIR = [(2, 2048, 0, 4, 8), (4, 1024, 0, 4, 8), (4, 1024, 1, 4, 8), (4, 512, 1, 4, 8), (8, 512, 1, 4, 8),
                (8, 256, 1, 4, 8), (4, 512, 1, 8, 8), (8, 512, 1, 8, 8), (16, 256, 1, 8, 8), (4, 1024, 1, 8, 8),
                (8, 1024, 0, 8, 8), (2, 1024, 1, 4, 8), (4, 256, 1, 4, 8), (8, 256, 1, 8, 8)]
-# (name, N, K, launcher, pair)
-SHAPES = {"8b": [("qkv", 6144, 4096, "norm_qkv_rope", True), ("o", 4096, 4096, "gemv_residual", False),
-                 ("gate_up", 28672, 4096, "norm_gate_up_silu", True), ("down", 4096, 14336, "gemv_residual", False),
-                 ("lm_head", 128256, 4096, "norm_gemv", False)],
-          "1b": [("qkv", 3072, 2048, "norm_qkv_rope", True), ("o", 2048, 2048, "gemv_residual", False),
-                 ("gate_up", 16384, 2048, "norm_gate_up_silu", True), ("down", 2048, 8192, "gemv_residual", False),
-                 ("lm_head", 128256, 2048, "norm_gemv", False)]}
+# (name, N, K, the lean step's kernel, whether its input is normalised in the kernel): the other probe's lists
+SHAPES = {"8b": SHAPES_8B, "1b": SHAPES_1B}
+PAIRED = {"norm_qkv_rope", "norm_gate_up_silu"}  # the kernels that own two row sets (PAIR_CONFIGS)
 HEADS = {6144: (128, 32, 8), 3072: (64, 32, 8)}
 
 
 def make_case(n, k, launcher, device, dtype=torch.bfloat16):
-    """A launcher call `run(rows, cfg, compile_only=False)` over fixed random weights and ROWS input rows, and
-    `outputs(rows)`: what the call wrote, per row."""
+    """A launcher call `run(rows, cfg, compile_only=False)` over fixed random weights and ROWS input rows."""
     from expresslane.engine.models.config import RopeConfig
     from expresslane.engine.models.rope import rope_tables
 
@@ -68,21 +64,21 @@ def make_case(n, k, launcher, device, dtype=torch.bfloat16):
             res.copy_(res0)
             return fused.gemv_residual(x[:r] if r > 1 else x[0], w, None, res[:r] if r > 1 else res[0],
                                        config=cfg, compile_only=compile_only)
-        return run, lambda r: res[:r].clone()
+        return run
     if launcher == "norm_gemv":
         out = torch.empty(ROWS, n, dtype=torch.float32, device=device)
 
         def run(r, cfg, compile_only=False):
             return fused.norm_gemv(x[:r] if r > 1 else x[0], nw, 1e-5, w, out[:r] if r > 1 else out[0], config=cfg,
                                    compile_only=compile_only)
-        return run, lambda r: out[:r].clone()
+        return run
     if launcher == "norm_gate_up_silu":
         out = torch.empty(ROWS, n // 2, dtype=dtype, device=device)
 
         def run(r, cfg, compile_only=False):
             return fused.norm_gate_up_silu(x[:r] if r > 1 else x[0], nw, 1e-5, w, None,
                                            out[:r] if r > 1 else out[0], config=cfg, compile_only=compile_only)
-        return run, lambda r: out[:r].clone()
+        return run
     d, nh, nkv = HEADS[n]
     cos, sin = rope_tables(RopeConfig(), d, 64, dtype, device)
     q = torch.empty(ROWS, nh * d, dtype=dtype, device=device)
@@ -94,10 +90,10 @@ def make_case(n, k, launcher, device, dtype=torch.bfloat16):
         return fused.norm_qkv_rope(x[:r] if r > 1 else x[0], nw, 1e-5, w, None, cos, sin, start,
                                    q[:r] if r > 1 else q[0], kc, vc, nh, nkv, d, config=cfg,
                                    compile_only=compile_only)
-    return run, lambda r: torch.cat([q[:r].flatten(), kc[3:3 + r].flatten(), vc[3:3 + r].flatten()])
+    return run
 
 
-def fits(cfg, n, k, pair, launcher):
+def fits(cfg, n, k, launcher):
     half = HEADS.get(n, (0,))[0] // 2
     if launcher == "norm_qkv_rope" and half % cfg[0]:
         return False
@@ -114,11 +110,12 @@ def main(argv=None) -> int:
     t_start = time.perf_counter()
     with open(args.json, "a") as out:
         for model in models:
-            for name, n, k, launcher, pair in SHAPES[model]:
+            for name, n, k, launcher, _ in SHAPES[model]:
+                pair = launcher in PAIRED
                 base = fused.PAIR_CONFIGS if pair else fused.GEMV_CONFIGS
                 packed = PACKED_PAIR if pair else PACKED_SINGLE
-                cands = [c for c in dict.fromkeys(list(base) + packed) if fits(c, n, k, pair, launcher)]
-                run, outputs = make_case(n, k, launcher, device)
+                cands = [c for c in dict.fromkeys(list(base) + packed) if fits(c, n, k, launcher)]
+                run = make_case(n, k, launcher, device)
                 t0 = time.perf_counter()
                 precompile([functools.partial(run, r, c, compile_only=True) for c in cands for r in (1, ROWS)])
                 compile_s = time.perf_counter() - t0
@@ -136,17 +133,21 @@ def main(argv=None) -> int:
                                  "us5": round(us[ROWS], 2), "ratio": round(us[ROWS] / us[1], 3), "spill5": spill5,
                                  "regs": regs, "packed": bool(fused._pack(c))})
                 live = [r for r in rows if r.get("us1")]
-                best = lambda pred, key: min((r for r in live if pred(r)), key=lambda r: r[key], default=None)  # noqa: E731
+
+                def best(pred, key):
+                    return min((r for r in live if pred(r)), key=lambda r: r[key], default=None)
                 plain = best(lambda r: True, "us1")
                 spec_now = best(lambda r: not r["packed"] and r["spill5"] <= 0, "us1")
                 packed_best = best(lambda r: r["packed"], "us1")
                 packed_t5 = best(lambda r: r["packed"], "us5")
-                rec = {"model": model, "shape": name, "n": n, "k": k, "kernel": launcher, "compile_s": round(compile_s, 1),
-                       "candidates": rows, "device": torch.cuda.get_device_name(), "triton": triton.__version__,
-                       "torch": torch.__version__}
+                rec = {"model": model, "shape": name, "n": n, "k": k, "kernel": launcher,
+                       "compile_s": round(compile_s, 1), "candidates": rows, "device": torch.cuda.get_device_name(),
+                       "triton": triton.__version__, "torch": torch.__version__}
                 out.write(json.dumps(rec) + "\n")
                 out.flush()
-                fmt = lambda r: "-" if r is None else f"{r['label']:>14} {r['us1']:8.2f} {r['us5']:8.2f} {r['ratio']:5.2f}"  # noqa: E731
+
+                def fmt(r):
+                    return "-" if r is None else f"{r['label']:>14} {r['us1']:8.2f} {r['us5']:8.2f} {r['ratio']:5.2f}"
                 print(f"{model} {name:8} one-row best {fmt(plain)} | spec pick now {fmt(spec_now)} | packed T1 best "
                       f"{fmt(packed_best)} | packed T5 best {fmt(packed_t5)}  (compile {compile_s:.0f} s)",
                       flush=True)

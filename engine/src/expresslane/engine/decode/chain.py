@@ -46,8 +46,9 @@ next (prompt lookup: the context's last n - 1 tokens head no key of its index fo
 because on text that does not repeat the last token alone heads a key at up to a fifth of the steps while the
 next token almost never completes it; the adaptive drafter: pausing). Only there is a plain step's successor
 queued ahead, so with a right hint no queued step is ever row 0 of a verify, and every verify is the per-token
-loop's one forward; a "may" where no draft follows costs the sync the queue-ahead saves. A drafter without the hint is taken
-to draft anywhere, so its plain steps do not run ahead (DraftModelDrafter says as much: it drafts every step).
+loop's one forward; a "may" where no draft follows costs the sync the queue-ahead saves. A drafter without the
+hint is taken to draft anywhere, so its plain steps do not run ahead (DraftModelDrafter says as much: it drafts
+every step).
 
 The drafter is asked at the same points with the same context and k (the hint is read-only), the counters
 (SpecStats) record the same steps, and every row written lies inside the rows the per-token loop writes for

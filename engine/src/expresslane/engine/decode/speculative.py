@@ -48,9 +48,10 @@ class Drafter(Protocol):
 
     # Optional (a drafter without it is taken to draft at any step):
     #   may_draft_next() -> bool: False where the next `propose` is predicted to return no drafts whatever one
-    #   token the target emits next (prompt lookup: exact for its 3- and 4-grams, see there). Read-only. The engine then queues that plain step on the device before it reads the
-    #   current one's token (decode/chain.py); a hint, not a promise: where it is wrong the output stays the
-    #   same and a verify whose first draft is kept costs one more forward.
+    #   token the target emits next (prompt lookup: exact for its 3- and 4-grams, see there). Read-only. The
+    #   engine then queues that plain step on the device before it reads the current one's token
+    #   (decode/chain.py); a hint, not a promise: where it is wrong the output stays the same and a verify whose
+    #   first draft is kept costs one more forward.
 
 
 @dataclass(frozen=True)
