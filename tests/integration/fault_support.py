@@ -12,6 +12,7 @@ import asyncio
 import json
 import re
 import socket
+import ssl
 import subprocess
 import sys
 import threading
@@ -25,6 +26,14 @@ import httpx
 
 
 # ---- one request, recorded -------------------------------------------------------------------------------
+# Every request below is its own client (its own connection, closed when it is abandoned), as separate users are;
+# they share one TLS context. httpx builds a fresh one per client by loading the CA bundle: 23 ms of CPU, in the
+# event loop, measured here. A burst of 256 requests spent 6 s (idle box) to 20 s (loaded CI runner) of the loop
+# building clients, so the first connects outlived their own 5 s connect timeout (ConnectTimeout at 22.9 s,
+# 2026-12-05 CI): the harness failing, not the router.
+_TLS = ssl.create_default_context()
+
+
 @dataclass
 class Outcome:
     """What one client request got. `lost`: no complete answer within the bound (the client gave up)."""
@@ -88,7 +97,8 @@ async def request(base: str, path: str, body: dict, *, bound_s: float, stream: b
     t0 = time.monotonic()
 
     async def run() -> None:
-        async with httpx.AsyncClient(timeout=httpx.Timeout(bound_s + 5, connect=5.0), trust_env=False) as c:
+        async with httpx.AsyncClient(timeout=httpx.Timeout(bound_s + 5, connect=5.0), trust_env=False,
+                                     verify=_TLS) as c:
             async with c.stream("POST", base + path, json=body, headers=headers) as r:
                 out.status = r.status_code
                 out.retry_after = r.headers.get("retry-after")
@@ -164,7 +174,7 @@ async def greedy_references(prefill: str, model: str, todo: dict[str, tuple[str,
     and the burst's exactness references)."""
     out: dict[str, str | None] = {}
     sem = asyncio.Semaphore(parallel)
-    async with httpx.AsyncClient(timeout=timeout_s, trust_env=False, headers=headers) as client:
+    async with httpx.AsyncClient(timeout=timeout_s, trust_env=False, headers=headers, verify=_TLS) as client:
         async def one(key: str, kind: str, body: dict) -> None:
             path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
             async with sem:
@@ -199,7 +209,7 @@ async def first_difference_is_a_tie(prefill: str, model: str, kind: str, body: d
     TIE_NATS of the server's token. Returns (tie, what was found)."""
     path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
     extra = {"logprobs": True, "top_logprobs": 5} if kind == "chat" else {"logprobs": 5}
-    async with httpx.AsyncClient(timeout=timeout_s, trust_env=False, headers=headers) as client:
+    async with httpx.AsyncClient(timeout=timeout_s, trust_env=False, headers=headers, verify=_TLS) as client:
         r = await client.post(prefill + path, json=dict(body, model=model, stream=False, **extra))
     if r.status_code != 200:
         return False, f"the reference with logprobs failed: {r.status_code} {r.text[:200]}"
