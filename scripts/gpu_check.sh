@@ -11,12 +11,14 @@
 #                                                # .carry/gpu-check/ (nixl-cu13 repacked as tar.xz: 59 -> 32 MB)
 #   bash scripts/gpu_check.sh run OUTDIR [PART]  # there: PART all (default) | tests | bench | norm (the
 #                                                # tensor-core norm probe, the FORCED benches and their shapes'
-#                                                # engines without speculation only)
+#                                                # engines without speculation only) | step-tune (the plain
+#                                                # engines and the 8B tensor-core one, --step-tune on and off)
 #   bash scripts/gpu_check.sh summary OUTDIR     # anywhere: the table again from OUTDIR's pytest.txt, bench.jsonl
 #
 # The GPU machine (see docs/performance.md, "Method") has python3 3.12 with torch, triton, transformers,
 # pytest, httpx and aiohttp, and no network: `prepare`'s folder travels with the run (the device tool's carry).
-# Environment: PLAIN_ENGINE (1: also bench an engine built without speculation),
+# Environment: PLAIN_ENGINE (1: also bench an engine built without speculation), STEP_TUNE_OFF (none: the
+# shapes whose plain engine is also benched with --step-tune off, at STEP_TUNE_OFF_CONTEXTS 1024,32768),
 # SHAPES (llama-8b llama-1b), CONTEXTS (1024,8192,32768), TOKENS (256), ORACLE_K (1,2,3,4),
 # FORCED (llama-8b:tensor-core:per-row: shape:family[:verify attention[:norm[:l2]]] also benched with that
 # GEMV family, verify attention, norm placement and L2 prefetch (models/lean.py; per-row, kernel and none when
@@ -93,6 +95,28 @@ run_bench() {
   local out="$1" part="${2:-bench}"
   : >"$out/bench.jsonl"
   local replay="${REPLAY-}" texts="${REPLAY_TEXT-docs/bench/2026-12-04-cost-aware-drafter/texts.json}"
+  if [[ $part == step-tune ]]; then
+    # the warm-up's timing of the whole step (models/step_tune.py) against each kernel's shape the fastest alone,
+    # side by side on one card: each shape's plain engine, then the tensor-core family's speculating engine
+    local tune shape
+    for shape in ${SHAPES:-llama-8b llama-1b}; do
+      for tune in on off; do
+        echo "== bench $shape plain engine, --step-tune $tune"
+        python3 -m expresslane.engine.decode.bench --random-shape "$shape" --device cuda --dtype bfloat16 \
+          --contexts "${CONTEXTS:-1024,8192,32768}" --max-seq-len "${MAX_SEQ_LEN:-33100}" --tokens "${TOKENS:-256}" \
+          --speculation-k 0 --step-tune "$tune" --repeats "${REPEATS:-2}" --json "$out/bench.jsonl" 2>&1 \
+          | tee -a "$out/bench.log"
+      done
+    done
+    for tune in on off; do
+      echo "== bench llama-8b tensor-core, --step-tune $tune"
+      python3 -m expresslane.engine.decode.bench --random-shape llama-8b --device cuda --dtype bfloat16 \
+        --contexts "${FORCED_CONTEXTS:-1024,32768}" --max-seq-len "${MAX_SEQ_LEN:-33100}" --tokens "${TOKENS:-256}" \
+        --lean-gemv tensor-core --oracle-k 3,4 --lookup --step-tune "$tune" --repeats "${REPEATS:-2}" \
+        --json "$out/bench.jsonl" 2>&1 | tee -a "$out/bench.log"
+    done
+    return 0
+  fi
   # the tensor-core step's norms as kernels or as the residual kernels' tails, against the CUDA-core step
   if [[ ${PROBE_NORM:-$([[ $part == norm ]] && echo 1 || echo 0)} == 1 ]]; then
     echo "== lean norm: kernel vs tail (tensor-core), against cuda-core"
@@ -147,6 +171,15 @@ run_bench() {
       --device cuda --dtype bfloat16 --contexts "${CONTEXTS:-1024,8192,32768}" --max-seq-len "${MAX_SEQ_LEN:-33100}" \
       --tokens "${TOKENS:-256}" --speculation-k 0 --repeats "${REPEATS:-2}" --json "$out/bench.jsonl" 2>&1 \
       | tee -a "$out/bench.log"
+    # the same plain engine with each kernel's block shape the fastest alone (--step-tune off): what the warm-up's
+    # timing of the whole step (models/step_tune.py) wins, side by side on the same card
+    if [[ " ${STEP_TUNE_OFF-} " == *" $shape "* ]]; then
+      echo "== bench $shape plain engine, --step-tune off"
+      python3 -m expresslane.engine.decode.bench --random-shape "$shape" --device cuda --dtype bfloat16 \
+        --contexts "${STEP_TUNE_OFF_CONTEXTS:-1024,32768}" --max-seq-len "${MAX_SEQ_LEN:-33100}" \
+        --tokens "${TOKENS:-256}" --speculation-k 0 --step-tune off --repeats "${REPEATS:-2}" \
+        --json "$out/bench.jsonl" 2>&1 | tee -a "$out/bench.log"
+    fi
   done
 }
 
@@ -162,7 +195,8 @@ import json, sys
 rows = [json.loads(line) for line in open(sys.argv[1]) if line.strip()]
 # "x node": against an engine built without speculation at the same shape and context (the speed a node with
 # --speculation off gives; speculation on by default must keep >= 0.97x of it where nothing repeats)
-node = {(r["model"], r["context"]): r["tok_per_s"] for r in rows if not r.get("speculation_k", 1)}
+node = {(r["model"], r["context"]): r["tok_per_s"] for r in rows
+        if not r.get("speculation_k", 1) and r.get("step_tune", True)}
 print(f"{'shape':10} {'gemv':19} {'ctx':>6} {'mode':19} {'tok/s':>8} {'of bound':>8} {'x plain':>7} {'x node':>6} {'accept':>6} "
       f"{'exact':>5} {'T=1 ms':>7} {'T=5/T=1':>7}")
 for r in rows:
@@ -175,6 +209,7 @@ for r in rows:
     ob = f"{100 * r['of_bound']:.1f}%" if r.get("of_bound") else "-"
     acc = f"{spec.get('mean_acceptance', 0):.2f}" if r["mode"] != "plain" else "-"
     mode = r["mode"] if r.get("speculation_k", 1) else "plain-eng"  # an engine built without speculation
+    mode += "" if r.get("step_tune", True) else " untuned"  # block shapes the fastest alone (--step-tune off)
     gemv = (str(r.get('gemv')) + ("+sh" if r.get("verify_attention") == "shared" else "")
             + ("+tail" if r.get("lean_norm") == "tail" else "") + ("+l2" if r.get("l2_prefetch") else ""))
     print(f"{shape:10} {gemv:19} {r['context']:>6} {mode:19} {r['tok_per_s']:>8.1f} {ob:>8} {r['speedup']:>6.2f}x {xnode:>6} "
@@ -185,7 +220,7 @@ seen = set()
 for r in rows:
     w = r.get("warmup")
     key = (r["model"], r.get("gemv"), r.get("speculation_k"), r.get("verify_attention"), r.get("lean_norm"),
-           r.get("l2_prefetch"))
+           r.get("l2_prefetch"), r.get("step_tune"))
     if not w or key in seen:
         continue
     seen.add(key)
@@ -197,6 +232,11 @@ for r in rows:
           f"block-shape timing {w.get('pick_timing_s', 0):.1f} s ({w.get('picks', 0)} picks)")
     for pick in w.get("picked", []):  # the block shapes it picked (one-row us, rows-row us where timed)
         print(f"    {pick}")
+    for t in w.get("step_tuned", []):  # the whole step's us with each candidate (models/step_tune.py)
+        rows_us = t.get("step_us_rows")
+        print(f"    step-timed {t['kernel']} {t['n']}x{t['k']}: {t['was']} -> {t['best']}; step us "
+              + ", ".join(f"{c} {v}" + (f"/{rows_us[c]}" if rows_us and c in rows_us else "")
+                          for c, v in t["step_us"].items()))
 EOF
     python3 scripts/gpu_check_targets.py "$out"
     [[ -s $out/lean-norm.jsonl ]] && python3 - "$out/lean-norm.jsonl" <<'EOF'
@@ -248,7 +288,7 @@ case "${1:-}" in
       (( budget > deadline - SECONDS - 10 )) && budget=$((deadline - SECONDS - 10))
       run_tests "$out" "$budget"; echo "tests $((SECONDS - t0)) s" >>"$out/phases.txt"
     fi
-    if [[ $part == all || $part == bench || $part == norm ]]; then
+    if [[ $part == all || $part == bench || $part == norm || $part == step-tune ]]; then
       t0=$SECONDS
       if (( deadline - SECONDS >= 10 )); then
         export -f run_bench

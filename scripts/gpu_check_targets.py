@@ -45,6 +45,7 @@ def targets(out: Path) -> list[tuple[bool, str, str]]:
     """[(holds, target, measured)] for the run in `out`."""
     bench = out / "bench.jsonl"
     rows = [json.loads(line) for line in bench.read_text().splitlines() if line.strip()] if bench.exists() else []
+    rows = [r for r in rows if r.get("step_tune", True)]  # --step-tune off rows are an A/B, not the product
     node = {(_shape(r), r["context"]): r["tok_per_s"] for r in rows if not _speculating(r)}
     found: list[tuple[bool, str, str]] = []
 

@@ -374,6 +374,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--lean-l2-prefetch", action="store_true",
                     help="the tensor-core projections prefetch their first weight tiles into the L2 before "
                          "their PDL wait (models/lean.py)")
+    ap.add_argument("--step-tune", choices=["on", "off"], default="on",
+                    help="re-decide the lean step's block shapes by the whole step's time at warm-up "
+                         "(models/step_tune.py; off: each kernel's shape fastest alone)")
     ap.add_argument("--speculation-k", type=int, default=4, help="most drafts per verify step (0: off)")
     ap.add_argument("--oracle-k", default="", help="acceptance sweep: comma-separated k for the oracle drafter")
     ap.add_argument("--lookup", action="store_true",
@@ -427,6 +430,7 @@ def main(argv: list[str] | None = None) -> None:
             engine.runner.set_lean_norm(args.lean_norm)
         if args.lean_l2_prefetch:
             engine.runner.set_lean_l2_prefetch(True)
+        engine.runner.set_step_tune(args.step_tune == "on")
         engine.warmup()
     except (OSError, ValueError) as e:  # missing checkpoint, unsupported model, bad option combination
         ap.error(str(e))
@@ -464,6 +468,7 @@ def main(argv: list[str] | None = None) -> None:
                                         "verify_attention": engine.runner.verify_attention,
                                         "lean_norm": engine.runner.lean_norm,
                                         "l2_prefetch": engine.runner.lean_l2_prefetch,
+                                        "step_tune": engine.runner.step_tune,
                                         "speculation_k": args.speculation_k, "load_warmup_s": round(load_s, 2),
                                         "warmup": engine.warmup_report, **r}) + "\n")
 

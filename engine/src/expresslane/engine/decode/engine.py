@@ -123,6 +123,7 @@ class _PhaseClock:
     def __init__(self) -> None:
         self.t0 = self.t = time.perf_counter()
         self.phases: dict[str, float] = {}
+        self.step_tuned: list[dict] = []  # StepRunner.tune's measurements (models/step_tune.py)
         self.start = self._counters()
         fused = sys.modules.get("expresslane.engine.models.fused")
         self.log_start = len(fused.TUNING_LOG) if fused is not None else 0
@@ -162,7 +163,8 @@ class _PhaseClock:
         within = {k: (round(v - self.start.get(k, 0), 3) if k != "compile_threads" else v) for k, v in end.items()}
         picked = self._picked()
         return {"seconds": round(time.perf_counter() - self.t0, 3), "phases": self.phases, **within,
-                **({"picked": picked} if picked else {})}
+                **({"picked": picked} if picked else {}),
+                **({"step_tuned": self.step_tuned} if self.step_tuned else {})}
 
 
 class DecodeEngine:
@@ -328,6 +330,9 @@ class DecodeEngine:
         n = min(8, self.max_seq_len - steps - 1)
         self.prefill(list(range(n)))
         clock.mark("prefill")
+        clock.step_tuned = self.runner.tune()
+        if clock.step_tuned:
+            clock.mark("step_tune")
         self.runner.capture()
         clock.mark("capture")
         with torch.inference_mode():

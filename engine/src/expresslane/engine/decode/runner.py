@@ -97,6 +97,7 @@ class StepRunner:
             self._argmax_np = self._argmax_host.numpy()
             self._argmax_done = torch.cuda.Event()
         self._greedy_steps = 0  # the lean greedy graph's replays: its greedy_seq, counted on the host
+        self.step_tune = True  # `tune`: the lean step's block shapes re-decided by the whole step's time
         # Keyed by T, and GREEDY for the chained T = 1 step.
         self._graphs: dict[int | str, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._lean = None
@@ -146,6 +147,31 @@ class StepRunner:
             raise ValueError(f"the {what} is the lean step's: no lean step here")
         getattr(self._lean, setter)(value)
         self._graphs.clear()
+
+    def set_step_tune(self, on: bool) -> None:
+        """Whether `tune` (the engine's warm-up) re-decides the lean step's block shapes by timing the whole
+        step (models/step_tune.py; on by default); off, each kernel keeps the shape fastest alone."""
+        self.step_tune = bool(on)
+
+    def tune(self) -> list[dict]:
+        """Pick the lean step's block shapes now (its first forward: models/fused.py times each kernel's
+        candidates alone), then re-decide each by the time of the whole step's graph (models/step_tune.py).
+        Writes cache rows at the current start position, which the caller treats as scratch; drops the graphs
+        captured before where a shape changed. Returns what it measured (nothing without the lean step, with
+        step_tune off, or where every pick was re-decided before in this process)."""
+        if self._lean is None or not self.step_tune:
+            return []
+        from ..models import fused, step_tune
+
+        lean, before = self._lean, set(fused.TIMED_PICKS)
+        with torch.inference_mode():
+            lean.forward(self._tokens[:self.max_rows], self._start)  # every kernel picks its shape
+            new = [p for key, p in fused.TIMED_PICKS.items() if key not in before]
+            measured = step_tune.refine(lambda r: lean.forward(self._tokens[:r], self._start), self.max_rows,
+                                        new, self.device)
+        if any(m["best"] != m["was"] for m in measured):
+            self._graphs.clear()
+        return measured
 
     def set_verify_attention(self, kind: str) -> None:
         """The lean step's verify attention (models/lean.py VERIFY_ATTENTION: per-row, the default, or shared)."""

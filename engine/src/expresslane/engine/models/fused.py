@@ -27,6 +27,7 @@ device's timing finds it faster. Both compute the same sums in the same order.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 
@@ -538,6 +539,42 @@ _PICKED: dict[tuple, tuple[int, ...]] = {}
 TUNING_LOG: list[dict] = []  # what pick_config measured (the GPU bench writes it out)
 
 
+@dataclasses.dataclass
+class TimedPick:
+    """A pick pick_config timed: each candidate's one-row time alone (`one_row`, ms; `rows_many`: its
+    `rows`-row time where the verify-aware pick timed it), its TUNING_LOG entry, and `compile(cfg, r)` where the
+    launcher gave one. models/step_tune.py re-decides it by timing the whole step (`repick`)."""
+
+    key: tuple
+    rows: int
+    one_row: dict
+    rows_many: dict
+    log: dict
+    compile: object = None
+    step_timed: bool = False  # models/step_tune.py has re-decided it
+
+    @property
+    def picked(self) -> tuple[int, ...]:
+        return _PICKED[self.key]
+
+
+#: The picks timed in this process, in the order the step asked for them (models/step_tune.py reads them).
+TIMED_PICKS: dict[tuple, TimedPick] = {}
+
+
+def repick(pick: TimedPick, cfg: tuple[int, ...], compile: bool = True) -> None:
+    """Make `cfg` (one of the pick's timed candidates) the block shape of its kernel from now on; with
+    `compile`, the kernels of every row count a verify runs are compiled first where the launcher says how
+    (the one-row and the `rows`-row kernels of a timed candidate are compiled already). A CUDA graph captured
+    before keeps the shape it was captured with."""
+    if cfg not in pick.one_row:
+        raise ValueError(f"{_label(cfg)} was not a timed candidate of {pick.log['kernel']}")
+    if compile and pick.compile is not None and pick.rows > 2:
+        precompile([functools.partial(pick.compile, cfg, r) for r in range(2, pick.rows)])
+    _PICKED[pick.key] = cfg
+    pick.log["best"] = list(cfg)
+
+
 class PickStats:
     """The timed picks of this process: how many, and the seconds their timing took (compiles not included:
     precompile.STATS counts those)."""
@@ -693,6 +730,7 @@ def pick_config(name: str, n: int, k: int, candidates, launch, max_block_rows: i
                        "us_rows": {_label(c): round(1e3 * t, 2) for c, t in times_many.items()},
                        "spilled": {_label(c): b for c, b in spilled.items()}})
     _PICKED[key] = best
+    TIMED_PICKS[key] = TimedPick(key, rows, times, times_many, TUNING_LOG[-1], compile)
     if compile is not None:  # the verify's row counts, before their graphs are captured one by one
         precompile([functools.partial(compile, best, r) for r in range(2, rows)])
     return best
