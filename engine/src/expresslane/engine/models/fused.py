@@ -688,6 +688,10 @@ def pick_config(name: str, n: int, k: int, candidates, launch, max_block_rows: i
     given `many(cfg)` (the `rows`-row kernel run on scratch buffers), by its `rows`-row timing among those within
     ONE_ROW_SLACK of the fastest one-row time.
 
+    The pick is kept in TIMED_PICKS with every candidate's time: the engine's warm-up re-decides it among the
+    close candidates by timing the whole step (models/step_tune.py), which this timing of one kernel alone
+    cannot stand in for.
+
     compile(cfg, r): compile (not run) cfg's kernel of r rows. Given, the kernels the pick reads are compiled in
     parallel first (models/precompile.py): the `rows`-row kernels the spill check loads, then the one-row
     kernels it times, then the picked shape's kernels of the row counts in between (the verify's graphs)."""

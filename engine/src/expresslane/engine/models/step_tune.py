@@ -28,7 +28,7 @@ import torch
 from . import fused
 
 CANDIDATE_SLACK = 0.05  # candidates within this fraction of the fastest alone are timed in the step
-MOST_TRIED = 4  # and at most this many of them (the fastest alone first), besides the current pick
+MOST_TRIED = 5  # and at most this many of them (the fastest alone first), besides the current pick
 #: A verifying step's pick may cost every one-row step this fraction, per kernel, for a faster verify.
 VERIFY_SLACK = 0.003
 ROUNDS = 3  # rounds over the candidates' graphs (the best round kept: noise on a device only adds)
