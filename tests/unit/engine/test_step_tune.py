@@ -25,7 +25,7 @@ A, B, C, D, E, F = (4, 1024, 1), (4, 1024, 1, 4, 8), (8, 512, 1, 4, 8), (16, 512
 def _pick(one_row: dict, picked, rows: int = 1, monkeypatch=None):
     key = ("k", 1, 2, rows, None, None)
     monkeypatch.setitem(fused._PICKED, key, picked)
-    return fused.TimedPick(key, rows, dict(one_row), {}, {"kernel": "k", "n": 1, "k": 2, "best": list(picked)})
+    return fused.TimedPick(key, rows, dict(one_row), {"kernel": "k", "n": 1, "k": 2, "best": list(picked)})
 
 
 def test_the_candidates_are_the_current_pick_then_the_fastest_alone_within_the_slack(monkeypatch):

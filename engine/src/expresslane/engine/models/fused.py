@@ -541,14 +541,13 @@ TUNING_LOG: list[dict] = []  # what pick_config measured (the GPU bench writes i
 
 @dataclasses.dataclass
 class TimedPick:
-    """A pick pick_config timed: each candidate's one-row time alone (`one_row`, ms; `rows_many`: its
-    `rows`-row time where the verify-aware pick timed it), its TUNING_LOG entry, and `compile(cfg, r)` where the
-    launcher gave one. models/step_tune.py re-decides it by timing the whole step (`repick`)."""
+    """A pick pick_config timed: each candidate's one-row time alone (`one_row`, ms), its TUNING_LOG entry, and
+    `compile(cfg, r)` where the launcher gave one. models/step_tune.py re-decides it by timing the whole step
+    (`repick`)."""
 
     key: tuple
     rows: int
     one_row: dict
-    rows_many: dict
     log: dict
     compile: object = None
     step_timed: bool = False  # models/step_tune.py has re-decided it
@@ -734,7 +733,7 @@ def pick_config(name: str, n: int, k: int, candidates, launch, max_block_rows: i
                        "us_rows": {_label(c): round(1e3 * t, 2) for c, t in times_many.items()},
                        "spilled": {_label(c): b for c, b in spilled.items()}})
     _PICKED[key] = best
-    TIMED_PICKS[key] = TimedPick(key, rows, times, times_many, TUNING_LOG[-1], compile)
+    TIMED_PICKS[key] = TimedPick(key, rows, times, TUNING_LOG[-1], compile)
     if compile is not None:  # the verify's row counts, before their graphs are captured one by one
         precompile([functools.partial(compile, best, r) for r in range(2, rows)])
     return best
