@@ -142,8 +142,10 @@ class Faults:
         return scrape(f"{self.stack.connector_metrics_url}/metrics")
 
     def staging_in_use(self) -> float | None:
-        """Staging slots held on the prefill (the connector's gauge; older builds only export `free`)."""
-        m = self.connector()
+        """Staging slots held on the prefill (the connector's gauge; older builds only export `free`), read from
+        the prefill's own /metrics (vLLM's API server, what Prometheus scrapes), not the worker's side port, which
+        shares its process (and GIL) with the worker's busy polling loop."""
+        m = scrape(f"{self.stack.prefill_url}/metrics")
         in_use = metric(m, "expresslane_connector_staging_slots_in_use")
         free = metric(m, "expresslane_connector_staging_slots_free")
         if in_use is not None:
@@ -623,20 +625,22 @@ def test_staging_exhausted_fails_fast_and_frees_every_slot(faults):
                 "kv_transfer_params": {"expresslane_host": "127.0.0.1", "expresslane_ctrl_port": hole.port,
                                        "expresslane_rid": uuid.uuid4().hex}}).status_code
 
-        codes, held = [], 0
-        for i in range(16):  # fill until one more send holds no more slots
-            codes.append(stage_to_hole(i))
-            got, _ = wait_until(lambda: (f.staging_in_use() or 0) > held, 1.0, 0.05)
-            if not got:
-                break
-            held = f.staging_in_use()
-        c(held >= 1 and (f.staging_total is None or held == f.staging_total),
-          f"{held:g} staging slots held by the hung peer (of {f.staging_total}; prefill answered {codes})")
+        # The pool's size from its own gauges (in use + free), then exactly that many sends to the hole, then
+        # wait for the gauge to show them all held. Bounds are generous: a loaded CI runner can take seconds per
+        # scrape, and a 1 s window once read a slow gauge as "no more slots" and stopped one send early.
+        total, _ = wait_until(lambda: f.staging_in_use() is not None and f.staging_total, 15, 0.1)
+        c(bool(total), f"the connector exports its staging pool's size (in use + free): {f.staging_total}")
+        t_fill = time.monotonic()  # the hung peer holds each slot for the sender's connect timeouts (~30 s)
+        codes = [stage_to_hole(i) for i in range(int(total or 0))]
+        held, waited = wait_until(lambda: (f.staging_in_use() or 0) >= (total or 1) and f.staging_in_use(), 15, 0.1)
+        held = held or f.staging_in_use() or 0
+        c(bool(total) and held == total,
+          f"{held:g} staging slots held by the hung peer (of {total}; prefill answered {codes}; {waited:.1f}s)")
         t_pre = _prefill_time(f, prompt)
         o = run(f.send(REJECT, prompt, bound_s=t_pre + PREFILL_FAIL_S + 10))
         c(o.typed_error and o.elapsed_s < t_pre + PREFILL_FAIL_S,
-          f"express request without a staging slot: typed error < prefill {t_pre:.2f}s + {PREFILL_FAIL_S}s: "
-          f"{o.describe()}")
+          f"express request without a staging slot: typed error < prefill {t_pre:.2f}s + {PREFILL_FAIL_S}s "
+          f"(sent {time.monotonic() - t_fill - o.elapsed_s:.1f}s after the fill began): {o.describe()}")
         c(f.gate_free() and f.node_idle(), f"gate free, node idle: {f.gate_state()} {f.node_status()}")
     finally:
         hole.close()
