@@ -13,6 +13,9 @@
 #                                                # tensor-core norm probe, the FORCED benches and their shapes'
 #                                                # engines without speculation only) | step-tune (the plain
 #                                                # engines and the 8B tensor-core one, --step-tune on and off)
+#                                                # | per-request (the 8B engine with a runner of each GEMV
+#                                                # family, each request on the one its prompt suits, and the
+#                                                # 8B engine without speculation: FORCED llama-8b:per-request)
 #   bash scripts/gpu_check.sh summary OUTDIR     # anywhere: the table again from OUTDIR's pytest.txt, bench.jsonl
 #
 # The GPU machine (see docs/performance.md, "Method") has python3 3.12 with torch, triton, transformers,
@@ -94,6 +97,11 @@ run_tests() {
 run_bench() {
   local out="$1" part="${2:-bench}"
   : >"$out/bench.jsonl"
+  if [[ $part == per-request ]]; then
+    # the engine that runs each request on the GEMV family its prompt suits (decode/family.py), forced as a family
+    # is, and the node without speculation it is judged against: the norm part's benches without its probe
+    FORCED="${FORCED-llama-8b:per-request}" PROBE_NORM="${PROBE_NORM:-0}" part=norm
+  fi
   local replay="${REPLAY-}" texts="${REPLAY_TEXT-docs/bench/2026-12-04-cost-aware-drafter/texts.json}"
   if [[ $part == step-tune ]]; then
     # the warm-up's timing of the whole step (models/step_tune.py) against each kernel's shape the fastest alone,
@@ -210,7 +218,9 @@ for r in rows:
     acc = f"{spec.get('mean_acceptance', 0):.2f}" if r["mode"] != "plain" else "-"
     mode = r["mode"] if r.get("speculation_k", 1) else "plain-eng"  # an engine built without speculation
     mode += "" if r.get("step_tune", True) else " untuned"  # block shapes the fastest alone (--step-tune off)
-    gemv = (str(r.get('gemv')) + ("+sh" if r.get("verify_attention") == "shared" else "")
+    chosen = (r.get("family") or {}).get("family")  # a per-request engine's row: the family the request ran
+    gemv = (str(r.get('gemv')).replace("per-request", "per-req") + (":" + chosen[0] + "c" if chosen else "")
+            + ("+sh" if r.get("verify_attention") == "shared" else "")
             + ("+tail" if r.get("lean_norm") == "tail" else "") + ("+l2" if r.get("l2_prefetch") else ""))
     print(f"{shape:10} {gemv:19} {r['context']:>6} {mode:19} {r['tok_per_s']:>8.1f} {ob:>8} {r['speedup']:>6.2f}x {xnode:>6} "
           f"{acc:>6} {str(r.get('matches_plain', '-')):>5} {times[1]:>7.3f} {ratio:>7.2f}")
@@ -288,7 +298,7 @@ case "${1:-}" in
       (( budget > deadline - SECONDS - 10 )) && budget=$((deadline - SECONDS - 10))
       run_tests "$out" "$budget"; echo "tests $((SECONDS - t0)) s" >>"$out/phases.txt"
     fi
-    if [[ $part == all || $part == bench || $part == norm || $part == step-tune ]]; then
+    if [[ $part == all || $part == bench || $part == norm || $part == step-tune || $part == per-request ]]; then
       t0=$SECONDS
       if (( deadline - SECONDS >= 10 )); then
         export -f run_bench

@@ -26,11 +26,14 @@ def _speculating(r: dict) -> bool:
 
 
 def _family(r: dict) -> str | None:
-    """The row's GEMV family, with "+shared" where its verify ran the shared attention, "+tail" where its norms
-    ran as the residual kernels' tails and "+l2" where its weights were prefetched into the L2 (models/lean.py)."""
+    """The row's GEMV family (a per-request engine's: "per-request:" and the family the request ran), with
+    "+shared" where its verify ran the shared attention, "+tail" where its norms ran as the residual kernels'
+    tails and "+l2" where its weights were prefetched into the L2 (models/lean.py)."""
     gemv = r.get("gemv")
     if gemv is None:
         return None
+    chosen = (r.get("family") or {}).get("family")  # a per-request engine's row: the family that request ran
+    gemv += f":{chosen}" if chosen else ""
     return (gemv + ("+shared" if r.get("verify_attention") == "shared" else "")
             + ("+tail" if r.get("lean_norm") == "tail" else "") + ("+l2" if r.get("l2_prefetch") else ""))
 

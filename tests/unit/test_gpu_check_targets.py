@@ -63,3 +63,30 @@ def test_the_shared_attention_is_its_own_family(tmp_path):
     t = _by_target(tmp_path)
     assert t["8B tensor-core+shared: oracle k = 4 at 1k >= 1,000 tok/s, exact"] == (True, "1052.5 tok/s")
     assert not any(what.startswith("8B tensor-core:") for what in t)
+
+
+def test_a_per_request_engines_rows_are_judged_by_the_family_each_request_ran(tmp_path):
+    """A per-request engine (decode/family.py) writes gemv "per-request" and, per row, the family its request
+    ran: its random-prompt row is judged as per-request:cuda-core, its recorded-text rows as
+    per-request:tensor-core, each against the node without speculation."""
+    import json
+
+    rows = [json.loads(line) for line in (RUN / "bench.jsonl").read_text().splitlines() if line.strip()]
+    node = [r for r in rows if r["model"].endswith("llama-8b") and not r.get("speculation_k", 1)
+            and r["context"] == 1024][0]
+    ref = node["tok_per_s"]
+    base = {k: v for k, v in node.items() if k not in ("mode", "tok_per_s", "speculation_k", "spec")}
+    per_request = [
+        dict(base, gemv="per-request", speculation_k=4, mode="lookup", tok_per_s=ref, spec={},
+             family={"family": "cuda-core", "reason": "", "seconds_per_token": {}}),
+        dict(base, gemv="per-request", speculation_k=4, mode="text-agentic", tok_per_s=2.5 * ref, spec={},
+             family={"family": "tensor-core", "reason": "", "seconds_per_token": {}}),
+        dict(base, gemv="per-request", speculation_k=4, mode="text-code-edit", tok_per_s=0.9 * ref, spec={},
+             family={"family": "tensor-core", "reason": "", "seconds_per_token": {}}),
+    ]
+    (tmp_path / "bench.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [node, *per_request]))
+    t = _by_target(tmp_path)
+    assert t["llama-8b per-request:cuda-core: speculation on random prompts >= 0.97x a node without it"] == \
+        (True, "1024: 1.000x")
+    assert t["llama-8b per-request:tensor-core: the drafter on recorded text never slower than a node without it"] \
+        == (False, "agentic@1024: 2.50x code-edit@1024: 0.90x")

@@ -52,3 +52,34 @@ def test_seeded_speculative_sampling_graph_vs_eager(hf_model):
                                                             ignore_eos=True, prompt_token_ids=PROMPT * 2))
         runs.append(list(gen))
     assert runs[0] == runs[1]
+
+
+def test_a_per_request_engine_is_exact_in_each_family_from_its_first_request(hf_model):
+    """lean_gemv per-request (decode/family.py): a runner of each GEMV family over one model and cache. No
+    warm-up, so each family's first request captures its graphs: pinned to each family in turn, with drafts
+    that are right (the continuation as the lookup context) and mostly not, speculating and not, every request
+    equals transformers; then a chosen family does too."""
+    from expresslane.engine.decode.family import FAMILIES
+
+    kind, path, model = hf_model
+    engine = DecodeEngine.from_pretrained(path, device="cuda", max_seq_len=256, lean_gemv="per-request")
+    assert engine.families == FAMILIES
+    assert [r.lean_gemv for r in engine.runners] == ([None, None] if kind == "qwen3" else list(FAMILIES))
+    expected, _ = hf_greedy(model, PROMPT, N_NEW)
+
+    def greedy(lookup, speculative=True):
+        first = int(engine.prefill(PROMPT).argmax())
+        gen = engine.generate(first, len(PROMPT), SamplingParams(max_tokens=N_NEW, ignore_eos=True,
+                                                                prompt_token_ids=lookup, speculative=speculative))
+        return list(gen), gen
+
+    for family in FAMILIES:
+        engine.pinned_family = family
+        for lookup in (PROMPT + expected, PROMPT):
+            for speculative in (True, False):
+                got, gen = greedy(lookup, speculative)
+                assert got == expected, (family, len(lookup), speculative)
+                assert gen.family.family == family
+    engine.pinned_family = None
+    got, gen = greedy(PROMPT + expected)
+    assert got == expected and gen.family.family in FAMILIES, gen.family

@@ -422,3 +422,30 @@ def test_logit_bias_allowed_token_ids_and_min_p(node, reference):
     out = client.post("/pd/decode", json=body("r-minp", first, max_tokens=8, temperature=1.0, min_p=1.0,
                                               seed=3)).json()
     assert out["token_ids"] == greedy, out
+
+
+def test_a_per_request_node_runs_each_request_on_a_family_and_counts_it(model_dir, reference):
+    """A node whose engine holds a runner of each GEMV family (lean_gemv per-request, decode/family.py; on the
+    CPU both run the PyTorch step): replies are the reference's tokens whichever family ran, capabilities show
+    both families' measured costs, and /metrics counts the requests each family ran."""
+    engine = DecodeEngine.from_pretrained(model_dir, max_seq_len=MAX_SEQ, lean_gemv="per-request")
+    engine.warmup()
+    source = LocalKVSource()
+    app = create_app(ServerConfig(model=str(model_dir), max_seq_len=MAX_SEQ, kv_timeout_s=5.0), engine, source)
+    with LiveServer(app) as url, httpx.Client(base_url=url, timeout=30) as client:
+        caps = client.get("/capabilities").json()
+        assert caps["lean_gemv"] == "per-request"
+        assert {f: c["step_costs"]["measured"] for f, c in caps["gemv_families"].items()} == \
+            {"cuda-core": True, "tensor-core": True}
+        loop = PROMPT * 8
+        for i, lookup in enumerate((loop, None)):
+            first = ship(client, reference, source, f"r-family-{i}", prompt=loop)
+            want = expected(reference, first, 20, prompt=loop, ignore_eos=True)
+            payload = {**body(f"r-family-{i}", first, max_tokens=20),
+                       **({"prompt_token_ids": lookup} if lookup else {})}
+            r = client.post("/pd/decode", json=payload)
+            assert r.status_code == 200 and r.json()["token_ids"] == want, r.text
+            wait_idle(client)
+        ran = {f: metric(client, "expresslane_decode_spec_family_requests_total", f'family="{f}"')
+               for f in ("cuda-core", "tensor-core")}
+        assert sum(ran.values()) == 2, ran

@@ -116,3 +116,10 @@ def test_lean_gemv_flag(capsys) -> None:
     with pytest.raises(SystemExit):
         parse_args(["--model", "m", "--lean-gemv", "tensorcore"])
     assert "invalid choice: 'tensorcore'" in capsys.readouterr().err
+    # per-request (decode/family.py): both families' runners, so the lean step on a cuda device, speculating
+    assert parse_args(["--model", "m", "--device", "cuda", "--lean-gemv", "per-request"]).lean_gemv == "per-request"
+    for refused in (["--device", "cpu"], ["--device", "cuda", "--speculation", "off"],
+                    ["--device", "cuda", "--lean", "off"]):
+        with pytest.raises(SystemExit):
+            parse_args(["--model", "m", "--lean-gemv", "per-request", *refused])
+        assert "--lean-gemv per-request chooses a lean-step GEMV family" in capsys.readouterr().err

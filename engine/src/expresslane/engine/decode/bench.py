@@ -23,6 +23,10 @@ drafter's request did, on text it cannot be trained to copy here (no checkpoint 
 the greedy output of the model it was recorded with: scripts/make_copy_model.py --texts): `TextReplayDrafter`
 plays the recorded request out under the drafter and has this model verify the row counts the drafter's policy
 picks there, keeping what it earned. A trace fixes the row counts; a text lets the policy choose them here.
+--lean-gemv per-request: an engine with a runner of each GEMV family that runs each request on the family its
+prompt suits (decode/family.py). A row's `family` says which one ran and why: the plain, lookup and oracle rows
+carry the random prompt (or none), a text row its recorded prompt, as the node would receive them;
+`step_ms_by_rows_by_family` has each family's forwards.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ import time
 
 import torch
 
-from .engine import ATTENTION_MODES, CUDA_GRAPH_CHOICES, DecodeEngine
+from .engine import ATTENTION_MODES, CUDA_GRAPH_CHOICES, PER_REQUEST, DecodeEngine
 from .sampling import SamplingParams
 from .shapes import SHAPES, random_checkpoint
 from .speculative import SpeculationConfig, StepCosts
@@ -252,26 +256,28 @@ def _sync(engine: DecodeEngine) -> None:
 
 
 def time_decode(engine: DecodeEngine, prompt: list[int], first: int, tokens: int, repeats: int,
-                speculative: bool, lookup_prompt: bool = False) -> dict:
+                speculative: bool, lookup_prompt: bool = False, request_prompt: list[int] | None = None) -> dict:
     """Best of `repeats` decodes of `tokens` tokens after a prefill of `prompt` (best-of: shared hosts are
-    noisy). The first token is the prefill's; only decode steps are timed."""
+    noisy). The first token is the prefill's; only decode steps are timed. request_prompt: the prompt ids the
+    request carries instead (a recorded text's, whose family a per-request engine chooses from it)."""
     best, runs = None, []
+    ids = request_prompt if request_prompt is not None else prompt if lookup_prompt else ()
     for _ in range(repeats):
         engine.prefill(prompt)
         _sync(engine)
         gen = engine.generate(first, len(prompt), SamplingParams(
             max_tokens=tokens + 1, ignore_eos=True, speculative=speculative,
-            prompt_token_ids=prompt if lookup_prompt else ()))  # the drafter's context, as the node passes it
+            prompt_token_ids=ids))  # the drafter's context, as the node passes it
         next(gen)
         t0 = time.perf_counter()
         out = [t for t in gen]
         dt = time.perf_counter() - t0
         runs.append(len(out) / dt)
         if best is None or runs[-1] > best[0]:
-            best = (runs[-1], gen.spec.as_dict(), gen.token_ids)
+            best = (runs[-1], gen.spec.as_dict(), gen.token_ids, gen.family)
     runs.sort()
     return {"tok_per_s": best[0], "median_tok_per_s": runs[len(runs) // 2], "spec": best[1],
-            "token_ids": best[2]}
+            "token_ids": best[2], **({"family": best[3].as_dict()} if best[3] is not None else {})}
 
 
 def step_times(engine: DecodeEngine, start: int, reps: int = 50) -> dict[int, float]:
@@ -328,17 +334,31 @@ def bench_context(engine: DecodeEngine, prompt_len: int, tokens: int, repeats: i
             cont = plain["token_ids"]
             engine.set_drafter(lambda c=cont, p=t_prompt, o=t_output: TextReplayDrafter(
                 engine.speculation.drafter(engine.step_costs, prompt_len), p, o, c, engine.vocab_size))
-            r = time_decode(engine, prompt, first, tokens, repeats, speculative=True)
+            r = time_decode(engine, prompt, first, tokens, repeats, speculative=True, request_prompt=t_prompt)
             r["matches_plain"] = r["token_ids"] == cont
             rows.append({"context": prompt_len, "mode": f"text-{name}", **r})
     finally:
         engine._drafter_factory = saved
     engine.prefill(prompt)
-    times = step_times(engine, prompt_len)
+    by_family = {}
+    if engine.families:  # each family's forwards (the first, the default, is the rows' step_ms_by_rows)
+        active = engine.family
+        try:
+            for family in engine.families:
+                engine.use_family(family)
+                by_family[family] = ({t: 1e3 * v for t, v in step_times(engine, prompt_len).items()},
+                                     engine.step_costs.as_dict())
+        finally:
+            engine.use_family(active)
+        times, costs = by_family[engine.families[0]]
+    else:
+        times, costs = {t: 1e3 * v for t, v in step_times(engine, prompt_len).items()}, engine.step_costs.as_dict()
     for r in rows:
         r.pop("token_ids")
-        r["step_ms_by_rows"] = {t: 1e3 * v for t, v in times.items()}
-        r["step_costs"] = engine.step_costs.as_dict()
+        r["step_ms_by_rows"] = times
+        r["step_costs"] = costs
+        if by_family:
+            r["step_ms_by_rows_by_family"] = {f: t for f, (t, _) in by_family.items()}
         r.update(weight_gb=wbytes / 1e9, kv_gb=kv_bytes / 1e9, bound_tok_per_s=bound,
                  of_bound=r["tok_per_s"] / bound if bound else None,
                  speedup=r["tok_per_s"] / plain["tok_per_s"])
@@ -364,9 +384,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--cuda-graph", choices=["auto", "on", "off"], default="auto")
     ap.add_argument("--lean", choices=["auto", "on", "off"], default="auto",
                     help="the lean T = 1 step (fused Triton kernels, CUDA graph; auto: wherever it applies)")
-    ap.add_argument("--lean-gemv", choices=["auto", "cuda-core", "tensor-core"], default="auto",
+    ap.add_argument("--lean-gemv", choices=["auto", "cuda-core", "tensor-core", PER_REQUEST], default="auto",
                     help="the lean step's GEMV kernels (models/lean.py; auto: cuda-core; tensor-core: the "
-                         "cheap verify, for traffic that repeats)")
+                         "cheap verify, for traffic that repeats; per-request: a runner of each, each request "
+                         "on the one its prompt suits, decode/family.py)")
     ap.add_argument("--verify-attention", choices=["per-row", "shared"], default="per-row",
                     help="the lean step's verify attention (models/lean.py VERIFY_ATTENTION)")
     ap.add_argument("--lean-norm", choices=["kernel", "tail"], default="kernel",
@@ -423,19 +444,24 @@ def main(argv: list[str] | None = None) -> None:
             del tensors
         else:
             engine = DecodeEngine.from_pretrained(args.model, **options)
-        engine.runner.set_lean(CUDA_GRAPH_CHOICES[args.lean])
-        if args.verify_attention != "per-row":
-            engine.runner.set_verify_attention(args.verify_attention)
-        if args.lean_norm != "kernel":
-            engine.runner.set_lean_norm(args.lean_norm)
-        if args.lean_l2_prefetch:
-            engine.runner.set_lean_l2_prefetch(True)
-        engine.runner.set_step_tune(args.step_tune == "on")
+        # every runner (one per GEMV family on a per-request engine); the tensor-core family's own options go
+        # to its runners, and are an error where there is none
+        tensor_core = [r for r in engine.runners if r.lean_gemv == "tensor-core"] or [engine.runner]
+        for runner in engine.runners:
+            runner.set_lean(CUDA_GRAPH_CHOICES[args.lean])
+            if args.verify_attention != "per-row":
+                runner.set_verify_attention(args.verify_attention)
+            runner.set_step_tune(args.step_tune == "on")
+        for runner in tensor_core:
+            if args.lean_norm != "kernel":
+                runner.set_lean_norm(args.lean_norm)
+            if args.lean_l2_prefetch:
+                runner.set_lean_l2_prefetch(True)
         engine.warmup()
     except (OSError, ValueError) as e:  # missing checkpoint, unsupported model, bad option combination
         ap.error(str(e))
     load_s = time.perf_counter() - t0
-    gemv = engine.runner.lean_gemv
+    gemv = PER_REQUEST if engine.families else engine.runner.lean_gemv
     bw = None if args.no_bound else copy_bandwidth(engine.device)
     model_name = args.model or args.random_shape  # the JSON's "model": a shape's name for random weights
     print(f"model={model_name} type={engine.config.model_type} dtype={args.dtype} device={args.device} "
@@ -459,6 +485,7 @@ def main(argv: list[str] | None = None) -> None:
             bound = f" bound={r['bound_tok_per_s']:.0f} of_bound={100 * r['of_bound']:.1f}%" if bw else ""
             extra = (f" acceptance={s['mean_acceptance']:.2f} tok/fwd={s['tokens_per_forward']:.2f} "
                      f"exact={r.get('matches_plain')}" if r["mode"] != "plain" else "")
+            extra += f" family={r['family']['family']}" if "family" in r else ""
             print(f"context={ctx} {r['mode']}: tok/s={r['tok_per_s']:.1f} (median {r['median_tok_per_s']:.1f}) "
                   f"kv={r['kv_gb']:.3f}GB{bound} speedup={r['speedup']:.2f}x{extra}", flush=True)
             if args.json:

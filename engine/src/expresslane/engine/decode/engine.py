@@ -16,6 +16,7 @@ from ..models.attention import ATTENTION_ALIASES, AttentionKind, StepContext
 from ..models.rope import rope_tables
 from .cache import KVGeometry, StaticKVCache
 from .chain import ChainState, GreedyChain, greedy_accept
+from .family import FAMILIES, FamilyChoice, FamilyPolicy, choose_family
 from .runner import StepRunner
 from . import logprobs as lp
 from .grammar import BACKEND as GRAMMAR_BACKEND
@@ -24,6 +25,9 @@ from .sampling import HONOURED_SAMPLING_OPTIONS, Sampler, SamplingParams
 from .speculative import Drafter, SpecStats, SpeculationConfig, StepCosts
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+#: lean_gemv: the engine holds a runner of each GEMV family and runs each request on the one its prompt suits
+#: (decode/family.py).
+PER_REQUEST = "per-request"
 ATTENTION_MODES = tuple(ATTENTION_ALIASES)
 
 
@@ -99,6 +103,7 @@ class Generation:
         self.spec = SpecStats()  # this request's speculation counters
         # Verify steps whose row 0 ran as the greedy chain's queued step: two forwards (decode/chain.py).
         self.split_verifies = 0
+        self.family: FamilyChoice | None = None  # the GEMV family it runs and why (per-request engines)
         self._it = engine._run(self, first_token_id)
 
     def cancel(self) -> None:
@@ -195,14 +200,42 @@ class DecodeEngine:
         # that (decode/speculative.py AdaptiveDrafter). Assumed until warmup() measures it.
         self.step_costs = StepCosts.assumed()
         self.warmup_report: dict | None = None  # warmup(): seconds by phase, compiles and block-shape timing
-        self.runner = StepRunner(model, self.cache, self.cos, self.sin, attention=kind, compile=compile,
-                                 cuda_graph=cuda_graph, max_rows=1 + (speculation.k if speculation else 0),
-                                 compile_mode=compile_mode, lean=lean, lean_gemv=lean_gemv)
+        self.lean_gemv = lean_gemv
+
+        def runner(gemv: str) -> StepRunner:
+            return StepRunner(model, self.cache, self.cos, self.sin, attention=kind, compile=compile,
+                              cuda_graph=cuda_graph, max_rows=1 + (speculation.k if speculation else 0),
+                              compile_mode=compile_mode, lean=lean, lean_gemv=gemv)
+
         # Plain greedy requests run as a GreedyChain (decode/chain.py): the device one step ahead of the host
         # on every step without drafts, speculating or not. False runs them through the per-token loop (A/B
         # and tests).
         self.greedy_chain = True
-        self._chain = GreedyChain(self.runner)
+        # lean_gemv="per-request": a runner (and its chain and step costs) of each GEMV family over the one
+        # model and cache, and each request runs on the family its prompt suits (decode/family.py), from its
+        # first step to its last, so its greedy tokens are the same with speculation on and off. The choice
+        # weighs what speculation earns, so it needs speculation. Where the lean step does not apply (a CPU)
+        # both runners run the PyTorch step and the choice changes nothing but which runner's buffers run.
+        self._families: dict[str, tuple[StepRunner, GreedyChain]] = {}
+        self._family_costs: dict[str, StepCosts] = {}
+        self.family_policy = FamilyPolicy()
+        self.family_requests: dict[str, int] = {}  # requests run by each family (per-request engines)
+        self.family: str | None = None  # the family the engine's runner is now (per-request engines)
+        # Set: every request runs this family, unchosen (the warm-up of each family; benches and tests).
+        self.pinned_family: str | None = None
+        if lean_gemv == PER_REQUEST:
+            if speculation is None:
+                raise ValueError("lean_gemv per-request chooses a GEMV family for what speculation earns on "
+                                 "the request: it needs speculation on")
+            for family in FAMILIES:
+                r = runner(family)
+                self._families[family] = (r, GreedyChain(r))
+                self._family_costs[family] = StepCosts.assumed()
+                self.family_requests[family] = 0
+            self.use_family(FAMILIES[0])
+        else:
+            self.runner = runner(lean_gemv)
+            self._chain = GreedyChain(self.runner)
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, *, dtype: str | torch.dtype = "float32",
@@ -243,6 +276,37 @@ class DecodeEngine:
         model = load(torch_dtype, device)
         return cls(model, config, dtype=torch_dtype, device=device, max_seq_len=max_seq_len,
                    attention=attention, **options)
+
+    @property
+    def runners(self) -> tuple[StepRunner, ...]:
+        """Every runner this engine holds: one, or one per GEMV family (lean_gemv per-request)."""
+        return tuple(r for r, _ in self._families.values()) if self._families else (self.runner,)
+
+    @property
+    def families(self) -> tuple[str, ...]:
+        """The GEMV families this engine chooses from per request (empty: it runs one runner)."""
+        return tuple(self._families)
+
+    @property
+    def default_step_costs(self) -> StepCosts:
+        """The step costs of the family a request runs by default (the engine's own where it runs one)."""
+        return self._family_costs[FAMILIES[0]] if self._families else self.step_costs
+
+    def use_family(self, family: str) -> None:
+        """Run on `family`'s runner, chain and step costs from the next step on (per-request engines; between
+        requests: a request runs one family throughout)."""
+        if family not in self._families:
+            raise ValueError(f"no runner of GEMV family {family!r} here (families: {list(self._families)})")
+        self.runner, self._chain = self._families[family]
+        self.step_costs = self._family_costs[family]
+        self.family = family
+
+    def choose_family(self, prompt_token_ids: Sequence[int] | None) -> FamilyChoice:
+        """The family a request with these prompt ids runs on (decode/family.py), from each family's measured
+        step costs. ValueError on an engine with one runner."""
+        if not self._families or self.speculation is None:
+            raise ValueError("this engine runs one GEMV family (lean_gemv is not per-request)")
+        return choose_family(prompt_token_ids, self._family_costs, self.speculation, self.family_policy)
 
     @property
     def compile(self) -> bool:
@@ -306,6 +370,10 @@ class DecodeEngine:
                             if self.speculation else None),
             "step": self.runner.mode.value,
             "attention": self.attention,
+            "lean_gemv": self.lean_gemv,
+            **({"gemv_families": {f: {"gemv": r.lean_gemv, "step_costs": self._family_costs[f].as_dict(),
+                                      "requests": self.family_requests[f]}
+                                  for f, (r, _) in self._families.items()}} if self._families else {}),
         }
 
     # ------------------------------------------------------------------ KV in
@@ -319,13 +387,34 @@ class DecodeEngine:
 
     def disable_compile(self) -> None:
         """Decode with the plain (eager) step from now on, e.g. when torch.compile fails on this host."""
-        self.runner.disable_compile()
+        for runner in self.runners:
+            runner.disable_compile()
 
     def warmup(self, steps: int = 4) -> None:
         """Run a short prefill + decode so the first request does not pay one-time costs (allocator,
         kernels, torch.compile, each verify bucket's CUDA graph). Leaves the cache logically empty.
         `warmup_report` says where its time went (seconds by phase; on a GPU the lean step's kernel compiles
-        and block-shape timing within them)."""
+        and block-shape timing within them). A per-request engine warms each family's runner in turn (its
+        kernels, graphs and step costs) and reports each (`families`)."""
+        if not self._families:
+            self._warmup(steps)
+            return
+        reports, pinned = {}, self.pinned_family
+        try:
+            for family in self._families:
+                self.pinned_family = family
+                self.use_family(family)
+                self._warmup(steps)
+                reports[family] = self.warmup_report
+        finally:
+            self.pinned_family = pinned
+            self.use_family(FAMILIES[0])
+        for family in self._families:
+            self.family_requests[family] = 0  # the warm-up's requests are not requests
+        self.warmup_report = {"seconds": round(sum(r["seconds"] for r in reports.values()), 3),
+                              "families": reports}
+
+    def _warmup(self, steps: int) -> None:
         clock = _PhaseClock()
         n = min(8, self.max_seq_len - steps - 1)
         self.prefill(list(range(n)))
@@ -390,6 +479,8 @@ class DecodeEngine:
         short, long = table
         long = [max(a, b) for a, b in zip(short, long)]
         self.step_costs = StepCosts(lengths, tuple(short), tuple(long))
+        if self.family is not None:
+            self._family_costs[self.family] = self.step_costs
         return self.step_costs
 
     @torch.inference_mode()
@@ -440,6 +531,11 @@ class DecodeEngine:
         stop_ids = sampler.stop_ids
         # prompt + output <= max_seq_len, like vLLM's max_model_len.
         limit = min(params.max_tokens, self.max_seq_len - gen.num_prompt_tokens)
+        if self._families:  # before the drafter: it weighs the chosen family's step costs
+            gen.family = (FamilyChoice(self.pinned_family, {}, "pinned") if self.pinned_family
+                          else self.choose_family(params.prompt_token_ids))
+            self.use_family(gen.family.family)
+            self.family_requests[gen.family.family] += 1
         drafter: Drafter | None = None
         if params.speculative and sampler.supports_speculation:
             drafter = self.new_drafter(gen.num_prompt_tokens)

@@ -60,19 +60,25 @@ def build_engine(config: ServerConfig) -> DecodeEngine:
              "cuda_graph=%s, lean=%s (gemv %s), speculation=%s",
              time.perf_counter() - t0, engine.config.model_type, config.dtype, config.device, config.max_seq_len,
              engine.weight_bytes() / 1e6, engine.attention, engine.compile, engine.cuda_graph,
-             engine.runner.lean, engine.runner.lean_gemv, f"k={config.spec_k}" if config.speculation else "off")
+             engine.runner.lean, engine.lean_gemv if engine.families else engine.runner.lean_gemv,
+             f"k={config.spec_k}" if config.speculation else "off")
     if engine.warmup_report:
         log.info("warm-up: %s", json.dumps(engine.warmup_report))
     if engine.speculation is not None:
-        c = engine.step_costs
         rel = lambda costs: " ".join(f"{t / costs[0]:.2f}" for t in costs)  # noqa: E731
-        if c.measured:
-            log.info("step costs, what the drafter weighs a verify by (1..%d rows, x one row): at %d tokens %s "
-                     "(one row %.3f ms), at %d tokens %s (one row %.3f ms)", len(c.short), c.lengths[0], rel(c.short),
-                     1e3 * c.short[0], c.lengths[1], rel(c.long), 1e3 * c.long[0])
-        else:
-            log.info("step costs assumed, not measured (no warm-up): 1..%d rows cost %s x one row", len(c.short),
-                     rel(c.short))
+        for family in engine.families or (None,):  # a per-request engine: each family's own costs
+            if family is not None:
+                engine.use_family(family)
+            c, who = engine.step_costs, f" ({family} GEMVs)" if family else ""
+            if c.measured:
+                log.info("step costs%s, what the drafter weighs a verify by (1..%d rows, x one row): at %d tokens "
+                         "%s (one row %.3f ms), at %d tokens %s (one row %.3f ms)", who, len(c.short), c.lengths[0],
+                         rel(c.short), 1e3 * c.short[0], c.lengths[1], rel(c.long), 1e3 * c.long[0])
+            else:
+                log.info("step costs%s assumed, not measured (no warm-up): 1..%d rows cost %s x one row", who,
+                         len(c.short), rel(c.short))
+        if engine.families:
+            engine.use_family(engine.families[0])
     return engine
 
 

@@ -149,7 +149,8 @@ def create_app(config: ServerConfig, engine: DecodeEngine, receiver: KVSource,
     metrics = DecodeMetrics(registry)
     registry.register(SpeculationCollector(lambda: engine.spec_stats,
                                            engine.speculation.k if engine.speculation else 0,
-                                           lambda: engine.step_costs))
+                                           lambda: engine.default_step_costs,
+                                           lambda: dict(engine.family_requests)))
     runner = DecodeRunner(engine, receiver, metrics, reservation_ttl_s=config.reservation_ttl_s,
                           request_deadline_s=config.request_deadline_s, stall_timeout_s=config.stall_timeout_s)
     monitor = HealthMonitor(runner, receiver, metrics, interval_s=config.health_interval_s,

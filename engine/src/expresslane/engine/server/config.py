@@ -41,7 +41,7 @@ class ServerConfig:
     compile: bool = False
     cuda_graph: bool | None = None  # None: on for cuda with masked attention (the engine's default)
     lean: bool | None = None  # the fused T = 1 CUDA step: False off, None where it applies, True or fail
-    lean_gemv: str = "auto"  # its GEMV kernels (models/lean.py): auto, cuda-core, tensor-core
+    lean_gemv: str = "auto"  # its GEMV kernels (models/lean.py): auto, cuda-core, tensor-core, per-request
     threads: int | None = None  # torch intra-op threads on CPU; None = one per bound CPU, else torch default
     cpu_bind: tuple[int, ...] | None = None  # pin the whole process to these CPUs; None = inherit
     warmup: bool = True
@@ -121,11 +121,13 @@ def parse_args(argv: list[str] | None = None, env: Mapping[str, str] | None = No
                     help="the fused T = 1 decode step on CUDA (6 Triton kernels a layer; needs --cuda-graph and split "
                          "attention): auto = wherever it applies (the default), on = or fail at start, off = the "
                          "PyTorch step")
-    ap.add_argument("--lean-gemv", choices=["auto", "cuda-core", "tensor-core"], default="auto",
+    ap.add_argument("--lean-gemv", choices=["auto", "cuda-core", "tensor-core", "per-request"], default="auto",
                     help="the lean step's GEMV kernels: cuda-core (the fastest one-token step; each further row of "
                          "a speculative verify costs about one more step; auto) or tensor-core (a verify of 5 rows "
                          "costs about one row: for traffic that repeats, e.g. agentic and code edits; one row ~4 %% "
-                         "slower at 8B, 22 %% at 1B, so text that never repeats runs ~4 %% slower)")
+                         "slower at 8B, 22 %% at 1B, so text that never repeats runs ~4 %% slower); per-request: "
+                         "both, each request on the family its prompt suits (a cuda device and --speculation on; "
+                         "the warm-up builds both families)")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch CPU threads (default: one per --cpu-bind CPU, else torch's default)")
     ap.add_argument("--cpu-bind", default=None, metavar="LIST",
@@ -159,6 +161,10 @@ def parse_args(argv: list[str] | None = None, env: Mapping[str, str] | None = No
     lean = {"auto": None, "on": True, "off": False}[a.lean]
     if lean and device_type != "cuda":
         ap.error(f"--lean on needs a cuda device, not {a.device}")
+    if a.lean_gemv == "per-request" and (device_type != "cuda" or a.speculation != "on" or lean is False):
+        ap.error(f"--lean-gemv per-request chooses a lean-step GEMV family for what speculation earns: it needs a "
+                 f"cuda device, the lean step and --speculation on (got --device {a.device} --lean {a.lean} "
+                 f"--speculation {a.speculation})")
     if a.threads is not None and a.threads < 1:
         ap.error("--threads must be >= 1")
     try:

@@ -80,12 +80,16 @@ class SpeculationCollector(Collector):
     The engine adds a request's counters when its generation ends. accepted_per_verify_step: a histogram of
     draft tokens kept per verify step (buckets 0..k), from the engine's accepted_histogram. step_seconds{rows,
     context_tokens}: what a forward of that many rows took at warm-up near the cache's start and end (the step
-    costs the drafter weighs a verify by: DecodeEngine.calibrate_step_costs); absent until measured."""
+    costs the drafter weighs a verify by: DecodeEngine.calibrate_step_costs); absent until measured. On an engine
+    that chooses a GEMV family per request (--lean-gemv per-request): family_requests_total{family}, the requests
+    each family ran, and step_seconds is the default family's."""
 
     PREFIX = "expresslane_decode_spec_"
 
-    def __init__(self, stats: Callable[[], SpecStats], k: int, costs: Callable[[], StepCosts] | None = None) -> None:
+    def __init__(self, stats: Callable[[], SpecStats], k: int, costs: Callable[[], StepCosts] | None = None,
+                 family_requests: Callable[[], dict[str, int]] | None = None) -> None:
         self._stats, self._k, self._costs = stats, k, costs
+        self._family_requests = family_requests
 
     def describe(self) -> list[Metric]:
         return []  # collected lazily: the engine's numbers, not samples the registry must know up front
@@ -109,6 +113,13 @@ class SpeculationCollector(Collector):
         total = sum(n * c for n, c in enumerate(hist))
         yield HistogramMetricFamily(p + "accepted_per_verify_step", "Draft tokens kept per verify step",
                                     buckets=buckets, sum_value=total)
+        by_family = self._family_requests() if self._family_requests is not None else {}
+        if by_family:
+            c = CounterMetricFamily(p + "family_requests", "Requests run by each lean-step GEMV family (chosen from "
+                                    "the request's prompt: --lean-gemv per-request)", labels=["family"])
+            for family, n in by_family.items():
+                c.add_metric([family], n)
+            yield c
         costs = self._costs() if self._costs is not None else None
         if costs is not None and costs.measured:
             g = GaugeMetricFamily(p + "step_seconds", "Seconds of a forward of `rows` rows at `context_tokens`, "

@@ -1,0 +1,171 @@
+"""The GEMV family a request runs (decode/family.py) and the per-request engine that switches between them.
+
+The predictor on the copy model's recorded requests at the H200's measured 8B step costs of both families: it
+must pick the family that the replay of each request's recorded OUTPUT says is faster (tensor-core for the code
+edit, the agentic request and the whole-file edit; cuda-core on random text). Then its edges (short prompt, no
+prompt, the margin), that its replay charges what the bench's simulation charges, and on the CPU an engine with
+a runner of each family: every request decodes the tokens a one-runner engine decodes, whichever family it ran.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from expresslane.engine.decode import DecodeEngine, SamplingParams, SpeculationConfig, StepCosts
+from expresslane.engine.decode.bench import load_texts, simulate_speedup
+from expresslane.engine.decode.family import FAMILIES, FamilyPolicy, choose_family, proposals, replay_seconds
+
+REPO = Path(__file__).resolve().parents[3]
+TEXTS = REPO / "docs/bench/2026-12-04-cost-aware-drafter/texts.json"
+COSTS = REPO / "docs/bench/2026-12-04-gpu-check"  # bench.jsonl: tensor-core 8B; bench-8b-auto.jsonl: cuda-core
+
+
+def _h200_8b_costs() -> dict[str, StepCosts]:
+    """Each family's 8B forward ms by rows on the H200 (the decode bench's step_ms_by_rows), at the shortest and
+    longest context measured."""
+    by = {}
+    for name in ("bench.jsonl", "bench-8b-auto.jsonl"):
+        for line in (COSTS / name).read_text().splitlines():
+            r = json.loads(line)
+            rows = r.get("step_ms_by_rows") or {}
+            if "8b" in Path(r["model"]).name and len(rows) > 1:
+                by.setdefault(r["gemv"], {})[int(r["context"])] = [rows[str(t)] for t in range(1, len(rows) + 1)]
+    out = {}
+    for gemv, ctx in by.items():
+        lo, hi = min(ctx), max(ctx)
+        out[gemv] = StepCosts((lo, hi), tuple(ctx[lo]), tuple(ctx[hi]))
+    assert set(out) == set(FAMILIES), out.keys()
+    return out
+
+
+def _texts() -> dict[str, tuple[list[int], list[int]]]:
+    texts = load_texts(str(TEXTS))
+    rnd = random.Random(0)
+    texts["random"] = ([rnd.randrange(1000) for _ in range(1200)], [rnd.randrange(1000) for _ in range(480)])
+    return texts
+
+
+def _output_seconds_per_token(prompt, output, costs: StepCosts, k: int = 4) -> float:
+    """What the recorded output costs a token with the node's drafter at these costs (the truth the predictor
+    predicts from the prompt alone)."""
+    spec = SpeculationConfig(k=k)
+    return replay_seconds(output, proposals(prompt, output, k, spec.ngram_min, spec.ngram_max), costs, k,
+                          len(prompt)) / (len(output) - 1)
+
+
+@pytest.mark.parametrize("name", ["code-edit", "agentic", "code-edit-long", "random"])
+def test_the_prompt_predicts_the_family_its_output_runs_faster_on(name):
+    costs = _h200_8b_costs()
+    prompt, output = _texts()[name]
+    truth = {f: _output_seconds_per_token(prompt, output, c) for f, c in costs.items()}
+    faster = min(truth, key=truth.get)
+    choice = choose_family(prompt, costs, SpeculationConfig())
+    print(f"\n{name}: output s/token {truth}; chose {choice.family} ({choice.reason}) {choice.seconds_per_token}")
+    assert faster == ("cuda-core" if name == "random" else "tensor-core")
+    assert choice.family == faster
+
+
+def test_short_missing_and_single_family_keep_the_default():
+    costs = _h200_8b_costs()
+    loop = [5, 6, 7, 8] * 100
+    assert choose_family(loop, costs, SpeculationConfig()).family == "tensor-core"
+    assert choose_family(loop[:63], costs, SpeculationConfig()).family == "cuda-core"  # < min_prompt
+    assert choose_family(None, costs, SpeculationConfig()).reason == "no prompt ids"
+    assert choose_family([], costs, SpeculationConfig()).family == "cuda-core"
+    assert choose_family(loop, {"tensor-core": costs["tensor-core"]}, SpeculationConfig()).family == "tensor-core"
+    with pytest.raises(ValueError):
+        choose_family(loop, {}, SpeculationConfig())
+    with pytest.raises(ValueError):
+        FamilyPolicy(margin=1.0)
+
+
+def test_the_other_family_must_win_by_the_margin():
+    """Equal costs but 1 % cheaper verifies: the replay sees the gain, the 2 % margin keeps the default; with
+    no margin the cheaper family wins."""
+    base = StepCosts((0, 10_000), (1.0, 1.2, 1.4, 1.6, 1.8), (1.0, 1.2, 1.4, 1.6, 1.8))
+    cheaper = StepCosts((0, 10_000), (1.0, 1.188, 1.386, 1.584, 1.782), (1.0, 1.188, 1.386, 1.584, 1.782))
+    costs = {"cuda-core": base, "tensor-core": cheaper}
+    loop = [5, 6, 7, 8, 9, 10, 11] * 60
+    kept = choose_family(loop, costs, SpeculationConfig())
+    assert kept.family == "cuda-core" and kept.seconds_per_token["tensor-core"] < kept.seconds_per_token["cuda-core"]
+    assert choose_family(loop, costs, SpeculationConfig(), FamilyPolicy(margin=0.0)).family == "tensor-core"
+
+
+@pytest.mark.parametrize("name", ["code-edit", "agentic", "random"])
+def test_the_replay_charges_what_the_bench_simulation_charges(name):
+    """replay_seconds (proposals computed once, then the adaptive drafter over them) spends what
+    bench.simulate_speedup (the engine's loop with the real lookup drafter) spends, step for step."""
+    costs = _h200_8b_costs()["cuda-core"]
+    prompt, output = _texts()[name]
+    spec = SpeculationConfig()
+    ratio = simulate_speedup(spec.drafter(costs, start_length=len(prompt)), prompt, output, costs, spec.k)
+    plain = sum(costs.at(len(prompt) + j, 1)[0] for j in range(len(output) - 1))
+    got = replay_seconds(output, proposals(prompt, output, spec.k), costs, spec.k, len(prompt))
+    assert got == pytest.approx(plain / ratio, rel=1e-9)
+
+
+# ---- the per-request engine on the CPU (both runners run the PyTorch step; the switching is what is tested) ----
+
+LOOP_PROMPT = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38] * 8 + [3, 14, 15]  # 83 tokens that repeat
+
+
+@pytest.fixture(scope="module")
+def per_request(hf_model):
+    kind, path, model = hf_model
+    engine = DecodeEngine.from_pretrained(path, max_seq_len=256, lean_gemv="per-request")
+    engine.warmup()
+    plain = DecodeEngine.from_pretrained(path, max_seq_len=256, speculation=None)
+    return engine, plain
+
+
+def _greedy(engine, prompt, n, lookup):
+    first = int(engine.prefill(prompt).argmax())
+    gen = engine.generate(first, len(prompt), SamplingParams(max_tokens=n, ignore_eos=True,
+                                                                prompt_token_ids=lookup or ()))
+    return list(gen), gen
+
+
+def test_a_per_request_engine_holds_a_runner_of_each_family(per_request):
+    engine, _ = per_request
+    assert engine.families == FAMILIES and len(engine.runners) == 2
+    assert engine.runners[0] is not engine.runners[1]
+    assert set(engine.warmup_report["families"]) == set(FAMILIES)
+    caps = engine.capabilities()
+    assert caps["lean_gemv"] == "per-request" and set(caps["gemv_families"]) == set(FAMILIES)
+    for family in FAMILIES:  # each family's own costs, measured at its warm-up
+        assert caps["gemv_families"][family]["step_costs"]["measured"], caps["gemv_families"][family]
+    assert engine.family == FAMILIES[0] and engine.runner is engine.runners[0]
+    with pytest.raises(ValueError):
+        engine.use_family("no-such-family")
+
+
+def test_every_family_decodes_the_tokens_of_a_one_runner_engine(per_request):
+    """Each family pinned, then chosen (a prompt that repeats, and no prompt ids): the same greedy tokens as an
+    engine without speculation, and the request counted under the family it ran."""
+    engine, plain = per_request
+    want, _ = _greedy(plain, LOOP_PROMPT, 40, LOOP_PROMPT)
+    before = dict(engine.family_requests)
+    try:
+        for family in FAMILIES:
+            engine.pinned_family = family
+            got, gen = _greedy(engine, LOOP_PROMPT, 40, LOOP_PROMPT)
+            assert got == want, family
+            assert gen.family.family == family and engine.runner is engine.runners[FAMILIES.index(family)]
+    finally:
+        engine.pinned_family = None
+    for lookup in (LOOP_PROMPT, None):
+        got, gen = _greedy(engine, LOOP_PROMPT, 40, lookup)
+        assert got == want
+        assert gen.family is not None and gen.family.family in FAMILIES, gen.family
+        print(f"\nprompt ids {'given' if lookup else 'absent'}: {gen.family.as_dict()}")
+    assert sum(engine.family_requests.values()) - sum(before.values()) == 4
+
+
+def test_per_request_needs_speculation(hf_model):
+    _, path, _ = hf_model
+    with pytest.raises(ValueError, match="speculation"):
+        DecodeEngine.from_pretrained(path, max_seq_len=64, lean_gemv="per-request", speculation=None)
