@@ -185,6 +185,29 @@ def test_prompt_lookup_drafter():
         SpeculationConfig(k=0)
 
 
+@pytest.mark.parametrize("ngrams", [(2, 4), (1, 3), (3, 3)])
+def test_lookup_start_builds_what_extend_builds(ngrams):
+    """start() builds the index of its context at once (zips); extend() token by token: the same n-gram index,
+    heads, proposals and hints, for contexts of every length from 0 up, on small and large vocabularies."""
+    import random
+
+    rnd = random.Random(1)
+    for length in [*range(0, 12), 100, 2000]:
+        for vocab in (2, 7, 50_000):
+            ctx = [rnd.randrange(vocab) for _ in range(length)]
+            at_once, by_token = PromptLookupDrafter(*ngrams), PromptLookupDrafter(*ngrams)
+            at_once.start(ctx)
+            by_token.start([])
+            by_token.extend(ctx)
+            assert (at_once.tokens, at_once._index, at_once._heads) == \
+                (by_token.tokens, by_token._index, by_token._heads), (length, vocab)
+            for tok in (ctx[-1:] or [0]) * 3:  # and they go on alike
+                assert at_once.propose(4) == by_token.propose(4)
+                assert at_once.may_draft_next() == by_token.may_draft_next()
+                at_once.extend([tok])
+                by_token.extend([tok])
+
+
 @pytest.mark.skipif(not os.environ.get("EXPRESSLANE_COMPILE_TESTS"),
                     reason="compiles the step twice (T = 1 and T > 1): about 2 min of CPU; set EXPRESSLANE_COMPILE_TESTS=1 "
                            "(the express-lane integration tests run the compiled step with speculation too)")
