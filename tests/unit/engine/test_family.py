@@ -169,3 +169,18 @@ def test_per_request_needs_speculation(hf_model):
     _, path, _ = hf_model
     with pytest.raises(ValueError, match="speculation"):
         DecodeEngine.from_pretrained(path, max_seq_len=64, lean_gemv="per-request", speculation=None)
+
+
+def test_a_request_that_never_speculates_keeps_the_default_family(per_request):
+    """Penalties turn speculation off for a request (its sampling reads every earlier token): it runs the default
+    family whatever `speculative` says, and decodes what a one-runner engine decodes."""
+    engine, plain = per_request
+    first = int(plain.prefill(LOOP_PROMPT).argmax())
+    params = dict(max_tokens=30, ignore_eos=True, temperature=0.0, presence_penalty=0.5,
+                  prompt_token_ids=LOOP_PROMPT)
+    want = list(plain.generate(first, len(LOOP_PROMPT), SamplingParams(**params)))
+    for speculative in (True, False):
+        engine.prefill(LOOP_PROMPT)
+        gen = engine.generate(first, len(LOOP_PROMPT), SamplingParams(**params, speculative=speculative))
+        assert list(gen) == want
+        assert (gen.family.family, gen.family.reason) == (FAMILIES[0], "its sampling never speculates")

@@ -532,8 +532,12 @@ class DecodeEngine:
         # prompt + output <= max_seq_len, like vLLM's max_model_len.
         limit = min(params.max_tokens, self.max_seq_len - gen.num_prompt_tokens)
         if self._families:  # before the drafter: it weighs the chosen family's step costs
-            gen.family = (FamilyChoice(self.pinned_family, {}, "pinned") if self.pinned_family
-                          else self.choose_family(params.prompt_token_ids))
+            if self.pinned_family:
+                gen.family = FamilyChoice(self.pinned_family, {}, "pinned")
+            elif not sampler.supports_speculation:  # whatever `speculative` says: the choice must not read it
+                gen.family = FamilyChoice(FAMILIES[0], {}, "its sampling never speculates")
+            else:
+                gen.family = self.choose_family(params.prompt_token_ids)
             self.use_family(gen.family.family)
             self.family_requests[gen.family.family] += 1
         drafter: Drafter | None = None
