@@ -40,7 +40,7 @@ import torch
 from .engine import ATTENTION_MODES, CUDA_GRAPH_CHOICES, PER_REQUEST, DecodeEngine
 from .sampling import SamplingParams
 from .shapes import SHAPES, random_checkpoint
-from .speculative import SpeculationConfig, StepCosts
+from .speculative import SpeculationConfig, StepCosts, kept_drafts
 
 
 def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30, reps: int = 10) -> float:
@@ -205,9 +205,7 @@ def simulate_speedup(drafter, prompt: list[int], output: list[int], costs: StepC
     while i < len(output):
         room = len(output) - i - 1
         drafts = drafter.propose(min(k, room)) if room > 0 else []
-        kept = 0
-        while kept < len(drafts) and drafts[kept] == output[i + kept]:
-            kept += 1
+        kept = kept_drafts(drafts, output, i)
         step = costs.at(pos, len(drafts) + 1)
         spec += step[len(drafts)] + (verify_overhead if drafts else 0.0) + (sync_overhead if drafts or synced
                                                                             else 0.0)

@@ -29,7 +29,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from .speculative import AdaptiveDrafter, PromptLookupDrafter, SpeculationConfig, StepCosts
+from .speculative import AdaptiveDrafter, PromptLookupDrafter, SpeculationConfig, StepCosts, kept_drafts
 
 #: GEMV families in the order a tie keeps (the first: the default, what a node without the choice runs).
 FAMILIES = ("cuda-core", "tensor-core")
@@ -97,18 +97,16 @@ def proposals(context: Sequence[int], text: Sequence[int], k: int, ngram_min: in
 
 
 def replay_seconds(text: Sequence[int], props: list[list[int]], costs: StepCosts, k: int, start: int) -> float:
-    """Seconds the engine's loop takes to emit text[1:] after text[0] (costed at positions `start` ..) with the adaptive
-    drafter over `props` (proposals()) at `costs`: every step charged its forward of 1 + drafts rows; a draft
-    is kept exactly where it matches the text (greedy output is fixed)."""
+    """Seconds the engine's loop takes to emit text[1:] after text[0] (costed at positions `start` ..) with the
+    adaptive drafter over `props` (proposals()) at `costs`: every step charged its forward of 1 + drafts rows;
+    a draft is kept exactly where it matches the text (greedy output is fixed)."""
     drafter = AdaptiveDrafter(_Recorded(props), costs, start_length=start)
     drafter.start(())
     i, pos, spent = 1, start, 0.0
     while i < len(text):
         room = len(text) - i - 1
         drafts = drafter.propose(min(k, room)) if room > 0 else []
-        kept = 0
-        while kept < len(drafts) and drafts[kept] == text[i + kept]:
-            kept += 1
+        kept = kept_drafts(drafts, text, i)
         spent += costs.at(pos, len(drafts) + 1)[len(drafts)]
         emitted = text[i:i + kept + 1]
         drafter.extend(emitted)

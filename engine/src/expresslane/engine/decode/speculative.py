@@ -171,6 +171,16 @@ class StepCosts:
                 "measured": self.measured}
 
 
+def kept_drafts(drafts: Sequence[int], text: Sequence[int], at: int) -> int:
+    """How many of `drafts` a greedy verify keeps where the target's output is `text` and the drafts guess
+    text[at:]: the longest prefix that matches (a replay of recorded text: bench.simulate_speedup,
+    family.replay_seconds)."""
+    kept = 0
+    while kept < len(drafts) and drafts[kept] == text[at + kept]:
+        kept += 1
+    return kept
+
+
 class PromptLookupDrafter:
     """n-gram lookup over the context, O(ngram_max) per token: an index maps each n-gram to the position
     right after its latest occurrence whose follower is known; a proposal continues from there."""
