@@ -212,13 +212,14 @@ for r in rows:
     ref = node.get((r["model"], r["context"]))
     xnode = f"{r['tok_per_s'] / ref:.3f}" if ref else "-"
     spec = r.get("spec") or {}
-    times = {int(k): v for k, v in r["step_ms_by_rows"].items()}
+    chosen = (r.get("family") or {}).get("family")  # a per-request engine's row: that family's forwards
+    times = {int(k): v for k, v in ((r.get("step_ms_by_rows_by_family") or {}).get(chosen)
+                                    or r["step_ms_by_rows"]).items()}
     ratio = times[max(times)] / times[1] if len(times) > 1 else float("nan")
     ob = f"{100 * r['of_bound']:.1f}%" if r.get("of_bound") else "-"
     acc = f"{spec.get('mean_acceptance', 0):.2f}" if r["mode"] != "plain" else "-"
     mode = r["mode"] if r.get("speculation_k", 1) else "plain-eng"  # an engine built without speculation
     mode += "" if r.get("step_tune", True) else " untuned"  # block shapes the fastest alone (--step-tune off)
-    chosen = (r.get("family") or {}).get("family")  # a per-request engine's row: the family the request ran
     gemv = (str(r.get('gemv')).replace("per-request", "per-req") + (":" + chosen[0] + "c" if chosen else "")
             + ("+sh" if r.get("verify_attention") == "shared" else "")
             + ("+tail" if r.get("lean_norm") == "tail" else "") + ("+l2" if r.get("l2_prefetch") else ""))
@@ -235,18 +236,20 @@ for r in rows:
         continue
     seen.add(key)
     shape = r["model"].rstrip("/").rsplit("/", 1)[-1]
-    phases = " ".join(f"{k} {v:.1f}" for k, v in w.get("phases", {}).items())
-    print(f"start {shape:9} {str(r.get('gemv')):11} k={r.get('speculation_k')}: load+warm-up {r.get('load_warmup_s', 0):.1f} s, "
-          f"warm-up {w['seconds']:.1f} s ({phases}); compiles {w.get('compile_s', 0):.1f} s "
-          f"({w.get('compile_jobs', 0)} kernels, {w.get('compile_threads', '?')} threads), "
-          f"block-shape timing {w.get('pick_timing_s', 0):.1f} s ({w.get('picks', 0)} picks)")
-    for pick in w.get("picked", []):  # the block shapes it picked (one-row us, rows-row us where timed)
-        print(f"    {pick}")
-    for t in w.get("step_tuned", []):  # the whole step's us with each candidate (models/step_tune.py)
-        rows_us = t.get("step_us_rows")
-        print(f"    step-timed {t['kernel']} {t['n']}x{t['k']}: {t['was']} -> {t['best']}; step us "
-              + ", ".join(f"{c} {v}" + (f"/{rows_us[c]}" if rows_us and c in rows_us else "")
-                          for c, v in t["step_us"].items()))
+    # a per-request engine warms each GEMV family's runner in turn: one report each (decode/engine.py)
+    for gemv, w in (w["families"].items() if "families" in w else [(str(r.get("gemv")), w)]):
+        phases = " ".join(f"{k} {v:.1f}" for k, v in w.get("phases", {}).items())
+        print(f"start {shape:9} {gemv:11} k={r.get('speculation_k')}: load+warm-up {r.get('load_warmup_s', 0):.1f} s, "
+              f"warm-up {w['seconds']:.1f} s ({phases}); compiles {w.get('compile_s', 0):.1f} s "
+              f"({w.get('compile_jobs', 0)} kernels, {w.get('compile_threads', '?')} threads), "
+              f"block-shape timing {w.get('pick_timing_s', 0):.1f} s ({w.get('picks', 0)} picks)")
+        for pick in w.get("picked", []):  # the block shapes it picked (one-row us, rows-row us where timed)
+            print(f"    {pick}")
+        for t in w.get("step_tuned", []):  # the whole step's us with each candidate (models/step_tune.py)
+            rows_us = t.get("step_us_rows")
+            print(f"    step-timed {t['kernel']} {t['n']}x{t['k']}: {t['was']} -> {t['best']}; step us "
+                  + ", ".join(f"{c} {v}" + (f"/{rows_us[c]}" if rows_us and c in rows_us else "")
+                              for c, v in t["step_us"].items()))
 EOF
     python3 scripts/gpu_check_targets.py "$out"
     [[ -s $out/lean-norm.jsonl ]] && python3 - "$out/lean-norm.jsonl" <<'EOF'
