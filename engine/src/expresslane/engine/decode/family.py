@@ -11,9 +11,8 @@ A request's greedy tokens must not depend on whether it speculates, so the choic
 first verifies: a request runs one family from its first step to its last, chosen before it starts, from what
 its prompt says. The predictor plays the node's own drafter (prompt lookup behind AdaptiveDrafter) over the
 prompt's last `window` tokens (at most half the prompt) as if the model were generating them, after up to
-`context` tokens before them,
-and charges each step what that family's forward of that many rows costs here (the engine's StepCosts, measured
-at warm-up): the family whose replay takes less time per token wins. The default family (the one a node without
+`context` tokens before them, and charges each step what that family's forward of that many rows costs here (the
+engine's StepCosts, measured at warm-up): the family whose replay takes less time per token wins. The default family (the one a node without
 the choice runs) keeps the request unless the other is faster by `margin`. A prompt shorter than
 `min_prompt` tokens, or one not given to the node, keeps the default.
 
@@ -40,9 +39,9 @@ FAMILIES = ("cuda-core", "tensor-core")
 class FamilyPolicy:
     """window: prompt tokens replayed (the last ones, at most half the prompt: on the recorded 267-token agentic
     request the whole-window replay, with 11 tokens of history, predicted tensor-core 1.05x faster, half of it
-    1.09x; the code edit 1.11x -> 1.21x); context: tokens before them the drafter indexes (the
-    replay's cost grows with it: about 3.5 ms for 2,048 + 256 tokens on a slow 2-CPU host); margin: what the
-    other family must gain over the default; min_prompt: shorter prompts keep the default."""
+    1.09x; the code edit 1.11x -> 1.21x); context: tokens before them the drafter indexes (the replay's cost
+    grows with it: about 3.5 ms for 2,048 + 256 tokens on a slow 2-CPU host); margin: what the other family must
+    gain over the default; min_prompt: shorter prompts keep the default."""
 
     window: int = 256
     context: int = 2048
