@@ -9,8 +9,8 @@ a runner of each family: every request decodes the tokens a one-runner engine de
 
 from __future__ import annotations
 
-import json
 import random
+import sys
 from pathlib import Path
 
 import pytest
@@ -20,25 +20,20 @@ from expresslane.engine.decode.bench import load_texts, simulate_speedup
 from expresslane.engine.decode.family import FAMILIES, FamilyPolicy, choose_family, proposals, replay_seconds
 
 REPO = Path(__file__).resolve().parents[3]
+sys.path.insert(0, str(REPO / "scripts"))
+
+from spec_policy_sim import cost_tables  # noqa: E402
+
 TEXTS = REPO / "docs/bench/2026-12-04-cost-aware-drafter/texts.json"
 COSTS = REPO / "docs/bench/2026-12-04-gpu-check"  # bench.jsonl: tensor-core 8B; bench-8b-auto.jsonl: cuda-core
 
 
 def _h200_8b_costs() -> dict[str, StepCosts]:
     """Each family's 8B forward ms by rows on the H200 (the decode bench's step_ms_by_rows), at the shortest and
-    longest context measured."""
-    by = {}
-    for name in ("bench.jsonl", "bench-8b-auto.jsonl"):
-        for line in (COSTS / name).read_text().splitlines():
-            r = json.loads(line)
-            rows = r.get("step_ms_by_rows") or {}
-            if "8b" in Path(r["model"]).name and len(rows) > 1:
-                by.setdefault(r["gemv"], {})[int(r["context"])] = [rows[str(t)] for t in range(1, len(rows) + 1)]
-    out = {}
-    for gemv, ctx in by.items():
-        lo, hi = min(ctx), max(ctx)
-        out[gemv] = StepCosts((lo, hi), tuple(ctx[lo]), tuple(ctx[hi]))
-    assert set(out) == set(FAMILIES), out.keys()
+    longest context measured (scripts/spec_policy_sim.py reads them so)."""
+    tables = cost_tables([str(COSTS / "bench.jsonl"), str(COSTS / "bench-8b-auto.jsonl")])
+    out = {key.split()[-1]: c for key, c in tables.items() if key.startswith("llama-8b ")}
+    assert set(out) == set(FAMILIES), tables.keys()
     return out
 
 
