@@ -75,6 +75,7 @@ class Faults:
         self.native_node = stack.native_url.split("://", 1)[1]
         self._refs: dict[tuple, str] = {}
         self.staging_total = None
+        self.last_scrape = "router /metrics not scraped yet"
 
     # ---- requests ------------------------------------------------------------------------------
     def body(self, alias: str, prompt: list[int], max_tokens: int = SHORT, **kw) -> dict:
@@ -118,12 +119,19 @@ class Faults:
         return entry.get("healthy") if isinstance(entry, dict) else None
 
     def gate_state(self) -> tuple[float | None, float | None]:
+        """The express pool's (in flight, queued), from the router's /metrics; (None, None) when it did not
+        answer within the scrape's timeout (`last_scrape` says how long the last one took)."""
+        t0 = time.monotonic()
         m = self.router_metrics()
+        self.last_scrape = f"router /metrics {'answered' if m else 'did NOT answer'} in {time.monotonic() - t0:.2f}s"
         return (metric(m, "expresslane_router_inflight_requests", pool="express"),
                 metric(m, "expresslane_router_queue_depth", pool="express"))
 
     def gate_free(self, timeout_s: float = 5.0) -> bool:
         return bool(wait_until(lambda: self.gate_state() == (0.0, 0.0), timeout_s, 0.1)[0])
+
+    def gate_report(self) -> str:
+        return f"{self.gate_state()} ({self.last_scrape}) {self.node_status()}"
 
     def node_status(self) -> dict | None:
         try:
@@ -641,7 +649,9 @@ def test_staging_exhausted_fails_fast_and_frees_every_slot(faults):
         c(o.typed_error and o.elapsed_s < t_pre + PREFILL_FAIL_S,
           f"express request without a staging slot: typed error < prefill {t_pre:.2f}s + {PREFILL_FAIL_S}s "
           f"(sent {time.monotonic() - t_fill - o.elapsed_s:.1f}s after the fill began): {o.describe()}")
-        c(f.gate_free() and f.node_idle(), f"gate free, node idle: {f.gate_state()} {f.node_status()}")
+        # (15 s: the router's gauge drops with the 503; what takes time on a loaded runner is the scrape. Once
+        # two scrapes in a row here got no answer within 5 s each; the report says how long the last one took.)
+        c(f.gate_free(15) and f.node_idle(), f"gate free, node idle: {f.gate_report()}")
     finally:
         hole.close()
     freed, waited = wait_until(lambda: f.staging_in_use() == 0, 30, 0.1)

@@ -179,3 +179,28 @@ def test_a_request_that_never_speculates_keeps_the_default_family(per_request):
         gen = engine.generate(first, len(LOOP_PROMPT), SamplingParams(**params, speculative=speculative))
         assert list(gen) == want
         assert (gen.family.family, gen.family.reason) == (FAMILIES[0], "its sampling never speculates")
+
+
+def test_the_bench_drafts_each_text_row_from_the_continuation_of_the_family_it_runs(per_request, monkeypatch):
+    """decode/bench.py: a recorded text's row replays drafts of the greedy continuation that the family chosen for
+    its prompt decodes (that family's own plain decode, pinned), not the default family's: in bf16 the two part at
+    the first near-tie, and from there every draft of the other's continuation is rejected (the first per-request
+    run on the H200: acceptance 0.00 on every text row). The chosen family is the other one here; the decode it
+    runs is counted under it, and the pin is put back."""
+    from expresslane.engine.decode import bench
+    from expresslane.engine.decode.family import FamilyChoice
+
+    engine, plain = per_request
+    prompt = LOOP_PROMPT
+    first = int(engine.prefill(prompt).argmax())
+    row = bench.time_decode(engine, prompt, first, 20, 1, speculative=False)
+    assert row["family"]["family"] == FAMILIES[0]
+    assert bench.family_continuation(engine, prompt, first, 20, row, [1, 2, 3]) is row["token_ids"]  # default: its own
+    other = FAMILIES[1]
+    monkeypatch.setattr(engine, "choose_family", lambda ids: FamilyChoice(other, {}, "test"))
+    before = engine.family_requests[other]
+    cont = bench.family_continuation(engine, prompt, first, 20, row, [1, 2, 3])
+    assert engine.family_requests[other] == before + 1 and engine.pinned_family is None
+    assert cont == row["token_ids"]  # on the CPU both families run the PyTorch step: the same tokens
+    assert bench.family_continuation(engine, prompt, first, 20, row, [4]) is cont  # decoded once a family
+    assert engine.family_requests[other] == before + 1

@@ -72,29 +72,46 @@ def test_a_repick_compiles_the_verify_row_counts_in_between(monkeypatch):
     assert compiled == [(A, 2), (A, 3), (A, 4)]
 
 
+def _wide_llama():
+    """A random Llama wide enough that every lean kernel has several block shapes to choose from (the engine
+    tests' checkpoints are 64 wide: each kernel fits one shape, so a warm-up has nothing to re-decide), with
+    large logits so float32 summation order cannot flip an argmax."""
+    from expresslane.engine.models.config import ModelConfig
+    from expresslane.engine.models.transformer import Transformer
+
+    cfg = ModelConfig(model_type="llama", vocab_size=4096, hidden_size=1024, intermediate_size=2816, num_layers=3,
+                      num_heads=16, num_kv_heads=4, head_dim=64, rms_norm_eps=1e-6, max_position_embeddings=512,
+                      tie_word_embeddings=False, qkv_bias=False, o_bias=False, mlp_bias=False, qk_norm=False)
+    torch.manual_seed(11)
+    model = Transformer(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(1.0 + 0.3 * torch.randn_like(p) if name.endswith("norm.weight") else 0.05 * torch.randn_like(p))
+        model.lm_head.weight.mul_(8.0)
+    return cfg, model.to(DEVICE, torch.float32).eval()
+
+
 @pytest.mark.skipif(DEVICE != "cuda", reason="the lean step and its graphs need a CUDA device")
 @pytest.mark.parametrize("spec", [False, True], ids=["plain", "speculating"])
-def test_a_warm_up_that_repicks_every_kernel_to_its_slowest_candidate_still_decodes_exactly(hf_model, monkeypatch,
-                                                                                           spec):
+def test_a_warm_up_that_repicks_every_kernel_to_its_slowest_candidate_still_decodes_exactly(monkeypatch, spec):
     """The engine's warm-up re-decides every pick by the step's time; here the rule is replaced by "the last
     candidate timed", so every kernel with a choice changes shape after the first forward picked it (and, in a
-    speculating engine, every verify row count runs the new shape). The first request then equals transformers,
-    with drafts made and kept where speculation is on."""
+    speculating engine, every verify row count runs the new shape). The first request then decodes the tokens of
+    the PyTorch step (no lean kernels, no graphs), with drafts made and kept where speculation is on."""
     from expresslane.engine.decode import DecodeEngine, SamplingParams
 
-    from .test_engine_vs_transformers import N_NEW, PROMPT, dense_kv, hf_greedy
-
-    kind, model_dir, model = hf_model
-    if kind != "llama":  # one model kind: each case is a fresh engine's warm-up with every shape picked afresh
-        pytest.skip("one model kind (the lean step's kernels are the same for qwen2; qwen3 has no lean step)")
+    cfg, model = _wide_llama()
+    prompt, n_new = [(7 * i + 3) % cfg.vocab_size for i in range(40)], 24
+    kw = dict(dtype=torch.float32, device=torch.device("cuda"), max_seq_len=160, attention="split")
+    ref = DecodeEngine(model, cfg, **kw, cuda_graph=False, lean=False, speculation=None)
+    first = int(ref.prefill(prompt).argmax())
+    expected = list(ref.generate(first, len(prompt), SamplingParams(max_tokens=n_new, ignore_eos=True)))
     # picked afresh (not an earlier test's), and put back after: a forced slow pick must not outlive the test
     monkeypatch.setattr(fused, "_PICKED", {})
     monkeypatch.setattr(fused, "TIMED_PICKS", {})
     monkeypatch.setattr(fused, "TUNING_LOG", [])
     monkeypatch.setattr(step_tune, "choose", lambda one_row, verify, slack=0.0: list(one_row)[-1])
-    expected, past = hf_greedy(model, PROMPT, N_NEW)
-    e = DecodeEngine.from_pretrained(model_dir, dtype="float32", device="cuda", max_seq_len=160, attention="split",
-                                     cuda_graph=True, lean=True, **({} if spec else {"speculation": None}))
+    e = DecodeEngine(model, cfg, **kw, cuda_graph=True, lean=True, **({} if spec else {"speculation": None}))
     e.warmup()
     tuned = e.warmup_report.get("step_tuned", [])
     assert tuned and any(t["best"] != t["was"] for t in tuned), e.warmup_report
@@ -103,10 +120,9 @@ def test_a_warm_up_that_repicks_every_kernel_to_its_slowest_candidate_still_deco
         assert set(t["step_us"]) >= {t["best"], t["was"]} and all(v > 0 for v in t["step_us"].values()), t
         if spec and t.get("step_us_rows"):
             assert set(t["step_us_rows"]) == set(t["step_us"]), t
-    k, v = dense_kv(past)
-    e.inject(k.cuda(), v.cuda(), len(PROMPT))
-    gen = e.generate(expected[0], len(PROMPT), SamplingParams(max_tokens=N_NEW, ignore_eos=True,
-                                                               prompt_token_ids=PROMPT + expected if spec else ()))
+    assert int(e.prefill(prompt).argmax()) == first
+    gen = e.generate(first, len(prompt), SamplingParams(max_tokens=n_new, ignore_eos=True,
+                                                        prompt_token_ids=prompt + expected if spec else ()))
     assert list(gen) == expected
     if spec:
         assert gen.spec.accepted_tokens > 0, gen.spec.as_dict()
