@@ -14,8 +14,10 @@
 #                                                # engines without speculation only) | step-tune (the plain
 #                                                # engines and the 8B tensor-core one, --step-tune on and off)
 #                                                # | per-request (the 8B engine with a runner of each GEMV
-#                                                # family, each request on the one its prompt suits, and the
-#                                                # 8B engine without speculation: FORCED llama-8b:per-request)
+#                                                # family, each request on the one its prompt suits, an 8B
+#                                                # engine of each one family, and the 8B engine without
+#                                                # speculation: FORCED "llama-8b:per-request llama-8b:cuda-core
+#                                                # llama-8b:tensor-core")
 #   bash scripts/gpu_check.sh summary OUTDIR     # anywhere: the table again from OUTDIR's pytest.txt, bench.jsonl
 #
 # The GPU machine (see docs/performance.md, "Method") has python3 3.12 with torch, triton, transformers,
@@ -99,8 +101,10 @@ run_bench() {
   : >"$out/bench.jsonl"
   if [[ $part == per-request ]]; then
     # the engine that runs each request on the GEMV family its prompt suits (decode/family.py), forced as a family
-    # is, and the node without speculation it is judged against: the norm part's benches without its probe
-    FORCED="${FORCED-llama-8b:per-request}" PROBE_NORM="${PROBE_NORM:-0}" part=norm
+    # is, beside an engine of each one family (the same requests on one card: what the choice gains over `auto`
+    # and what it loses to the better family of each request), and the node without speculation all are judged
+    # against: the norm part's benches without its probe
+    FORCED="${FORCED-llama-8b:per-request llama-8b:cuda-core llama-8b:tensor-core}" PROBE_NORM="${PROBE_NORM:-0}" part=norm
   fi
   local replay="${REPLAY-}" texts="${REPLAY_TEXT-docs/bench/2026-12-04-cost-aware-drafter/texts.json}"
   if [[ $part == step-tune ]]; then
