@@ -115,6 +115,26 @@ def targets(out: Path) -> list[tuple[bool, str, str]]:
                               f"{shape} {gemv}: the drafter on recorded text never slower than a node without it",
                               " ".join(f"{m}@{c}: {v:.2f}x" for m, c, v in x)))
 
+    # The per-request engine against an engine of each one family, request by request, on one card (gpu_check.sh's
+    # per-request part): what would make it `auto` for speculating nodes. Each request within 3 % of the faster
+    # one-family engine's time for it; "auto" is the CUDA-core engine, today's default.
+    for shape in ("llama-8b", "llama-1b"):
+        one = {(r["gemv"], r["mode"], r["context"]): r["tok_per_s"] for r in rows
+               if _shape(r) == shape and _speculating(r) and _family(r) in ("cuda-core", "tensor-core")}
+        pairs = []
+        for r in rows:
+            if _shape(r) != shape or r.get("gemv") != "per-request" or not _speculating(r) \
+                    or not (r["mode"] == "lookup" or r["mode"].startswith("text-")):
+                continue
+            cc, tc = one.get(("cuda-core", r["mode"], r["context"])), one.get(("tensor-core", r["mode"], r["context"]))
+            if cc and tc:
+                pairs.append((r["mode"].removeprefix("text-"), r["context"], r["tok_per_s"] / max(cc, tc),
+                              r["tok_per_s"] / cc))
+        if pairs:
+            found.append((all(best >= 0.97 for _, _, best, _ in pairs),
+                          f"{shape} per-request: each request >= 0.97x the faster one-family engine (x auto)",
+                          " ".join(f"{m}@{c}: {best:.2f}x ({auto:.2f}x)" for m, c, best, auto in pairs)))
+
     seconds = sum(int(s) for s in re.findall(r"^(?:tests|bench) (\d+) s$", phases_txt, re.M))
     if seconds:
         found.append((seconds < 540 and "interrupted" not in phases_txt and "not run" not in phases_txt,

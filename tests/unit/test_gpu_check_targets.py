@@ -90,3 +90,30 @@ def test_a_per_request_engines_rows_are_judged_by_the_family_each_request_ran(tm
         (True, "1024: 1.000x")
     assert t["llama-8b per-request:tensor-core: the drafter on recorded text never slower than a node without it"] \
         == (False, "agentic@1024: 2.50x code-edit@1024: 0.90x")
+
+
+def test_the_per_request_engine_is_judged_request_by_request_against_each_one_family_engine(tmp_path):
+    """gpu_check.sh's per-request part benches an engine of each one family beside the per-request one: each
+    request of the per-request engine must be within 3 % of the faster one-family engine, and its ratio to the
+    CUDA-core (auto) engine is shown beside it."""
+    import json
+
+    rows = [json.loads(line) for line in (RUN / "bench.jsonl").read_text().splitlines() if line.strip()]
+    node = [r for r in rows if r["model"].endswith("llama-8b") and not r.get("speculation_k", 1)
+            and r["context"] == 1024][0]
+    base = {k: v for k, v in node.items() if k not in ("mode", "tok_per_s", "speculation_k", "spec", "gemv")}
+
+    def row(gemv, mode, tok, family=None):
+        return dict(base, gemv=gemv, speculation_k=4, mode=mode, tok_per_s=tok, spec={},
+                    **({"family": {"family": family, "reason": "", "seconds_per_token": {}}} if family else {}))
+
+    bench = [node,
+             row("cuda-core", "lookup", 100.0), row("tensor-core", "lookup", 96.0),
+             row("cuda-core", "text-agentic", 170.0), row("tensor-core", "text-agentic", 275.0),
+             row("per-request", "lookup", 99.0, "cuda-core"), row("per-request", "text-agentic", 272.0, "tensor-core")]
+    (tmp_path / "bench.jsonl").write_text("".join(json.dumps(r) + "\n" for r in bench))
+    what = "llama-8b per-request: each request >= 0.97x the faster one-family engine (x auto)"
+    assert _by_target(tmp_path)[what] == (True, "lookup@1024: 0.99x (0.99x) agentic@1024: 0.99x (1.60x)")
+    bench[-1] = row("per-request", "text-agentic", 170.0, "cuda-core")  # the choice missed the faster family
+    (tmp_path / "bench.jsonl").write_text("".join(json.dumps(r) + "\n" for r in bench))
+    assert _by_target(tmp_path)[what] == (False, "lookup@1024: 0.99x (0.99x) agentic@1024: 0.62x (1.00x)")
