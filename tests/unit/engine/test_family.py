@@ -195,12 +195,13 @@ def test_the_bench_drafts_each_text_row_from_the_continuation_of_the_family_it_r
     first = int(engine.prefill(prompt).argmax())
     row = bench.time_decode(engine, prompt, first, 20, 1, speculative=False)
     assert row["family"]["family"] == FAMILIES[0]
-    assert bench.family_continuation(engine, prompt, first, 20, row, [1, 2, 3]) is row["token_ids"]  # default: its own
+    assert bench.family_continuation(engine, prompt, first, 20, row, [1, 2, 3], {}) is row["token_ids"]  # default: its own
     other = FAMILIES[1]
     monkeypatch.setattr(engine, "choose_family", lambda ids: FamilyChoice(other, {}, "test"))
     before = engine.family_requests[other]
-    cont = bench.family_continuation(engine, prompt, first, 20, row, [1, 2, 3])
+    decoded = {}
+    cont = bench.family_continuation(engine, prompt, first, 20, row, [1, 2, 3], decoded)
     assert engine.family_requests[other] == before + 1 and engine.pinned_family is None
     assert cont == row["token_ids"]  # on the CPU both families run the PyTorch step: the same tokens
-    assert bench.family_continuation(engine, prompt, first, 20, row, [4]) is cont  # decoded once a family
+    assert bench.family_continuation(engine, prompt, first, 20, row, [4], decoded) is cont  # decoded once a family
     assert engine.family_requests[other] == before + 1

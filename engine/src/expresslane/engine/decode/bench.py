@@ -279,26 +279,26 @@ def time_decode(engine: DecodeEngine, prompt: list[int], first: int, tokens: int
 
 
 def family_continuation(engine: DecodeEngine, prompt: list[int], first: int, tokens: int, plain: dict,
-                        request_prompt: list[int]) -> list[int]:
+                        request_prompt: list[int], decoded: dict[str, list[int]]) -> list[int]:
     """The greedy continuation of `prompt` a request carrying `request_prompt` decodes to: the plain row's, or
     on a per-request engine that runs it on another GEMV family, that family's own plain decode (pinned). In
     bf16 two families' reductions differ, so on a random prompt their greedy tokens part at the first near-tie:
     a replay that drafted one family's continuation for the other would be rejected from there on, and its row
-    would measure the bench, not the drafter (the first per-request run on the H200 did: acceptance 0.00)."""
+    would measure the bench, not the drafter (the first per-request run on the H200 did: acceptance 0.00).
+    `decoded`: the other families' continuations decoded so far (each decoded once a context)."""
     if not engine.families:
         return plain["token_ids"]
     family = engine.choose_family(request_prompt).family
-    if family == plain.get("family", {}).get("family", engine.families[0]):
+    if family == plain["family"]["family"]:
         return plain["token_ids"]
-    cache = plain.setdefault("_by_family", {})
-    if family not in cache:
+    if family not in decoded:
         pinned = engine.pinned_family
         engine.pinned_family = family
         try:
-            cache[family] = time_decode(engine, prompt, first, tokens, 1, speculative=False)["token_ids"]
+            decoded[family] = time_decode(engine, prompt, first, tokens, 1, speculative=False)["token_ids"]
         finally:
             engine.pinned_family = pinned
-    return cache[family]
+    return decoded[family]
 
 
 def step_times(engine: DecodeEngine, start: int, reps: int = 50) -> dict[int, float]:
@@ -351,8 +351,9 @@ def bench_context(engine: DecodeEngine, prompt_len: int, tokens: int, repeats: i
             r = time_decode(engine, prompt, first, tokens, repeats, speculative=True)
             r["matches_plain"] = r["token_ids"] == cont
             rows.append({"context": prompt_len, "mode": f"replay-{name}", **r})
+        decoded: dict[str, list[int]] = {}
         for name, (t_prompt, t_output) in (texts or {}).items():
-            cont = family_continuation(engine, prompt, first, tokens, plain, t_prompt)
+            cont = family_continuation(engine, prompt, first, tokens, plain, t_prompt, decoded)
             engine.set_drafter(lambda c=cont, p=t_prompt, o=t_output: TextReplayDrafter(
                 engine.speculation.drafter(engine.step_costs, prompt_len), p, o, c, engine.vocab_size))
             r = time_decode(engine, prompt, first, tokens, repeats, speculative=True, request_prompt=t_prompt)
