@@ -16,6 +16,15 @@ engine's StepCosts, measured at warm-up): the family whose replay takes less tim
 the choice runs) keeps the request unless the other is faster by `margin`. A prompt shorter than
 `min_prompt` tokens, or one not given to the node, keeps the default.
 
+Except where the prompt repeats: where the default family's replay runs `repeats` (1.05x) or more faster than its
+one-row step, the request runs on the family whose verify of k + 1 rows costs least. The prompt's tail
+understates what its output repeats, and the two mistakes cost unequal amounts. On an H100 at 8B
+(docs/bench/2026-12-05-per-request-ab/) the recorded agentic request's last 133 prompt tokens predicted
+tensor-core only 1.017x faster (kept: the margin), while its output ran 1.375x faster there (581.7 vs 423.1
+tok/s); the replay's own gain, 1.09x, said the prompt repeats. Running text that never repeats on the
+tensor-core family costs its one-row step's premium (0.939x there, 0.96x on the H200); running repeating text on
+the CUDA-core family cost 0.73x.
+
 The prompt's own repetition predicts what the drafter will earn on the output: on the copy model's recorded
 requests (docs/bench/2026-12-04-cost-aware-drafter/texts.json) at the H200's 8B costs the replay of each
 prompt ranks the families as the replay of its recorded output does (tensor-core for the code edit, the agentic
@@ -41,18 +50,22 @@ class FamilyPolicy:
     request the whole-window replay, with 11 tokens of history, predicted tensor-core 1.05x faster, half of it
     1.09x; the code edit 1.11x -> 1.21x); context: tokens before them the drafter indexes (the replay's cost
     grows with it: about 3.5 ms for 2,048 + 256 tokens on a slow 2-CPU host); margin: what the other family must
-    gain over the default; min_prompt: shorter prompts keep the default."""
+    gain over the default; min_prompt: shorter prompts keep the default; repeats: the default family's replay
+    this much faster than its one-row step marks a prompt that repeats (see the module's docstring)."""
 
     window: int = 256
     context: int = 2048
     margin: float = 0.02
     min_prompt: int = 64
+    repeats: float = 1.05
 
     def __post_init__(self) -> None:
         if self.window < 2 or self.context < 0 or self.min_prompt < 0:
             raise ValueError(f"need window >= 2, context >= 0, min_prompt >= 0: {self}")
         if not 0.0 <= self.margin < 1.0:
             raise ValueError(f"margin must be in [0, 1), got {self.margin}")
+        if not self.repeats > 1.0:
+            raise ValueError(f"repeats must be > 1 (inf: never), got {self.repeats}")
 
 
 @dataclass(frozen=True)
@@ -138,6 +151,13 @@ def choose_family(prompt: Sequence[int] | None, costs: Mapping[str, StepCosts], 
     props = proposals(context, text, speculation.k, speculation.ngram_min, speculation.ngram_max)
     per_token = {f: replay_seconds(text, props, costs[f], speculation.k, n) / (len(text) - 1)
                  for f in families}
+    gain = costs[default].at(n, 1)[0] / per_token[default]  # the replay's speedup on the default family
+    if gain >= policy.repeats:
+        verify = {f: costs[f].at(n, speculation.k + 1)[speculation.k] for f in families}
+        cheapest = min(families, key=verify.get)
+        return FamilyChoice(cheapest, per_token, f"{cheapest}: the prompt repeats (its last {len(text)} tokens "
+                                                 f"{gain:.3f}x faster speculating on {default}), the cheapest "
+                                                 f"verify of {speculation.k + 1} rows")
     best = min(families, key=per_token.get)
     if best != default and per_token[best] < per_token[default] * (1 - policy.margin):
         return FamilyChoice(best, per_token, f"{best} {per_token[default] / per_token[best]:.3f}x faster "
