@@ -16,21 +16,22 @@ engine's StepCosts, measured at warm-up): the family whose replay takes less tim
 the choice runs) keeps the request unless the other is faster by `margin`. A prompt shorter than
 `min_prompt` tokens, or one not given to the node, keeps the default.
 
-Except where the prompt repeats: where the default family's replay runs `repeats` (1.05x) or more faster than its
-one-row step, the request runs on the family whose verify of k + 1 rows costs least. The prompt's tail
-understates what its output repeats, and the two mistakes cost unequal amounts. On an H100 at 8B
-(docs/bench/2026-12-05-per-request-ab/) the recorded agentic request's last 133 prompt tokens predicted
-tensor-core only 1.017x faster (kept: the margin), while its output ran 1.375x faster there (581.7 vs 423.1
-tok/s); the replay's own gain, 1.09x, said the prompt repeats. Running text that never repeats on the
-tensor-core family costs its one-row step's premium (0.939x there, 0.96x on the H200); running repeating text on
-the CUDA-core family cost 0.73x.
+The prompt's own repetition predicts what the drafter will earn on the output, but only in part. On the copy
+model's recorded requests (docs/bench/2026-12-04-cost-aware-drafter/texts.json) at the H200's 8B costs the
+replay of each prompt ranks the families as the replay of its recorded output does (tensor-core for the code
+edit, the agentic request and the whole-file edit; cuda-core for random text). On an H100 at 8B
+(docs/bench/2026-12-05-per-request-ab/), whose CUDA-core verify is cheaper, the agentic request's last 133
+prompt tokens predicted tensor-core only 1.017x faster (kept on cuda-core by the margin), while its output ran
+1.375x faster there (581.7 vs 423.1 tok/s): the output quotes the prompt far more than the prompt's tail repeats
+itself. The two mistakes cost unequal amounts: repeating text on the CUDA-core family cost 0.73x; text that never
+repeats on the tensor-core family costs its one-row premium (0.939x there, 0.96x on the H200). So where the
+prompt repeats at all, i.e. the default family's replay runs `repeats` (1.05x) or more faster than its one-row
+step (the agentic prompt: 1.09x; random text: 1.00x), the request runs on the family whose verify of k + 1 rows
+costs least. At both cards' costs every recorded request then chooses the family its output runs faster on:
+tests/unit/engine/test_family.py.
 
-The prompt's own repetition predicts what the drafter will earn on the output: on the copy model's recorded
-requests (docs/bench/2026-12-04-cost-aware-drafter/texts.json) at the H200's 8B costs the replay of each
-prompt ranks the families as the replay of its recorded output does (tensor-core for the code edit, the agentic
-request and the whole-file edit; cuda-core for random text): tests/unit/engine/test_family.py. Greedy output is
-fixed by the text, so the lookup drafter's proposal at each position depends on the text alone: it is computed
-once (`proposals`) and each family's replay only decides how many of those drafts it verifies.
+Greedy output is fixed by the text, so the lookup drafter's proposal at each position depends on the text alone:
+it is computed once (`proposals`) and each family's replay only decides how many of those drafts it verifies.
 """
 
 from __future__ import annotations
