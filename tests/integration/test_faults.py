@@ -16,6 +16,7 @@ All checks of a test are collected and reported together, so a failing run says 
 from __future__ import annotations
 
 import asyncio
+from concurrent.futures import ThreadPoolExecutor
 import signal
 import time
 import uuid
@@ -165,6 +166,11 @@ class Faults:
         if self.staging_total is None or free > self.staging_total:
             self.staging_total = free
         return self.staging_total - free
+
+    def send_failures(self, reason: str) -> float:
+        """The connector's failed sends for `reason`, from the prefill's /metrics (a counter: 0 until the first)."""
+        return metric(scrape(f"{self.stack.prefill_url}/metrics"), "expresslane_connector_send_failures_total",
+                      reason=reason) or 0.0
 
     def claimed(self) -> float:
         return metric(self.connector(), "expresslane_connector_claimed_requests_total") or 0.0
@@ -624,7 +630,14 @@ def test_prompt_too_long_for_the_node_fails_fast(faults):
 def test_staging_exhausted_fails_fast_and_frees_every_slot(faults):
     """Every staging slot of the prefill held by sends to a control port that accepts and never answers (a
     hung peer, a real socket); an express request then finds no staging slot: the client knows within PREFILL_FAIL_S
-    of the prefill. When the hung peer goes away every slot is freed (connector metric)."""
+    of the prefill, and the connector counts the failure as `no_staging_slot`. When the hung peer goes away every
+    slot is freed (connector gauge).
+
+    The hung peer holds a slot only for the sender's own timeouts (3 connects, each waiting io_timeout_s = 10 s
+    for the challenge: ~31 s), so the express request goes out as soon as the fill's responses are in (each slot
+    is taken inside its request's forward, before vLLM answers), and what proves the slots were full is read
+    after it: the failure counter does not expire. A loaded 2-CPU CI runner once took 40 s to see a gauge that a
+    wait before the request polled, and sent the request after the slots had been freed."""
     f, c = faults, Checks("staging exhausted")
     _baseline(f, c)
     hole = BlackHolePeer()
@@ -636,22 +649,27 @@ def test_staging_exhausted_fails_fast_and_frees_every_slot(faults):
                 "kv_transfer_params": {"expresslane_host": "127.0.0.1", "expresslane_ctrl_port": hole.port,
                                        "expresslane_rid": uuid.uuid4().hex}}).status_code
 
-        # The pool's size from its own gauges (in use + free), then exactly that many sends to the hole, then
-        # wait for the gauge to show them all held. Bounds are generous: a loaded CI runner can take seconds per
-        # scrape, and a 1 s window once read a slow gauge as "no more slots" and stopped one send early.
+        # The pool's size from its own gauges (in use + free), an empty pool (an earlier test's sends done), the
+        # prefill's time for this prompt; then exactly that many sends to the hole, all at once.
         total, _ = wait_until(lambda: f.staging_in_use() is not None and f.staging_total, 15, 0.1)
         c(bool(total), f"the connector exports its staging pool's size (in use + free): {f.staging_total}")
-        t_fill = time.monotonic()  # the hung peer holds each slot for the sender's connect timeouts (~30 s)
-        codes = [stage_to_hole(i) for i in range(int(total or 0))]
-        held, waited = wait_until(lambda: (f.staging_in_use() or 0) >= (total or 1) and f.staging_in_use(), 15, 0.1)
-        held = held or f.staging_in_use() or 0
-        c(bool(total) and held == total,
-          f"{held:g} staging slots held by the hung peer (of {total}; prefill answered {codes}; {waited:.1f}s)")
+        idle, waited = wait_until(lambda: f.staging_in_use() == 0, 40, 0.2)
+        c(idle, f"no staging slot in use before the fill ({waited:.1f}s)")
         t_pre = _prefill_time(f, prompt)
+        no_slot0 = f.send_failures("no_staging_slot")
+        t_fill = time.monotonic()
+        with ThreadPoolExecutor(max(1, int(total or 0))) as pool:
+            codes = list(pool.map(stage_to_hole, range(int(total or 0))))
+        fill_s = time.monotonic() - t_fill
         o = run(f.send(REJECT, prompt, bound_s=t_pre + PREFILL_FAIL_S + 10))
         c(o.typed_error and o.elapsed_s < t_pre + PREFILL_FAIL_S,
           f"express request without a staging slot: typed error < prefill {t_pre:.2f}s + {PREFILL_FAIL_S}s "
-          f"(sent {time.monotonic() - t_fill - o.elapsed_s:.1f}s after the fill began): {o.describe()}")
+          f"(the fill answered {codes} in {fill_s:.1f}s; the request went {time.monotonic() - t_fill - o.elapsed_s:.1f}s "
+          f"after the fill began): {o.describe()}")
+        no_slot, waited = wait_until(lambda: f.send_failures("no_staging_slot") > no_slot0 and
+                                     f.send_failures("no_staging_slot"), 30, 0.2)
+        c(no_slot, f"the connector counted it as no_staging_slot ({no_slot0:g} -> "
+                   f"{f.send_failures('no_staging_slot'):g}; {waited:.1f}s)")
         # (15 s: the router's gauge drops with the 503; what takes time on a loaded runner is the scrape. Once
         # two scrapes in a row here got no answer within 5 s each; the report says how long the last one took.)
         c(f.gate_free(15) and f.node_idle(), f"gate free, node idle: {f.gate_report()}")
