@@ -662,10 +662,11 @@ def test_staging_exhausted_fails_fast_and_frees_every_slot(faults):
             codes = list(pool.map(stage_to_hole, range(int(total or 0))))
         fill_s = time.monotonic() - t_fill
         o = run(f.send(REJECT, prompt, bound_s=t_pre + PREFILL_FAIL_S + 10))
+        sent_after = time.monotonic() - t_fill - o.elapsed_s
         c(o.typed_error and o.elapsed_s < t_pre + PREFILL_FAIL_S,
           f"express request without a staging slot: typed error < prefill {t_pre:.2f}s + {PREFILL_FAIL_S}s "
-          f"(the fill answered {codes} in {fill_s:.1f}s; the request went {time.monotonic() - t_fill - o.elapsed_s:.1f}s "
-          f"after the fill began): {o.describe()}")
+          f"(the fill answered {codes} in {fill_s:.1f}s; the request went {sent_after:.1f}s after the fill "
+          f"began): {o.describe()}")
         no_slot, waited = wait_until(lambda: f.send_failures("no_staging_slot") > no_slot0 and
                                      f.send_failures("no_staging_slot"), 30, 0.2)
         c(no_slot, f"the connector counted it as no_staging_slot ({no_slot0:g} -> "
