@@ -25,10 +25,14 @@ prompt tokens predicted tensor-core only 1.017x faster (kept on cuda-core by the
 1.375x faster there (581.7 vs 423.1 tok/s): the output quotes the prompt far more than the prompt's tail repeats
 itself. The two mistakes cost unequal amounts: repeating text on the CUDA-core family cost 0.73x; text that never
 repeats on the tensor-core family costs its one-row premium (0.939x there, 0.96x on the H200). So where the
-prompt repeats at all, i.e. the default family's replay runs `repeats` (1.05x) or more faster than its one-row
-step (the agentic prompt: 1.09x; random text: 1.00x), the request runs on the family whose verify of k + 1 rows
-costs least. At both cards' costs every recorded request then chooses the family its output runs faster on:
-tests/unit/engine/test_family.py.
+prompt repeats at all, the request runs on the family whose verify of k + 1 rows costs least (as a share of its
+own one-row step). Whether it repeats is read on that same family: its replay runs `repeats` (1.05x) or more
+faster than its one-row step. Read on the default family instead (the first form of the rule), it fails where that
+family's verify is dear enough that speculation barely pays there: at the 1B shape on an H100 (five CUDA-core rows
+2.29x one; docs/bench/2026-12-06-per-request-ab/) the agentic prompt's replay ran only 1.035x faster on cuda-core,
+under the bar, and the request ran at 0.65x of the tensor-core engine; on the tensor-core family the same replay
+runs 1.16x faster, random text 0.99x. At the three measured cost tables (the H200 and H100 at 8B, the H100 at 1B)
+every recorded request then chooses the family its output runs faster on: tests/unit/engine/test_family.py.
 
 Greedy output is fixed by the text, so the lookup drafter's proposal at each position depends on the text alone:
 it is computed once (`proposals`) and each family's replay only decides how many of those drafts it verifies.
@@ -51,8 +55,8 @@ class FamilyPolicy:
     request the whole-window replay, with 11 tokens of history, predicted tensor-core 1.05x faster, half of it
     1.09x; the code edit 1.11x -> 1.21x); context: tokens before them the drafter indexes (the replay's cost
     grows with it: about 3.5 ms for 2,048 + 256 tokens on a slow 2-CPU host); margin: what the other family must
-    gain over the default; min_prompt: shorter prompts keep the default; repeats: the default family's replay
-    this much faster than its one-row step marks a prompt that repeats (see the module's docstring)."""
+    gain over the default; min_prompt: shorter prompts keep the default; repeats: the cheapest-verify family's
+    replay this much faster than its one-row step marks a prompt that repeats (see the module's docstring)."""
 
     window: int = 256
     context: int = 2048
@@ -152,12 +156,14 @@ def choose_family(prompt: Sequence[int] | None, costs: Mapping[str, StepCosts], 
     props = proposals(context, text, speculation.k, speculation.ngram_min, speculation.ngram_max)
     per_token = {f: replay_seconds(text, props, costs[f], speculation.k, n) / (len(text) - 1)
                  for f in families}
-    gain = costs[default].at(n, 1)[0] / per_token[default]  # the replay's speedup on the default family
+    # Whether the prompt repeats, read where speculation pays the most for it: the family whose verify of k + 1
+    # rows costs least, as a share of its own one-row step
+    verify = {f: costs[f].at(n, speculation.k + 1)[speculation.k] / costs[f].at(n, 1)[0] for f in families}
+    cheapest = min(families, key=verify.get)
+    gain = costs[cheapest].at(n, 1)[0] / per_token[cheapest]  # its replay's speedup over its own one-row step
     if gain >= policy.repeats:
-        verify = {f: costs[f].at(n, speculation.k + 1)[speculation.k] for f in families}
-        cheapest = min(families, key=verify.get)
         return FamilyChoice(cheapest, per_token, f"{cheapest}: the prompt repeats (its last {len(text)} tokens "
-                                                 f"{gain:.3f}x faster speculating on {default}), the cheapest "
+                                                 f"{gain:.3f}x faster speculating there), the cheapest "
                                                  f"verify of {speculation.k + 1} rows")
     best = min(families, key=per_token.get)
     if best != default and per_token[best] < per_token[default] * (1 - policy.margin):
