@@ -110,17 +110,24 @@ def _h100_8b_costs() -> dict[str, StepCosts]:
     return out
 
 
+def _chooses_the_family_the_output_runs_faster_on(name: str, costs: dict[str, StepCosts]):
+    """The recorded request's prompt and the choice for it, checked against what its recorded output costs a token
+    on each family at these costs."""
+    prompt, output = _texts()[name]
+    truth = {f: _output_seconds_per_token(prompt, output, c) for f, c in costs.items()}
+    choice = choose_family(prompt, costs, SpeculationConfig())
+    print(f"\n{name}: output s/token {truth}; chose {choice.family} ({choice.reason})")
+    assert choice.family == min(truth, key=truth.get)
+    return prompt, choice
+
+
 @pytest.mark.parametrize("name", ["code-edit", "agentic", "code-edit-long", "random"])
 def test_a_prompt_that_repeats_runs_on_the_cheapest_verify_at_h100_costs(name):
     """On the H100 the CUDA-core verify is cheaper than on the H200 (five rows 1.79x one, not 2.49x), and the
     agentic prompt's tail predicted tensor-core only 1.017x faster: the margin kept it on cuda-core, where its
     output ran at 0.73x of the tensor-core engine (the A/B, H100_AB). Its replay's own gain says it repeats."""
     costs = _h100_8b_costs()
-    prompt, output = _texts()[name]
-    truth = {f: _output_seconds_per_token(prompt, output, c) for f, c in costs.items()}
-    choice = choose_family(prompt, costs, SpeculationConfig())
-    print(f"\n{name}: output s/token {truth}; chose {choice.family} ({choice.reason})")
-    assert choice.family == min(truth, key=truth.get)
+    prompt, choice = _chooses_the_family_the_output_runs_faster_on(name, costs)
     if name == "agentic":  # what the A/B measured: the margin rule alone keeps it on the slower family
         assert choose_family(prompt, costs, SpeculationConfig(), FamilyPolicy(repeats=float("inf"))).family \
             == "cuda-core"
@@ -153,11 +160,7 @@ def test_whether_a_prompt_repeats_is_read_on_the_cheapest_verify_at_h100_1b_cost
     tok/s at 1k). Read on the family with the cheapest verify, the replay runs 1.17x faster, far from the bar, and
     random text does not pass it: every request chooses what its output runs faster on."""
     costs = _h100_1b_costs()
-    prompt, output = _texts()[name]
-    truth = {f: _output_seconds_per_token(prompt, output, c) for f, c in costs.items()}
-    choice = choose_family(prompt, costs, SpeculationConfig())
-    print(f"\n{name}: output s/token {truth}; chose {choice.family} ({choice.reason})")
-    assert choice.family == min(truth, key=truth.get)
+    prompt, choice = _chooses_the_family_the_output_runs_faster_on(name, costs)
     assert choice.family == ("cuda-core" if name == "random" else "tensor-core")
     if name == "agentic":
         assert "the prompt repeats" in choice.reason
