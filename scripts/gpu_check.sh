@@ -13,11 +13,13 @@
 #                                                # tensor-core norm probe, the FORCED benches and their shapes'
 #                                                # engines without speculation only) | step-tune (the plain
 #                                                # engines and the 8B tensor-core one, --step-tune on and off)
-#                                                # | per-request (the 8B engine with a runner of each GEMV
-#                                                # family, each request on the one its prompt suits, an 8B
-#                                                # engine of each one family, and the 8B engine without
-#                                                # speculation: FORCED "llama-8b:per-request llama-8b:cuda-core
-#                                                # llama-8b:tensor-core")
+#                                                # | per-request (the engine with a runner of each GEMV
+#                                                # family, each request on the one its prompt suits, an
+#                                                # engine of each one family, and the engine without
+#                                                # speculation, at 8B then 1B: FORCED "llama-8b:per-request
+#                                                # llama-8b:cuda-core llama-8b:tensor-core llama-1b:per-request
+#                                                # llama-1b:cuda-core llama-1b:tensor-core"; 8B 320 s, 1B
+#                                                # 150 s at REPEATS=1 on an H100)
 #   bash scripts/gpu_check.sh summary OUTDIR     # anywhere: the table again from OUTDIR's pytest.txt, bench.jsonl
 #
 # The GPU machine (see docs/performance.md, "Method") has python3 3.12 with torch, triton, transformers,
@@ -104,7 +106,9 @@ run_bench() {
     # is, beside an engine of each one family (the same requests on one card: what the choice gains over `auto`
     # and what it loses to the better family of each request), and the node without speculation all are judged
     # against: the norm part's benches without its probe
-    FORCED="${FORCED-llama-8b:per-request llama-8b:cuda-core llama-8b:tensor-core}" PROBE_NORM="${PROBE_NORM:-0}" part=norm
+    local families="llama-8b:per-request llama-8b:cuda-core llama-8b:tensor-core"
+    families+=" llama-1b:per-request llama-1b:cuda-core llama-1b:tensor-core"
+    FORCED="${FORCED-$families}" PROBE_NORM="${PROBE_NORM:-0}" part=norm
   fi
   local replay="${REPLAY-}" texts="${REPLAY_TEXT-docs/bench/2026-12-04-cost-aware-drafter/texts.json}"
   if [[ $part == step-tune ]]; then
