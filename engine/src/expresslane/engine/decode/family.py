@@ -29,9 +29,9 @@ prompt repeats at all, the request runs on the family whose verify of k + 1 rows
 own one-row step). Whether it repeats is read on that same family: its replay runs `repeats` (1.05x) or more
 faster than its one-row step. Read on the default family instead (the first form of the rule), it fails where that
 family's verify is dear enough that speculation barely pays there: at the 1B shape on an H100 (five CUDA-core rows
-2.29x one; docs/bench/2026-12-06-per-request-ab/) the agentic prompt's replay ran only 1.035x faster on cuda-core,
+2.29x one; docs/bench/2026-12-06-per-request-ab/) the agentic prompt's replay ran only 1.036x faster on cuda-core,
 under the bar, and the request ran at 0.65x of the tensor-core engine; on the tensor-core family the same replay
-runs 1.16x faster, random text 0.99x. At the three measured cost tables (the H200 and H100 at 8B, the H100 at 1B)
+runs 1.17x faster, random text 0.99x. At the three measured cost tables (the H200 and H100 at 8B, the H100 at 1B)
 every recorded request then chooses the family its output runs faster on: tests/unit/engine/test_family.py.
 
 Greedy output is fixed by the text, so the lookup drafter's proposal at each position depends on the text alone:
