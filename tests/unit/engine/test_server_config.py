@@ -110,7 +110,7 @@ def test_lean_flag(capsys) -> None:
 
 def test_lean_gemv_flag(capsys) -> None:
     """--lean-gemv picks the lean step's GEMV kernels (models/lean.py); auto by default; a typo is refused."""
-    assert parse_args(["--model", "m"]).lean_gemv == "auto"
+    assert parse_args(["--model", "m"]).lean_gemv == "auto"  # a CPU: the engine's auto (one family)
     assert parse_args(["--model", "m", "--lean-gemv", "cuda-core"]).lean_gemv == "cuda-core"
     assert parse_args(["--model", "m", "--lean-gemv", "tensor-core"]).lean_gemv == "tensor-core"
     with pytest.raises(SystemExit):
@@ -123,3 +123,17 @@ def test_lean_gemv_flag(capsys) -> None:
         with pytest.raises(SystemExit):
             parse_args(["--model", "m", "--lean-gemv", "per-request", *refused])
         assert "--lean-gemv per-request chooses a lean-step GEMV family" in capsys.readouterr().err
+
+
+def test_lean_gemv_auto_is_per_request_where_the_lean_step_speculates() -> None:
+    """The node's auto: a GEMV family per request (decode/family.py) on a cuda device whose lean step speculates
+    (docs/bench/2026-12-06-per-request-auto/), the engine's auto (cuda-core) wherever one of those does not hold."""
+    assert parse_args(["--model", "m", "--device", "cuda"]).lean_gemv == "per-request"
+    assert parse_args(["--model", "m", "--device", "cuda:1", "--lean", "on"]).lean_gemv == "per-request"
+    assert parse_args(["--model", "m", "--device", "cuda", "--attention", "split"]).lean_gemv == "per-request"
+    for one_family in (["--speculation", "off"], ["--lean", "off"], ["--cuda-graph", "off"],
+                       ["--attention", "masked"], ["--attention", "live"]):
+        assert parse_args(["--model", "m", "--device", "cuda", *one_family]).lean_gemv == "auto", one_family
+    # an explicit family stays what was asked for
+    for family in ("cuda-core", "tensor-core"):
+        assert parse_args(["--model", "m", "--device", "cuda", "--lean-gemv", family]).lean_gemv == family

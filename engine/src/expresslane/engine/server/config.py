@@ -71,6 +71,24 @@ def parse_cpu_list(text: str) -> tuple[int, ...]:
     return tuple(sorted(cpus))
 
 
+def resolve_lean_gemv(choice: str, *, device_type: str, speculation: bool, lean: bool | None,
+                      cuda_graph: bool | None, attention: str | None) -> str:
+    """The node's --lean-gemv: `auto` is per-request (decode/family.py: a runner of each GEMV family, each request
+    on the one its prompt suits) where the lean step runs and speculates (a cuda device, the lean step not off, a
+    CUDA graph over split-KV attention, speculation on), else the engine's auto (one family, cuda-core). Measured
+    on an H100 at the 8B shape (docs/bench/2026-12-06-per-request-auto/): every request within 1 % of the faster
+    one-family engine, up to 1.39x the cuda-core one on text that repeats, the same on text that does not."""
+    from ..decode.engine import PER_REQUEST, default_attention, parse_attention, resolve_cuda_graph
+    from ..models.attention import AttentionKind
+
+    if choice != "auto" or device_type != "cuda" or not speculation or lean is False:
+        return choice
+    kind = parse_attention(attention or default_attention(device_type))
+    if kind is not AttentionKind.SPLIT_KV or not resolve_cuda_graph(cuda_graph, device_type, kind):
+        return choice
+    return PER_REQUEST
+
+
 def _positive(ap: argparse.ArgumentParser, a: argparse.Namespace, *names: str) -> None:
     for name in names:
         if getattr(a, name) <= 0:
@@ -123,11 +141,12 @@ def parse_args(argv: list[str] | None = None, env: Mapping[str, str] | None = No
                          "PyTorch step")
     ap.add_argument("--lean-gemv", choices=["auto", "cuda-core", "tensor-core", "per-request"], default="auto",
                     help="the lean step's GEMV kernels: cuda-core (the fastest one-token step; each further row of "
-                         "a speculative verify costs about one more step; auto) or tensor-core (a verify of 5 rows "
+                         "a speculative verify costs about one more step) or tensor-core (a verify of 5 rows "
                          "costs about one row: for traffic that repeats, e.g. agentic and code edits; one row ~4 %% "
                          "slower at 8B, 22 %% at 1B, so text that never repeats runs ~4 %% slower); per-request: "
                          "both, each request on the family its prompt suits (a cuda device and --speculation on; "
-                         "the warm-up builds both families)")
+                         "the warm-up builds both families); auto (the default): per-request where the lean step "
+                         "speculates on a cuda device, else cuda-core")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch CPU threads (default: one per --cpu-bind CPU, else torch's default)")
     ap.add_argument("--cpu-bind", default=None, metavar="LIST",
@@ -165,6 +184,8 @@ def parse_args(argv: list[str] | None = None, env: Mapping[str, str] | None = No
         ap.error(f"--lean-gemv per-request chooses a lean-step GEMV family for what speculation earns: it needs a "
                  f"cuda device, the lean step and --speculation on (got --device {a.device} --lean {a.lean} "
                  f"--speculation {a.speculation})")
+    lean_gemv = resolve_lean_gemv(a.lean_gemv, device_type=device_type, speculation=a.speculation == "on",
+                                  lean=lean, cuda_graph=cuda_graph, attention=a.attention)
     if a.threads is not None and a.threads < 1:
         ap.error("--threads must be >= 1")
     try:
@@ -179,7 +200,7 @@ def parse_args(argv: list[str] | None = None, env: Mapping[str, str] | None = No
         health_interval_s=a.health_interval_s, health_probe_timeout_s=a.health_probe_timeout_s,
         max_connections=a.max_connections, verify_checksum=a.verify_checksum, node_token=node_token,
         peer_secret=peer_secret.encode() if peer_secret else None, attention=a.attention, compile=a.compile, cuda_graph=cuda_graph, lean=lean,
-        lean_gemv=a.lean_gemv,
+        lean_gemv=lean_gemv,
         speculation=a.speculation == "on", spec_k=a.spec_k,
         threads=a.threads,
         cpu_bind=cpu_bind, warmup=a.warmup, log_level=a.log_level,
