@@ -30,8 +30,10 @@
 # FORCED (llama-8b:tensor-core:per-row: shape:family[:verify attention[:norm[:l2]]] also benched with that
 # GEMV family, verify attention, norm placement and L2 prefetch (models/lean.py; per-row, kernel and none when
 # absent) forced, at
-# FORCED_CONTEXTS 1024,32768: the opt-in's numbers, what auto's choice weighs; tensor-core with the norm kernels
-# and per-row / shared attention: docs/bench/2026-12-04-gpu-check/, docs/bench/2026-12-05-gpu-check-green/),
+# FORCED_CONTEXTS 1024,32768 and FORCED_ORACLE_K 4: the opt-in's numbers (the family a per-request node runs
+# text that repeats on: FORCED_CONTEXTS 1024,8192,32768 FORCED_ORACLE_K 3,4 for the 8B oracle targets);
+# tensor-core with the norm kernels and per-row / shared attention: docs/bench/2026-12-04-gpu-check/,
+# docs/bench/2026-12-05-gpu-check-green/),
 # PROBE_NORM (1 in part norm, 0 in bench: scripts/probe_lean_norm.py, the tensor-core step with its norms as
 # kernels and as tails against the CUDA-core step, into lean-norm.jsonl, at NORM_SHAPES llama-8b,llama-1b),
 # REPEATS (2), MAX_SEQ_LEN (33100), REPLAY_TEXT (docs/bench/2026-12-04-cost-aware-drafter/texts.json; empty: none),
@@ -162,7 +164,7 @@ run_bench() {
     echo "== bench $shape $family $attn $norm ${l2}"
     python3 -m expresslane.engine.decode.bench --random-shape "$shape" --device cuda --dtype bfloat16 \
       --contexts "${FORCED_CONTEXTS:-1024,32768}" --max-seq-len "${MAX_SEQ_LEN:-33100}" --tokens "${TOKENS:-256}" \
-      --lean-gemv "$family" --verify-attention "$attn" --lean-norm "$norm" ${l2:+--lean-l2-prefetch} --oracle-k 4 --lookup ${replay:+--replay "$replay"} ${texts:+--replay-text "$texts"} --repeats "${REPEATS:-2}" \
+      --lean-gemv "$family" --verify-attention "$attn" --lean-norm "$norm" ${l2:+--lean-l2-prefetch} --oracle-k "${FORCED_ORACLE_K:-4}" --lookup ${replay:+--replay "$replay"} ${texts:+--replay-text "$texts"} --repeats "${REPEATS:-2}" \
       --json "$out/bench.jsonl" 2>&1 | tee -a "$out/bench.log"
   done
   if [[ $part == norm ]]; then

@@ -125,15 +125,46 @@ def test_lean_gemv_flag(capsys) -> None:
         assert "--lean-gemv per-request chooses a lean-step GEMV family" in capsys.readouterr().err
 
 
-def test_lean_gemv_auto_is_per_request_where_the_lean_step_speculates() -> None:
-    """The node's auto: a GEMV family per request (decode/family.py) on a cuda device whose lean step speculates
-    (docs/bench/2026-12-06-per-request-auto/), the engine's auto (cuda-core) wherever one of those does not hold."""
-    assert parse_args(["--model", "m", "--device", "cuda"]).lean_gemv == "per-request"
-    assert parse_args(["--model", "m", "--device", "cuda:1", "--lean", "on"]).lean_gemv == "per-request"
-    assert parse_args(["--model", "m", "--device", "cuda", "--attention", "split"]).lean_gemv == "per-request"
+def test_lean_gemv_auto_is_per_request_where_the_lean_step_speculates_on_a_large_enough_model() -> None:
+    """The node's auto, resolved against the checkpoint when the engine is built: a GEMV family per request
+    (decode/family.py) on a cuda device whose lean step speculates, for a model of hidden size 4096 or more
+    (docs/bench/2026-12-06-per-request-gate/: passes at the 8B shape, not at the 1B one); the engine's auto
+    (cuda-core) wherever one of those does not hold; an explicit family stays what was asked for."""
+    from expresslane.engine.server.config import PER_REQUEST_MIN_HIDDEN, resolve_lean_gemv
+
+    def node(*args: str, hidden: int = 4096) -> str:
+        c = parse_args(["--model", "m", *args])
+        assert c.lean_gemv in ("auto", "cuda-core", "tensor-core", "per-request")  # parse_args leaves it as given
+        return resolve_lean_gemv(c.lean_gemv, device_type=c.device.split(":")[0], speculation=c.speculation,
+                                 lean=c.lean, cuda_graph=c.cuda_graph, attention=c.attention, hidden_size=hidden)
+
+    assert PER_REQUEST_MIN_HIDDEN == 4096
+    assert parse_args(["--model", "m", "--device", "cuda"]).lean_gemv == "auto"
+    assert node("--device", "cuda") == "per-request"  # the 8B shape
+    assert node("--device", "cuda", hidden=8192) == "per-request"
+    assert node("--device", "cuda:1", "--lean", "on") == "per-request"
+    assert node("--device", "cuda", "--attention", "split") == "per-request"
+    assert node("--device", "cuda", hidden=2048) == "auto"  # the 1B shape
+    assert node("--device", "cuda", hidden=3072) == "auto"  # unmeasured: one family
     for one_family in (["--speculation", "off"], ["--lean", "off"], ["--cuda-graph", "off"],
-                       ["--attention", "masked"], ["--attention", "live"]):
-        assert parse_args(["--model", "m", "--device", "cuda", *one_family]).lean_gemv == "auto", one_family
-    # an explicit family stays what was asked for
+                       ["--attention", "masked"], ["--attention", "live"], ["--device", "cpu"]):
+        assert node("--device", "cuda", *one_family) == "auto", one_family
     for family in ("cuda-core", "tensor-core"):
-        assert parse_args(["--model", "m", "--device", "cuda", "--lean-gemv", family]).lean_gemv == family
+        assert node("--device", "cuda", "--lean-gemv", family) == family
+
+
+def test_the_node_reads_the_hidden_size_from_the_checkpoint(tmp_path) -> None:
+    """server/__main__.node_lean_gemv: auto is resolved against the model directory's config.json."""
+    import json
+
+    from expresslane.engine.server.__main__ import node_lean_gemv
+
+    cfg = {"model_type": "llama", "vocab_size": 256, "hidden_size": 4096, "intermediate_size": 64,
+           "num_hidden_layers": 1, "num_attention_heads": 32, "num_key_value_heads": 8}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    assert node_lean_gemv(parse_args(["--model", str(tmp_path), "--device", "cuda"])) == "per-request"
+    assert node_lean_gemv(parse_args(["--model", str(tmp_path)])) == "auto"  # a CPU
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "hidden_size": 2048}))
+    assert node_lean_gemv(parse_args(["--model", str(tmp_path), "--device", "cuda"])) == "auto"
+    assert node_lean_gemv(parse_args(["--model", str(tmp_path), "--device", "cuda",
+                                      "--lean-gemv", "tensor-core"])) == "tensor-core"

@@ -17,9 +17,10 @@ import torch
 import uvicorn
 
 from ..decode import DecodeEngine, SpeculationConfig
+from ..models.config import ModelConfig
 from ..secrets import NODE_TOKEN, PEER_SECRET, describe
 from .app import create_app
-from .config import ServerConfig, parse_args
+from .config import ServerConfig, parse_args, resolve_lean_gemv
 from .receiver import build_receiver
 
 log = logging.getLogger("expresslane.engine.server")
@@ -38,12 +39,23 @@ def apply_cpu_placement(config: ServerConfig) -> None:
         torch.set_num_threads(threads)
 
 
+def node_lean_gemv(config: ServerConfig) -> str:
+    """The GEMV family choice the node's engine is built with: --lean-gemv auto resolved against the checkpoint's
+    hidden size (config.resolve_lean_gemv), anything else as given."""
+    if config.lean_gemv != "auto" or torch.device(config.device).type != "cuda":
+        return config.lean_gemv  # (a CPU node's checkpoint is not read twice)
+    return resolve_lean_gemv(config.lean_gemv, device_type="cuda",
+                             speculation=config.speculation, lean=config.lean, cuda_graph=config.cuda_graph,
+                             attention=config.attention,
+                             hidden_size=ModelConfig.from_model_dir(config.model).hidden_size)
+
+
 def build_engine(config: ServerConfig) -> DecodeEngine:
     t0 = time.perf_counter()
     engine = DecodeEngine.from_pretrained(config.model, dtype=config.dtype, device=config.device,
                                           max_seq_len=config.max_seq_len, attention=config.attention,
                                           compile=config.compile, cuda_graph=config.cuda_graph, lean=config.lean,
-                                          lean_gemv=config.lean_gemv,
+                                          lean_gemv=node_lean_gemv(config),
                                           speculation=SpeculationConfig(k=config.spec_k) if config.speculation
                                           else None)
     if config.warmup:

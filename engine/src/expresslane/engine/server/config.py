@@ -71,13 +71,25 @@ def parse_cpu_list(text: str) -> tuple[int, ...]:
     return tuple(sorted(cpus))
 
 
+#: The smallest hidden size whose node runs a GEMV family per request by default (resolve_lean_gemv).
+PER_REQUEST_MIN_HIDDEN = 4096
+
+
 def resolve_lean_gemv(choice: str, *, device_type: str, speculation: bool, lean: bool | None,
-                      cuda_graph: bool | None, attention: str | None) -> str:
-    """The node's --lean-gemv: `auto` is per-request (decode/family.py: a runner of each GEMV family, each request
-    on the one its prompt suits) where the lean step runs and speculates (a cuda device, the lean step not off, a
-    CUDA graph over split-KV attention, speculation on), else the engine's auto (one family, cuda-core). Measured
-    on an H100 at the 8B shape (docs/bench/2026-12-06-per-request-auto/): every request within 1 % of the faster
-    one-family engine, up to 1.39x the cuda-core one on text that repeats, the same on text that does not."""
+                      cuda_graph: bool | None, attention: str | None, hidden_size: int) -> str:
+    """The node's --lean-gemv, resolved when its engine is built (the model's hidden size is the checkpoint's):
+    `auto` is per-request (decode/family.py: a runner of each GEMV family, each request on the one its prompt
+    suits) where the lean step runs and speculates (a cuda device, the lean step not off, a CUDA graph over split-KV
+    attention, speculation on) on a model of hidden size PER_REQUEST_MIN_HIDDEN or more, else the engine's auto
+    (one family, cuda-core).
+
+    Measured on an H100 (docs/bench/2026-12-06-per-request-ab/, docs/bench/2026-12-06-per-request-gate/): at the
+    8B shape (hidden 4096) every request within 1 % of the faster one-family engine in two runs (within 3 % either
+    way), up to 1.39x the cuda-core engine on text that repeats and the same on text that does not. At the 1B shape
+    (hidden 2048) the choice still gains 1.25-1.31x on the agentic request but the engine ran 0.93-0.99x the
+    cuda-core one on the rest: the tensor-core family's one-row step costs 11 % more there (22 % on an H200; 4-6 %
+    at 8B), which is what a request put on it wrongly loses, and the per-request engine's own CUDA-core verify ran
+    9 % slower than the one-family engine's. Hidden sizes between are not measured: they keep one family."""
     from ..decode.engine import PER_REQUEST, default_attention, parse_attention, resolve_cuda_graph
     from ..models.attention import AttentionKind
 
@@ -86,7 +98,7 @@ def resolve_lean_gemv(choice: str, *, device_type: str, speculation: bool, lean:
     kind = parse_attention(attention or default_attention(device_type))
     if kind is not AttentionKind.SPLIT_KV or not resolve_cuda_graph(cuda_graph, device_type, kind):
         return choice
-    return PER_REQUEST
+    return PER_REQUEST if hidden_size >= PER_REQUEST_MIN_HIDDEN else choice
 
 
 def _positive(ap: argparse.ArgumentParser, a: argparse.Namespace, *names: str) -> None:
@@ -146,7 +158,7 @@ def parse_args(argv: list[str] | None = None, env: Mapping[str, str] | None = No
                          "slower at 8B, 22 %% at 1B, so text that never repeats runs ~4 %% slower); per-request: "
                          "both, each request on the family its prompt suits (a cuda device and --speculation on; "
                          "the warm-up builds both families); auto (the default): per-request where the lean step "
-                         "speculates on a cuda device, else cuda-core")
+                         "speculates on a cuda device and the model's hidden size is 4096 or more, else cuda-core")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch CPU threads (default: one per --cpu-bind CPU, else torch's default)")
     ap.add_argument("--cpu-bind", default=None, metavar="LIST",
@@ -184,8 +196,6 @@ def parse_args(argv: list[str] | None = None, env: Mapping[str, str] | None = No
         ap.error(f"--lean-gemv per-request chooses a lean-step GEMV family for what speculation earns: it needs a "
                  f"cuda device, the lean step and --speculation on (got --device {a.device} --lean {a.lean} "
                  f"--speculation {a.speculation})")
-    lean_gemv = resolve_lean_gemv(a.lean_gemv, device_type=device_type, speculation=a.speculation == "on",
-                                  lean=lean, cuda_graph=cuda_graph, attention=a.attention)
     if a.threads is not None and a.threads < 1:
         ap.error("--threads must be >= 1")
     try:
@@ -200,7 +210,7 @@ def parse_args(argv: list[str] | None = None, env: Mapping[str, str] | None = No
         health_interval_s=a.health_interval_s, health_probe_timeout_s=a.health_probe_timeout_s,
         max_connections=a.max_connections, verify_checksum=a.verify_checksum, node_token=node_token,
         peer_secret=peer_secret.encode() if peer_secret else None, attention=a.attention, compile=a.compile, cuda_graph=cuda_graph, lean=lean,
-        lean_gemv=lean_gemv,
+        lean_gemv=a.lean_gemv,
         speculation=a.speculation == "on", spec_k=a.spec_k,
         threads=a.threads,
         cpu_bind=cpu_bind, warmup=a.warmup, log_level=a.log_level,
