@@ -87,9 +87,9 @@ def resolve_lean_gemv(choice: str, *, device_type: str, speculation: bool, lean:
     8B shape (hidden 4096) every request within 1 % of the faster one-family engine in two runs (within 3 % either
     way), up to 1.39x the cuda-core engine on text that repeats and the same on text that does not. At the 1B shape
     (hidden 2048) the choice still gains 1.25-1.31x on the agentic request but the engine ran 0.93-0.99x the
-    cuda-core one on the rest: the tensor-core family's one-row step costs 11 % more there (22 % on an H200; 4-6 %
-    at 8B), which is what a request put on it wrongly loses, and the per-request engine's own CUDA-core verify ran
-    9 % slower than the one-family engine's. Hidden sizes between are not measured: they keep one family."""
+    cuda-core one on the rest, inside what two builds of one 1B engine differ by (a five-row verify 2.20-2.36 ms
+    across four builds), while the tensor-core family's one-row step costs 11 % more there (22 % on an H200; 4-6 %
+    at 8B): what a request put on it wrongly loses. Hidden sizes between are not measured: they keep one family."""
     from ..decode.engine import PER_REQUEST, default_attention, parse_attention, resolve_cuda_graph
     from ..models.attention import AttentionKind
 
