@@ -165,6 +165,8 @@ class Metric:
     type: str  # counter | gauge | histogram
     labels: tuple[str, ...]
     jobs: tuple[str, ...]
+    # Where a job exports it only on some nodes (the live test on the CPU stack does not ask for it there)
+    only: str = ""
 
 
 def _m(type_: str, labels: str, jobs: str) -> Metric:
@@ -200,20 +202,31 @@ def _code_catalog() -> dict[str, Metric]:
 
     from prometheus_client import CollectorRegistry
 
-    from expresslane.engine.server.metrics import DecodeMetrics
+    from expresslane.engine.decode.family import FAMILIES
+    from expresslane.engine.decode.speculative import SpecStats, StepCosts
+    from expresslane.engine.server.metrics import DecodeMetrics, SpeculationCollector
     from expresslane.router.config import load_config
     from expresslane.router.metrics import RouterMetrics
 
     router, decode = CollectorRegistry(), CollectorRegistry()
     RouterMetrics(load_config(ROUTER_CONFIG, {}), router)
     DecodeMetrics(decode)
+    # the node's speculation counters, as a node whose costs are measured and that chooses a family per request
+    # exports them (server/app.py registers this collector over its engine)
+    decode.register(SpeculationCollector(SpecStats, 4, lambda: StepCosts((1, 2), (1.0, 1.1), (1.2, 1.3)),
+                                         lambda: dict.fromkeys(FAMILIES, 0)))
     spec = importlib.util.spec_from_file_location("expresslane_connector_metric_table", CONNECTOR_TABLE)
     table = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = table  # dataclasses looks its module up
     spec.loader.exec_module(table)
     connector = {s.exposed_name: Metric(s.prom_type, ("model_name", "engine") + ((s.label,) if s.label else ()),
                                         ("prefill",)) for s in table.METRICS}
-    return {**_registry_catalog(router, "router"), **_registry_catalog(decode, "decode-express"), **connector}
+    decode_metrics = _registry_catalog(decode, "decode-express")
+    family = "expresslane_decode_spec_family_requests_total"
+    decode_metrics[family] = dataclasses.replace(
+        decode_metrics[family], only="express nodes that choose a GEMV family per request (--lean-gemv per-request: "
+                                     "a CUDA node's default for hidden size >= 4096)")
+    return {**_registry_catalog(router, "router"), **decode_metrics, **connector}
 
 
 _VLLM_JOBS = "prefill decode-native"
@@ -457,6 +470,7 @@ def dashboard(uid: str, title: str, description: str, items: list, tags: tuple[s
 # ================================================================================================
 R = "expresslane_router_"
 D = "expresslane_decode_"
+S = "expresslane_decode_spec_"
 C = "expresslane_connector_"
 NON_2XX = '{status!~"2.."}'
 VLLM_SEL = '{job=~"prefill|decode-native"}'
@@ -622,9 +636,35 @@ def express_lane() -> Built:
            [T(rate(D + "generated_tokens_total"), "tokens/s"),
             T(rate(D + "requests_total", ("status",)), "requests/s {{status}}")],
            "Tokens the node generates per second and the requests it finishes per second by status.", w=12),
+        Row("Speculation (express decode server)"),
+        ts("Tokens from accepted drafts", "percentunit",
+           [Z(or_zero(f"{rate(S + 'accepted_tokens_total')} / ({rate(S + 'accepted_tokens_total')} + "
+                      f"{rate(S + 'verify_steps_total')} + {rate(S + 'plain_steps_total')} > 0)"), "share")],
+           "The share of generated tokens that were accepted drafts: the forwards speculation saved. Near 0 on "
+           "text that never repeats (the drafter then takes plain steps), high on code edits and agentic loops.",
+           w=8, max=1),
+        ts("Drafts kept per verify step", "short",
+           [Z(or_zero(f"{rate(S + 'accepted_per_verify_step_sum')} / "
+                      f"({rate(S + 'accepted_per_verify_step_count')} > 0)"), "mean")],
+           "Mean draft tokens a verify forward kept (0 .. k): what a verify earns beyond its own token.", w=8),
+        ts("Forwards/s: verify and plain", "short",
+           [Z(rate(S + "verify_steps_total"), "verify"), T(rate(S + "plain_steps_total"), "plain")],
+           "Decode forwards per second that verified drafts, and plain one-token forwards.", w=8),
+        ts("Drafted and accepted tokens/s", TOKS,
+           [Z(rate(S + "drafted_tokens_total"), "drafted"), Z(rate(S + "accepted_tokens_total"), "accepted")],
+           "Draft tokens proposed (prompt lookup) and kept per second.", w=8),
+        ts("Requests/s by GEMV family", "reqps",
+           [Z(or_zero(rate(S + "family_requests_total", ("family",))), "{{family}}")],
+           "Requests per second by the lean-step GEMV family they ran, on a node that chooses one per request "
+           "from the prompt (--lean-gemv per-request; a CUDA node's default for hidden size >= 4096): "
+           "tensor-core for prompts that repeat, cuda-core for the rest. 0 on nodes with one family.", w=8),
+        bars("Forward cost by rows (warm-up)", "s",
+             [T(f"max by (rows, context_tokens) ({S}step_seconds)", "{{rows}} rows @ {{context_tokens}}")],
+             "What a forward of 1 .. k + 1 rows cost when the node measured it at warm-up, near the start and the "
+             "end of its cache: the costs the drafter weighs a verify by (the default family's).", w=8),
     ]
     return dashboard("expresslane-express", "expresslane / Express lane",
-                     "The express decode node and its pool: occupancy, queue, handoff breakdown, speed.",
+                     "The express decode node and its pool: occupancy, queue, handoff breakdown, speed, speculation.",
                      items, ("express",))
 
 
