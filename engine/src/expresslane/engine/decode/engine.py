@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import sys
 import threading
 import time
@@ -19,6 +20,8 @@ from .chain import ChainState, GreedyChain, greedy_accept
 from .family import FAMILIES, FamilyChoice, FamilyPolicy, choose_family
 from .runner import StepRunner
 from . import logprobs as lp
+from .batch import SeatScheduler
+from .sequence import SequenceRun, finish_reason
 from .grammar import BACKEND as GRAMMAR_BACKEND
 from .grammar import GrammarError, RequestGrammar
 from .sampling import HONOURED_SAMPLING_OPTIONS, Sampler, SamplingParams
@@ -72,16 +75,6 @@ def resolve_cuda_graph(cuda_graph: bool | None, device_type: str, attention: str
     return cuda_graph
 
 
-def _finish_reason(token: int, num_output: int, limit: int, min_tokens: int, stop_ids: set[int]) -> str | None:
-    """Why a stream ends after emitting `token` as its num_output-th token: "stop" (a stop id once min_tokens
-    are out), "length" (the limit: max_tokens or max_seq_len), or None (it goes on)."""
-    if token in stop_ids and num_output >= min_tokens:
-        return "stop"
-    if num_output >= limit:
-        return "length"
-    return None
-
-
 class Generation:
     """Iterator over token ids of one request. `finish_reason` is set when iteration ends:
     "stop" (eos / stop_token_ids, or a completed grammar), "length" (max_tokens or max_seq_len) or "abort"
@@ -104,10 +97,42 @@ class Generation:
         # Verify steps whose row 0 ran as the greedy chain's queued step: two forwards (decode/chain.py).
         self.split_verifies = 0
         self.family: FamilyChoice | None = None  # the GEMV family it runs and why (per-request engines)
-        self._it = engine._run(self, first_token_id)
+        self.seat: int | None = None  # its seat on a multi-seat engine (decode/batch.py)
+        self.error: BaseException | None = None  # why a multi-seat engine ended it ("error"), else None
+        # A multi-seat engine's tokens arrive from its scheduler's steps (decode/batch.py): to a listener where
+        # one is set (the node's engine thread), else into _buffer for iteration (which steps the scheduler).
+        self._buffer: collections.deque[int] = collections.deque()
+        self._listener = None
+        self._on_done = None
+        self._finished = False
+        self._scheduler = None
+        self._it = engine._run(self, first_token_id) if engine.scheduler is None else None
 
     def cancel(self) -> None:
         self.cancel_event.set()
+
+    def listen(self, on_token, on_done=None) -> None:
+        """A multi-seat engine's request: on_token(token, logprob, top_logprobs) for each token as its step emits
+        it, on_done(gen) once it ends (finish_reason set; error set when it failed). Set before its first step."""
+        self._listener, self._on_done = on_token, on_done
+
+    @property
+    def done(self) -> bool:
+        """Its last token is out (a multi-seat engine's request; a batch-1 one is done when iteration ends)."""
+        return self._finished
+
+    def _deliver(self, token: int) -> None:
+        if self._listener is None:
+            self._buffer.append(token)
+            return
+        lps = self.logprobs
+        self._listener(token, lps[-1] if lps is not None else None,
+                       self.top_logprobs[-1] if self.top_logprobs is not None else None)
+
+    def _done(self) -> None:
+        self._finished = True
+        if self._on_done is not None:
+            self._on_done(self)
 
     @property
     def seq_len(self) -> int:
@@ -118,7 +143,16 @@ class Generation:
         return self
 
     def __next__(self) -> int:
-        return next(self._it)
+        if self._it is not None:
+            return next(self._it)
+        # multi-seat: step the scheduler (and every other active request with it) until a token of ours is out
+        while not self._buffer:
+            if self._finished:
+                if self.error is not None:
+                    raise self.error
+                raise StopIteration
+            self._scheduler.step()
+        return self._buffer.popleft()
 
 
 class _PhaseClock:
@@ -173,12 +207,23 @@ class _PhaseClock:
 
 
 class DecodeEngine:
+    #: The most rows a multi-seat engine's warm-up times a step of (calibrate_step_costs).
+    CALIBRATED_BATCH_ROWS = 8
+
     def __init__(self, model: Transformer, config: ModelConfig, *, dtype: torch.dtype, device: torch.device,
                  max_seq_len: int, attention: str | AttentionKind = "live", compile: bool = False,
                  cuda_graph: bool | None = None, speculation: SpeculationConfig | None = SpeculationConfig(),
-                 compile_mode: str | None = None, lean: bool | None = None, lean_gemv: str = "auto") -> None:
+                 compile_mode: str | None = None, lean: bool | None = None, lean_gemv: str = "auto",
+                 seats: int = 1) -> None:
         kind = parse_attention(attention)
         cuda_graph = resolve_cuda_graph(cuda_graph, device.type, kind)
+        if seats < 1:
+            raise ValueError(f"seats must be >= 1, got {seats}")
+        if seats > 1 and (cuda_graph or kind is not AttentionKind.LIVE or lean_gemv == PER_REQUEST):
+            raise ValueError(f"{seats} seats: several users a step run the live-attention step (a CPU node); "
+                             f"this engine has attention {kind.value!r}, cuda_graph={cuda_graph}, "
+                             f"lean_gemv={lean_gemv!r}")
+        self.seats = seats
         self.model = model
         self.config = config
         self.dtype = dtype
@@ -186,9 +231,9 @@ class DecodeEngine:
         self.max_seq_len = max_seq_len
         self.attention = kind.value
         self.geometry = KVGeometry(config.num_layers, config.num_kv_heads, config.head_dim, max_seq_len, dtype, device)
-        self.cache = StaticKVCache(self.geometry)
+        self.cache = StaticKVCache(self.geometry, seats)
         self.cos, self.sin = rope_tables(config.rope, config.head_dim, max_seq_len, dtype, device)
-        self.cached_tokens = 0  # positions [0, cached_tokens) hold valid KV
+        self.seat_tokens = [0] * seats  # each seat's positions [0, n) hold valid KV
         self._cancel = threading.Event()
         self._arange = torch.arange(max_seq_len, device=device)
         # Speculation: None = off engine-wide; otherwise prompt lookup (or set_drafter) drafts up to k tokens,
@@ -236,6 +281,20 @@ class DecodeEngine:
         else:
             self.runner = runner(lean_gemv)
             self._chain = GreedyChain(self.runner)
+        # Several seats: every active request's rows in one forward a step (decode/batch.py).
+        self.scheduler: SeatScheduler | None = None
+        if seats > 1:
+            self.scheduler = SeatScheduler(self.runner.forward_rows, seats,
+                                           on_finished=lambda gen: self.spec_stats.add(gen.spec))
+
+    @property
+    def cached_tokens(self) -> int:
+        """Positions [0, cached_tokens) of seat 0 hold valid KV (a batch-1 engine's one sequence)."""
+        return self.seat_tokens[0]
+
+    @cached_tokens.setter
+    def cached_tokens(self, n: int) -> None:
+        self.seat_tokens[0] = n
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, *, dtype: str | torch.dtype = "float32",
@@ -243,15 +302,15 @@ class DecodeEngine:
                         compile: bool = False, cuda_graph: bool | None = None,
                         speculation: SpeculationConfig | None = SpeculationConfig(),
                         compile_mode: str | None = None, lean: bool | None = None,
-                        lean_gemv: str = "auto") -> "DecodeEngine":
+                        lean_gemv: str = "auto", seats: int = 1) -> "DecodeEngine":
         """lean: the fused T = 1 step on CUDA (decode/runner.py). None (the default) wherever it applies,
         True or ValueError, False the PyTorch step. lean_gemv: its GEMV kernels (models/lean.py: auto,
-        cuda-core, tensor-core)."""
+        cuda-core, tensor-core). seats: requests decoded together, one forward a step (decode/batch.py)."""
         config = ModelConfig.from_model_dir(model_dir)
         return cls._built(config, lambda dt, dev: load_model(model_dir, config, dt, dev), dtype=dtype,
                           device=device, max_seq_len=max_seq_len, attention=attention, compile=compile,
                           cuda_graph=cuda_graph, speculation=speculation, compile_mode=compile_mode, lean=lean,
-                          lean_gemv=lean_gemv)
+                          lean_gemv=lean_gemv, seats=seats)
 
     @classmethod
     def from_checkpoint_tensors(cls, config: dict, tensors: dict[str, torch.Tensor], **options) -> "DecodeEngine":
@@ -377,13 +436,22 @@ class DecodeEngine:
         }
 
     # ------------------------------------------------------------------ KV in
+    def _check_seat(self, seat: int) -> int:
+        if not 0 <= seat < self.seats:
+            raise ValueError(f"seat {seat} outside [0, {self.seats})")
+        if self.scheduler is not None and self.scheduler.busy(seat):
+            raise ValueError(f"seat {seat} is decoding a request")
+        return seat
+
     @torch.inference_mode()
-    def inject(self, k: torch.Tensor, v: torch.Tensor, num_tokens: int) -> None:
-        """Copy dense [num_layers, num_tokens, num_kv_heads, head_dim] K/V into cache positions [0, num_tokens)."""
-        self.cache.write_prefix(k, v, num_tokens)
+    def inject(self, k: torch.Tensor, v: torch.Tensor, num_tokens: int, seat: int = 0) -> None:
+        """Copy dense [num_layers, num_tokens, num_kv_heads, head_dim] K/V into `seat`'s cache positions
+        [0, num_tokens) (a multi-seat engine: between steps, into a seat no request decodes in)."""
+        self._check_seat(seat)
+        self.cache.write_prefix(k, v, num_tokens, seat)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # the caller may reuse k/v's buffer as soon as we return
-        self.cached_tokens = num_tokens
+        self.seat_tokens[seat] = num_tokens
 
     def disable_compile(self) -> None:
         """Decode with the plain (eager) step from now on, e.g. when torch.compile fails on this host."""
@@ -429,10 +497,11 @@ class DecodeEngine:
                 if n + t < self.max_seq_len:
                     self.runner.forward(self._arange[:t], n)
         clock.mark("verify_rows")
-        for _ in self.generate(0, n, SamplingParams(max_tokens=steps, ignore_eos=True)):
+        seat = 0 if self.scheduler is not None else None
+        for _ in self.generate(0, n, SamplingParams(max_tokens=steps, ignore_eos=True), seat=seat):
             pass
         for _ in self.generate(0, n, SamplingParams(max_tokens=steps, temperature=1.0, top_p=0.9, top_k=5,
-                                                    ignore_eos=True, presence_penalty=0.5, seed=0)):
+                                                    ignore_eos=True, presence_penalty=0.5, seed=0), seat=seat):
             pass
         clock.mark("generate")
         if self.speculation is not None:
@@ -450,8 +519,11 @@ class DecodeEngine:
         verify with the read of its rows' argmaxes after it, as the engine's verify reads them (the host waits).
         Each figure is the fastest of `rounds` means of `reps` (noise on a shared host only adds), and costs
         are made non-decreasing in the rows and in the length. Leaves the cache logically as it was (the rows
-        it writes lie past the live length)."""
+        it writes lie past the live length). A multi-seat engine measures its step over several users' rows
+        (one forward_rows of r rows, r up to CALIBRATED_BATCH_ROWS; StepCosts extends past the table linearly)."""
         rows_max = self.runner.max_rows
+        if self.scheduler is not None:
+            rows_max = min(self.seats * rows_max, self.CALIBRATED_BATCH_ROWS)
         lengths = (min(16, self.max_seq_len - rows_max - 2), self.max_seq_len - rows_max - 1)
         if lengths[0] < 1 or lengths[0] >= lengths[1]:
             return self.step_costs  # a cache too short to tell two lengths apart: keep what we have
@@ -462,16 +534,17 @@ class DecodeEngine:
             costs = []
             for r in range(1, rows_max + 1):
                 rows = list(range(r))
-                self._greedy_rows(rows, pos)  # warm (graphs are captured already)
+                step = self._greedy_rows if self.scheduler is None else self._batch_rows
+                step(rows, pos)  # warm (graphs are captured already)
                 best = float("inf")
                 for _ in range(rounds):
                     sync()
                     t0 = time.perf_counter()
                     for _ in range(reps):
-                        if r == 1:
+                        if r == 1 and self.scheduler is None:
                             self.runner.forward(one, pos)
                         else:
-                            self._greedy_rows(rows, pos)  # the verify's forward and read, as the engine runs it
+                            step(rows, pos)  # the verify's forward and read, as the engine runs it
                     sync()
                     best = min(best, (time.perf_counter() - t0) / reps)
                 costs.append(max(best, costs[-1] if costs else 0.0))
@@ -484,17 +557,21 @@ class DecodeEngine:
         return self.step_costs
 
     @torch.inference_mode()
-    def prefill(self, token_ids: Sequence[int]) -> torch.Tensor:
-        """Full forward over a prompt from position 0, writing the cache. Returns float32 logits [vocab] of the
-        last position."""
+    def prefill(self, token_ids: Sequence[int], seat: int = 0) -> torch.Tensor:
+        """Full forward over a prompt from position 0, writing `seat`'s cache. Returns float32 logits [vocab] of
+        the last position."""
         n = len(token_ids)
         if not 0 < n < self.max_seq_len:
             raise ValueError(f"prompt of {n} tokens must be in [1, max_seq_len={self.max_seq_len})")
+        s0 = self.cache.seat_start(self._check_seat(seat))
         tokens = torch.tensor(list(token_ids), dtype=torch.long, device=self.device)
         pos = self._arange[:n]
         ctx = StepContext(AttentionKind.LIVE, pos[:1], kv_len=n, prefill=True)
-        logits = self.model(tokens, pos, self.cos[:n], self.sin[:n], self.cache.k_layers, self.cache.v_layers, ctx)
-        self.cached_tokens = n
+        ks, vs = self.cache.k_layers, self.cache.v_layers
+        if s0:
+            ks, vs = [k[s0:] for k in ks], [v[s0:] for v in vs]
+        logits = self.model(tokens, pos, self.cos[:n], self.sin[:n], ks, vs, ctx)
+        self.seat_tokens[seat] = n
         return logits
 
     # ------------------------------------------------------------------ decode
@@ -503,14 +580,20 @@ class DecodeEngine:
         self._cancel.set()
 
     def generate(self, first_token_id: int, num_prompt_tokens: int, params: SamplingParams,
-                 cancel_event: threading.Event | None = None, grammar: RequestGrammar | None = None) -> Generation:
+                 cancel_event: threading.Event | None = None, grammar: RequestGrammar | None = None,
+                 seat: int | None = None) -> Generation:
         """Yield token ids starting WITH first_token_id, continuing from position num_prompt_tokens.
         `grammar`: the request's structured-output matcher in its initial state; first_token_id is accepted
-        into it here (GrammarError when the grammar refuses it)."""
+        into it here (GrammarError when the grammar refuses it). A multi-seat engine: `seat` names the seat whose
+        cache holds the prompt; the request joins the scheduler's next step (decode/batch.py), and iterating it
+        steps the scheduler (or `Generation.listen` takes its tokens as they come)."""
+        if self.scheduler is not None and seat is None:
+            raise ValueError(f"this engine has {self.seats} seats: name the request's seat")
+        seat = self._check_seat(0 if seat is None else seat)
         if not 0 <= first_token_id < self.vocab_size:
             raise ValueError(f"first_token_id={first_token_id} outside the vocabulary [0, {self.vocab_size})")
-        if not 0 < num_prompt_tokens <= self.cached_tokens:
-            raise ValueError(f"num_prompt_tokens={num_prompt_tokens} but the cache holds {self.cached_tokens} "
+        if not 0 < num_prompt_tokens <= self.seat_tokens[seat]:
+            raise ValueError(f"num_prompt_tokens={num_prompt_tokens} but the cache holds {self.seat_tokens[seat]} "
                              "tokens: inject() or prefill() first")
         if num_prompt_tokens >= self.max_seq_len:
             raise ValueError(f"num_prompt_tokens={num_prompt_tokens} leaves no room (max_seq_len={self.max_seq_len})")
@@ -519,18 +602,30 @@ class DecodeEngine:
             raise GrammarError(f"first_token_id={first_token_id} is not allowed by the request's structured output "
                                "grammar (the prefill must sample it under the same constraint)")
         self._cancel.clear()
-        return Generation(self, first_token_id, num_prompt_tokens, params, cancel_event, grammar)
+        gen = Generation(self, first_token_id, num_prompt_tokens, params, cancel_event, grammar)
+        if self.scheduler is not None:
+            self._join(gen, first_token_id, seat)
+        return gen
+
+    def _join(self, gen: Generation, first_token_id: int, seat: int) -> None:
+        """A multi-seat engine's request into its seat of the scheduler (its first step is the next one)."""
+        params = gen.params
+        with torch.inference_mode():
+            sampler = Sampler(params, self.vocab_size, self.eos_token_ids, self.device, grammar=gen.grammar)
+        drafter = None
+        if params.speculative and sampler.supports_speculation:
+            drafter = self.new_drafter(gen.num_prompt_tokens)
+        run = SequenceRun(gen, first_token_id, sampler, drafter, k=self.speculation.k if drafter else 0,
+                          max_seq_len=self.max_seq_len, device=self.device)
+        gen.seat, gen._scheduler = seat, self.scheduler
+        self.scheduler.join(seat, gen, run)
 
     def _run(self, gen: Generation, first_token_id: int) -> Iterator[int]:
-        """The token loop. Speculation stays on under a grammar (the verify rows are masked through the matcher,
-        see decode/grammar.py) and with logprobs (every kept row's logits give its token's logprobs)."""
-        params, out, grammar = gen.params, gen.token_ids, gen.grammar
-        k_lp = params.logprobs
+        """The token loop of a batch-1 engine: one SequenceRun (decode/sequence.py), a forward a step; plain
+        greedy requests run as a greedy chain (`_run_chain`)."""
+        params = gen.params
         with torch.inference_mode():
-            sampler = Sampler(params, self.vocab_size, self.eos_token_ids, self.device, grammar=grammar)
-        stop_ids = sampler.stop_ids
-        # prompt + output <= max_seq_len, like vLLM's max_model_len.
-        limit = min(params.max_tokens, self.max_seq_len - gen.num_prompt_tokens)
+            sampler = Sampler(params, self.vocab_size, self.eos_token_ids, self.device, grammar=gen.grammar)
         if self._families:  # before the drafter: it weighs the chosen family's step costs
             if self.pinned_family:
                 gen.family = FamilyChoice(self.pinned_family, {}, "pinned")
@@ -543,67 +638,27 @@ class DecodeEngine:
         drafter: Drafter | None = None
         if params.speculative and sampler.supports_speculation:
             drafter = self.new_drafter(gen.num_prompt_tokens)
-        if drafter is not None:
-            drafter.start([*params.prompt_token_ids, first_token_id])
-        if k_lp is None and sampler.plain_greedy and self.greedy_chain:
-            yield from self._run_chain(gen, first_token_id, limit, stop_ids, drafter)
+        if params.logprobs is None and sampler.plain_greedy and self.greedy_chain:
+            if drafter is not None:
+                drafter.start([*params.prompt_token_ids, first_token_id])
+            limit = min(params.max_tokens, self.max_seq_len - gen.num_prompt_tokens)
+            yield from self._run_chain(gen, first_token_id, limit, sampler.stop_ids, drafter)
             return
-        with torch.inference_mode():
-            token = torch.tensor([first_token_id], dtype=torch.long, device=self.device)
-            sampler.observe(token)
-        pending = [first_token_id]  # tokens to emit; the last one's KV is not in the cache yet
-        pending_lp: list[lp.TokenLogprobs | None] = [None]  # the first token's come from the prefill
-        pos = gen.num_prompt_tokens  # where pending[-1] goes
+        run = SequenceRun(gen, first_token_id, sampler, drafter, k=self.speculation.k if drafter else 0,
+                          max_seq_len=self.max_seq_len, device=self.device)
         cancelled = lambda: gen.cancel_event.is_set() or self._cancel.is_set()  # noqa: E731
         try:
             while True:
-                for tok, tlp in zip(pending, pending_lp):
-                    out.append(tok)
-                    if k_lp is not None:
-                        gen.logprobs.append(None if tlp is None else tlp.logprob)
-                        gen.top_logprobs.append(None if tlp is None else tlp.top)
+                for tok in run.emit():
                     yield tok
-                    gen.finish_reason = _finish_reason(tok, len(out), limit, params.min_tokens, stop_ids)
-                    if gen.finish_reason:
-                        return
+                if run.finished:
+                    return
                 if cancelled():
                     gen.finish_reason = "abort"
                     return
-                # Drafts never run past max_tokens / max_seq_len: the last verified row is position
-                # pos + len(drafts), and the step emits at most len(drafts) + 1 tokens.
-                room = min(limit - len(out) - 1, self.max_seq_len - pos - 1)
-                drafts = drafter.propose(min(self.speculation.k, room)) if drafter and room > 0 else []
-                with torch.inference_mode():
-                    if drafts:
-                        logits = sampler.constrain(self.runner.forward([out[-1], *drafts], pos), drafts)
-                        pending = sampler.verify(logits, drafts, len(out))
-                        token = torch.tensor(pending[-1:], dtype=torch.long, device=self.device)
-                        if k_lp is not None:
-                            kept = torch.tensor(pending, dtype=torch.long, device=self.device)
-                            pending_lp = lp.unpack(lp.pack(logits[:len(pending)], kept, k_lp).tolist(), k_lp)
-                    else:
-                        logits = sampler.constrain(self.runner.forward(token, pos)[-1:])
-                        token = sampler.sample(logits[-1], len(out))
-                        sampler.observe(token)
-                        if k_lp is not None:  # the token, its logprob and the top-k: one host sync
-                            pending_lp = lp.unpack(lp.pack(logits, token, k_lp).tolist(), k_lp)
-                            pending = [pending_lp[0].token]
-                        else:
-                            pending = [int(token.item())]  # the one host sync per token
-                if k_lp is None:
-                    pending_lp = [None] * len(pending)
-                if grammar is not None:
-                    for tok in pending:
-                        if not grammar.accept(tok):  # the mask allowed it: the matcher must take it
-                            raise GrammarError(f"the grammar matcher refused token {tok} its own mask allowed")
-                # Rollback is the position: rows past pos + len(pending) - 1 hold rejected drafts' K/V, are
-                # never read (attention stops at the live length) and get overwritten.
-                accepted = len(pending) - 1
-                pos += 1 + accepted
-                self.cached_tokens = pos
-                gen.spec.record(len(drafts), accepted)
-                if drafter:
-                    drafter.extend(pending)
+                rows = run.plan()
+                run.consume(self.runner.forward(rows, run.pos))
+                self.cached_tokens = run.pos
         finally:
             self.spec_stats.add(gen.spec)
 
@@ -633,7 +688,7 @@ class DecodeEngine:
                 for tok in pending:
                     out.append(tok)
                     yield tok
-                    gen.finish_reason = _finish_reason(tok, len(out), limit, min_tokens, stop_ids)
+                    gen.finish_reason = finish_reason(tok, len(out), limit, min_tokens, stop_ids)
                     if gen.finish_reason:
                         return  # a queued step runs out; its row lies past the live length
                 if cancelled():
@@ -672,6 +727,11 @@ class DecodeEngine:
                     drafter.extend(pending)
         finally:
             self.spec_stats.add(gen.spec)
+
+    @torch.inference_mode()
+    def _batch_rows(self, rows: list[int], pos: int) -> list[int]:
+        """A multi-seat engine's forward of `rows` (seat 0 at pos ..) and the read of their argmaxes."""
+        return self.runner.forward_rows([(0, pos, rows)]).argmax(dim=-1).tolist()
 
     @torch.inference_mode()
     def _greedy_rows(self, rows: list[int], pos: int) -> list[int]:

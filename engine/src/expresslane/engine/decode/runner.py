@@ -45,7 +45,8 @@ from collections.abc import Sequence
 import torch
 
 from ..models import Transformer
-from ..models.attention import AttentionKind, StepContext, causal_mask
+from ..models.attention import AttentionKind, RowGroup, StepContext, causal_mask
+from ..models.cpu_linear import row_linear
 from .cache import StaticKVCache
 
 
@@ -96,6 +97,9 @@ class StepRunner:
             self._argmax_host = torch.zeros(max_rows, dtype=torch.long, pin_memory=True)
             self._argmax_np = self._argmax_host.numpy()
             self._argmax_done = torch.cuda.Event()
+        # The PyTorch step's projections on a CPU: the row-invariant kernel (models/cpu_linear.py), so a verify's
+        # row and a row of a step over several users are the bits of a one-row step.
+        self.linear = row_linear if device.type == "cpu" else None
         self._greedy_steps = 0  # the lean greedy graph's replays: its greedy_seq, counted on the host
         self.step_tune = True  # `tune`: the lean step's block shapes re-decided by the whole step's time
         # Keyed by T, and GREEDY for the chained T = 1 step.
@@ -231,7 +235,7 @@ class StepRunner:
         t = tokens.shape[0]
         pos = start + self._arange[:t]
         mask = causal_mask(self._arange, start, t) if self.attention is AttentionKind.MASKED else None
-        ctx = StepContext(self.attention, start, kv_len=kv_len, mask=mask)
+        ctx = StepContext(self.attention, start, kv_len=kv_len, mask=mask, linear=self.linear)
         cos, sin = self.cos.index_select(0, pos), self.sin.index_select(0, pos)
         return self.model(tokens, pos, cos, sin, self.cache.k_layers, self.cache.v_layers, ctx, num_logits=t)
 
@@ -275,6 +279,33 @@ class StepRunner:
         graph, logits = self._graphs[t]
         graph.replay()
         return logits
+
+    @torch.inference_mode()
+    def forward_rows(self, plan: Sequence[tuple[int, int, Sequence[int]]]) -> torch.Tensor:
+        """One forward over the rows of several sequences: plan holds (seat, start position, token ids) per
+        sequence, its tokens at positions start .. in its seat of the cache (decode/cache.py). Returns float32
+        logits [rows, vocab] in plan order; each sequence's rows are the bits a step of it alone computes here
+        (the live attention per sequence, the row-invariant projections). The eager (or compiled) PyTorch step
+        with live attention: a node serving several users on a CPU (decode/batch.py)."""
+        if self.cuda_graph or self.attention is not AttentionKind.LIVE:
+            raise ValueError("a step over several sequences runs the live-attention PyTorch step (a CPU node)")
+        tokens: list[int] = []
+        positions: list[int] = []
+        rows: list[int] = []
+        groups = []
+        for seat, start, toks in plan:
+            s0 = self.cache.seat_start(seat)
+            groups.append(RowGroup(len(tokens), len(toks), s0, start + len(toks)))
+            tokens += toks
+            positions += range(start, start + len(toks))
+            rows += range(s0 + start, s0 + start + len(toks))
+        device = self.device
+        pos = torch.tensor(positions, dtype=torch.long, device=device)
+        ctx = StepContext(AttentionKind.LIVE, pos[:1], groups=tuple(groups), linear=self.linear)
+        return self.model(torch.tensor(tokens, dtype=torch.long, device=device),
+                          torch.tensor(rows, dtype=torch.long, device=device), self.cos.index_select(0, pos),
+                          self.sin.index_select(0, pos), self.cache.k_layers, self.cache.v_layers, ctx,
+                          num_logits=len(tokens))
 
     @torch.inference_mode()
     def greedy_rows(self, rows: Sequence[int], start_pos: int) -> list[int]:

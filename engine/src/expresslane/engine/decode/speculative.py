@@ -28,12 +28,10 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from .engine import DecodeEngine
 
 
 class Drafter(Protocol):
@@ -254,12 +252,24 @@ class PromptLookupDrafter:
         return []
 
 
+class DraftEngine(Protocol):
+    """What DraftModelDrafter uses of the small model's engine (a DecodeEngine is one): its step runner, its
+    cache length and a prefill from position 0."""
+
+    max_seq_len: int
+
+    @property
+    def runner(self): ...
+
+    def prefill(self, token_ids: Sequence[int]) -> torch.Tensor: ...
+
+
 class DraftModelDrafter:
     """Drafts by greedy decoding with a smaller model (same tokenizer) in its own DecodeEngine. Its cache
     holds every context token but the last; after a partial acceptance it resumes from the last row that is
     still right (the static cache's rollback: a position reset)."""
 
-    def __init__(self, engine: "DecodeEngine") -> None:
+    def __init__(self, engine: DraftEngine) -> None:
         self.engine = engine
         self.tokens: list[int] = []
         self.cached = 0  # draft-cache rows [0, cached) hold the KV of tokens[:cached]
@@ -359,6 +369,9 @@ class AdaptiveDrafter:
         self.decay, self.prior, self.base_pause, self.explore = decay, prior, pause, explore
         self.margin = margin
         self.start_length = start_length  # positions before the context's last token (see start)
+        # Rows other requests put in the same forward (a node serving several users, decode/batch.py): a draft
+        # must pay for what it adds to that step, cost(rows_before + 1 + d) against cost(rows_before + 1).
+        self.rows_before = 0
         self._reset()
 
     def _reset(self) -> None:
@@ -381,7 +394,7 @@ class AdaptiveDrafter:
         """The number of drafts (0 .. offered) that earns the most tokens per unit of cost now; a verify must beat
         a plain step by `margin`."""
         a = self.alpha
-        cost = self.costs.at(self.length, offered + 1)
+        cost = self.costs.at(self.length, self.rows_before + offered + 1)[self.rows_before:]
         best, best_d, expected, term = (1.0 + self.margin) / cost[0], 0, 1.0, 1.0
         for d in range(1, offered + 1):
             term *= a
@@ -391,7 +404,7 @@ class AdaptiveDrafter:
         return best_d
 
     def _max_pause(self) -> int:
-        c = self.costs.at(self.length, 2)
+        c = self.costs.at(self.length, self.rows_before + 2)[self.rows_before:]
         return max(self.base_pause, math.ceil((c[1] - c[0]) / (self.explore * c[0])))
 
     def may_draft_next(self) -> bool:
@@ -403,6 +416,10 @@ class AdaptiveDrafter:
             return False
         may = getattr(self.inner, "may_draft_next", None)
         return may is None or may()
+
+    def set_batch_rows(self, rows_before: int) -> None:
+        """The rows other requests put in the next forward (0 alone): what a verify is weighed against."""
+        self.rows_before = max(0, rows_before)
 
     def propose(self, k: int) -> list[int]:
         self._drafted = 0

@@ -22,19 +22,15 @@ from __future__ import annotations
 
 import ctypes
 import enum
-import hashlib
 import logging
 import os
-import shutil
-import subprocess
-import sys
-import tempfile
 import threading
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from .native import BASE_FLAGS, NativeKernel
 
 logger = logging.getLogger(__name__)
 
@@ -50,19 +46,36 @@ ATTENTION_ALIASES = {"live": AttentionKind.LIVE, "sliced": AttentionKind.LIVE, "
                      "split": AttentionKind.SPLIT_KV}
 
 
+@dataclass(frozen=True)
+class RowGroup:
+    """One sequence's rows of a step over several sequences (decode/batch.py): step rows [first, first + count)
+    at consecutive positions ending at kv_len - 1, over the cache rows [cache_start, cache_start + kv_len) (its
+    seat's region). Its attention is the one sequence's own live-length call, as in a step of it alone."""
+
+    first: int
+    count: int
+    cache_start: int
+    kv_len: int
+
+
 @dataclass
 class StepContext:
     """What every layer's attention needs for one forward (built once per step, nano-vllm style).
 
     `start_pos` is a [1] long device tensor (graph-capturable); `kv_len` is the host-side live length
     start_pos + T, used by LIVE only (None for the fixed-shape kinds); `mask` is MASKED's [T, S] bool mask;
-    `prefill` marks a causal forward from position 0."""
+    `prefill` marks a causal forward from position 0. `groups` (LIVE only): the step's rows belong to several
+    sequences, each attending over its own seat of the cache (RowGroup); `input_pos` is then each row's cache
+    row. `linear`: the step's projections (models/cpu_linear.py's row-invariant kernel on a CPU), None for the
+    modules' own."""
 
     kind: AttentionKind
     start_pos: torch.Tensor
     kv_len: int | None = None
     mask: torch.Tensor | None = None
     prefill: bool = False
+    groups: tuple[RowGroup, ...] | None = None
+    linear: object | None = None
 
 
 def live_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_len: int,
@@ -175,79 +188,21 @@ int el_live_attention_f32(const float *q, const float *kc, const float *vc, floa
 }
 #endif
 """
-# Not -ffast-math: linking with it adds crtfastmath.o, whose constructor sets flush-to-zero / denormals-are-zero in
-# the MXCSR of the whole process when the library loads (every later float op of torch, numpy and Python itself
-# then flushes subnormals; found by hypothesis in the CI run). The reassociation the sweeps' sums need, without it:
-_NATIVE_FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math",
-                 "-fno-signed-zeros", "-fPIC", "-shared"]
+# The reassociation the sweeps' sums need, without -ffast-math (models/native.py says why not):
+_NATIVE_FLAGS = [*BASE_FLAGS, "-fno-math-errno", "-fno-trapping-math", "-fassociative-math", "-fno-signed-zeros"]
 # EXPRESSLANE_CPU_ATTENTION=torch keeps PyTorch's kernels (the bmm's eagerly, SDPA compiled): for A/B runs.
 _NATIVE_WANTED = os.environ.get("EXPRESSLANE_CPU_ATTENTION", "native") != "torch"
 _NATIVE_HEAD_DIMS = (16, 32, 64, 80, 96, 128, 256)  # the switch in el_live_attention_f32
-_native_lock = threading.Lock()
-_native_fn = None  # the loaded kernel, False once loading failed
+_KERNEL = NativeKernel("live_attention", _NATIVE_SRC, "el_live_attention_f32",
+                       [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 5 + [ctypes.c_float] + [ctypes.c_int64] * 4,
+                       flags=_NATIVE_FLAGS, libs=("-lm",),
+                       instead="decoding with the batched-matmul attention kernel instead")
 _scratch = threading.local()
-
-
-def _kernel_cache_dir() -> Path:
-    root = os.environ.get("EXPRESSLANE_KERNEL_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "expresslane", "kernels")
-    try:
-        Path(root).mkdir(parents=True, exist_ok=True)
-        if os.access(root, os.W_OK):
-            return Path(root)
-    except OSError:
-        pass
-    return Path(tempfile.gettempdir()) / f"expresslane-kernels-{os.getuid()}"
-
-
-def _cpu_flags() -> str:
-    """This CPU's feature flags: a cache shared between hosts (a network home) must not hand a -march=native
-    build to a CPU without those instructions."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith(("flags", "Features"))), "")
-    except OSError:
-        return ""
-
-
-def _build_native() -> ctypes.CDLL:
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("g++")
-    if not cc:
-        raise RuntimeError("no C compiler (cc, gcc or g++) on PATH")
-    key = hashlib.sha256("\0".join([_NATIVE_SRC, cc, *_NATIVE_FLAGS, sys.platform, os.uname().machine,
-                                    _cpu_flags()]).encode()).hexdigest()[:16]
-    out_dir = _kernel_cache_dir()
-    out_dir.mkdir(parents=True, exist_ok=True)
-    lib = out_dir / f"live_attention_{key}.so"
-    if not lib.exists():
-        with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
-            src, so = Path(tmp) / "live_attention.c", Path(tmp) / "live_attention.so"
-            src.write_text(_NATIVE_SRC)
-            proc = subprocess.run([cc, *_NATIVE_FLAGS, "-o", str(so), str(src), "-lm"], capture_output=True,
-                                  text=True, timeout=120)
-            if proc.returncode != 0:
-                raise RuntimeError(f"{cc} failed: {proc.stderr.strip()[-800:]}")
-            os.replace(so, lib)  # atomic: a concurrent builder's result is as good
-    dll = ctypes.CDLL(str(lib))
-    fn = dll.el_live_attention_f32
-    fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 5 + [ctypes.c_float] + [ctypes.c_int64] * 4
-    return fn
 
 
 def native_kernel():
     """The compiled kernel (built on first use), or None where it cannot be built (warned once)."""
-    global _native_fn
-    if _native_fn is None:
-        with _native_lock:
-            if _native_fn is None:
-                try:
-                    _native_fn = _build_native()
-                except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-                    logger.warning("expresslane: the native CPU decode attention could not be built (%s); "
-                                   "decoding with the batched-matmul kernel instead", e)
-                    _native_fn = False
-    return _native_fn or None
+    return _KERNEL.load()
 
 
 def _native_layout(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
@@ -314,6 +269,9 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: S
     """q [T, H, D] -> [T, H, D] (the new K/V rows are already in the cache)."""
     if ctx.prefill:
         return _sdpa(q, k_cache[: q.shape[0]], v_cache[: q.shape[0]], None, True, scale)
+    if ctx.groups is not None:
+        return torch.cat([live_attention(q[g.first:g.first + g.count], k_cache[g.cache_start:],
+                                         v_cache[g.cache_start:], g.kv_len, scale) for g in ctx.groups])
     if ctx.kind is AttentionKind.LIVE:
         if not torch.compiler.is_compiling():
             return live_attention(q, k_cache, v_cache, ctx.kv_len, scale)

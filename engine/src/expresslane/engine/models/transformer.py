@@ -18,6 +18,11 @@ from .config import ModelConfig
 from .rope import apply_rope
 
 
+def _linear(mod: nn.Linear, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+    """The step's projection: the module's own, or the step's row-invariant kernel (StepContext.linear)."""
+    return mod(x) if ctx.linear is None else ctx.linear(x, mod.weight, mod.bias)
+
+
 class RMSNorm(nn.Module):
     """HF semantics: normalize in float32, cast back, then scale by the weight in the model dtype."""
 
@@ -59,7 +64,7 @@ class Attention(nn.Module):
         ctx: StepContext,
     ) -> torch.Tensor:
         t = x.shape[0]
-        qkv = self.qkv_proj(x).view(t, self.num_qk_heads + self.num_kv_heads, self.head_dim)
+        qkv = _linear(self.qkv_proj, x, ctx).view(t, self.num_qk_heads + self.num_kv_heads, self.head_dim)
         qk, v = qkv[:, : self.num_qk_heads], qkv[:, self.num_qk_heads :]
         if self.qk_norm_weight is not None:
             qk = self.qk_norm_weight * F.rms_norm(qk.float(), (self.head_dim,), eps=self.eps).to(qk.dtype)
@@ -68,7 +73,7 @@ class Attention(nn.Module):
         k_cache.index_copy_(0, input_pos, k)
         v_cache.index_copy_(0, input_pos, v)
         out = attend(q, k_cache, v_cache, ctx, self.scale)
-        return self.o_proj(out.reshape(t, -1))
+        return _linear(self.o_proj, out.reshape(t, -1), ctx)
 
 
 class MLP(nn.Module):
@@ -78,9 +83,9 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        gate, up = _linear(self.gate_up_proj, x, ctx).split(self.intermediate, dim=-1)
+        return _linear(self.down_proj, F.silu(gate) * up, ctx)
 
 
 class DecoderLayer(nn.Module):
@@ -93,7 +98,7 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, cos, sin, k_cache, v_cache, input_pos, ctx: StepContext):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, input_pos, ctx)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x), ctx)
 
 
 class Transformer(nn.Module):
@@ -121,4 +126,7 @@ class Transformer(nn.Module):
         x = self.embed_tokens(tokens)
         for layer, k_cache, v_cache in zip(self.layers, k_caches, v_caches):
             x = layer(x, cos, sin, k_cache, v_cache, input_pos, ctx)
-        return self.lm_head(self.norm(x[-num_logits:] if num_logits else x[-1])).float()
+        h = self.norm(x[-num_logits:] if num_logits else x[-1])
+        if ctx.linear is None or num_logits:
+            return _linear(self.lm_head, h, ctx).float()
+        return _linear(self.lm_head, h[None], ctx)[0].float()

@@ -1,0 +1,137 @@
+"""Several users on one engine: every active request's rows in one forward a step, each bit-identical to alone.
+
+A `DecodeEngine(seats=S)` holds up to S requests, each in its own seat of the static cache (decode/cache.py),
+with its own position, sampler, drafter and grammar (a decode/sequence.py SequenceRun). `SeatScheduler.step`
+runs one forward over all of them:
+
+    emit       each request's pending tokens go out (stop rules, its listener); finished or cancelled ones leave
+    plan       each request's rows: its last token, then the drafts worth verifying in a step this wide
+    forward    one forward over every row (runner.forward_rows): the projections read each weight once for all
+               rows; each request's attention reads its own seat
+    consume    each request verifies / samples on its own rows' logits
+
+Bit-identity: a request's rows are computed by row-invariant kernels (models/cpu_linear.py on a CPU; the lean
+step's tensor-core GEMVs on a GPU) and its own attention call, so its logits at every position are the bits the
+same request gets alone on this engine, whatever the other rows are: their number, contexts, drafts, sampling,
+or a neighbour that left mid-way. Greedy tokens are therefore the same; so is every sampled token of a request
+with a seed that does not speculate.
+
+Speculation per user: each request keeps its own drafter. The adaptive drafter weighs a draft against the step it
+joins (`set_batch_rows`: the rows the others put in the same forward), so a draft must pay for what it adds to
+a step of that width; `max_step_rows` bounds the rows of one step (a GPU step's row-invariant GEMVs take a fixed
+number at most).
+
+Joining and leaving happen between steps (the caller owns the thread: the node's engine thread,
+server/batch_loop.py). A join costs the others at most one step plus its own inject. Errors are per request
+where they belong to one (a grammar that refuses its own mask's token ends that request, `Generation.error`);
+a forward that fails fails every request of the step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from .sequence import SequenceRun
+
+if TYPE_CHECKING:
+    from .engine import Generation
+
+#: Listener of a request's tokens: (token id, its logprob or None, its top logprobs or None).
+TokenListener = Callable[[int, "float | None", "list[tuple[int, float]] | None"], None]
+
+
+class SeatScheduler:
+    """The active requests of a multi-seat engine, stepped together. Not thread-safe: one thread drives it."""
+
+    def __init__(self, forward_rows, seats: int, *, max_step_rows: int | None = None,
+                 on_finished: Callable[["Generation"], None] | None = None) -> None:
+        self._forward_rows = forward_rows  # runner.forward_rows: [(seat, start, tokens)] -> logits [rows, vocab]
+        self.seats = seats
+        self.max_step_rows = max_step_rows
+        self._on_finished = on_finished
+        self._runs: dict[int, tuple["Generation", SequenceRun]] = {}
+        self._order = 0  # rotates which request plans first (drafts weighed against the others' rows)
+        self.steps = 0
+        self.rows_histogram: dict[int, int] = {}  # forwards by row count
+
+    @property
+    def active(self) -> int:
+        return len(self._runs)
+
+    def busy(self, seat: int) -> bool:
+        return seat in self._runs
+
+    def join(self, seat: int, gen: "Generation", run: SequenceRun) -> None:
+        if not 0 <= seat < self.seats:
+            raise ValueError(f"seat {seat} outside [0, {self.seats})")
+        if seat in self._runs:
+            raise ValueError(f"seat {seat} already decodes a request")
+        self._runs[seat] = (gen, run)
+
+    def _leave(self, seat: int) -> None:
+        gen, _ = self._runs.pop(seat)
+        gen._done()
+        if self._on_finished is not None:
+            self._on_finished(gen)
+
+    def _emit(self, seat: int) -> None:
+        gen, run = self._runs[seat]
+        for tok in run.emit():
+            gen._deliver(tok)
+        if run.finished:
+            self._leave(seat)
+        elif gen.cancel_event.is_set():
+            gen.finish_reason = "abort"
+            self._leave(seat)
+
+    def step(self) -> int:
+        """Emit every active request's pending tokens, then run one forward for those still going. Returns the
+        number of rows of that forward (0: none ran)."""
+        for seat in list(self._runs):
+            self._emit(seat)
+        if not self._runs:
+            return 0
+        seats = sorted(self._runs)
+        k = self._order % len(seats)
+        seats = seats[k:] + seats[:k]
+        self._order += 1
+        plan = []
+        planned = 0
+        for i, seat in enumerate(seats):
+            _, run = self._runs[seat]
+            others = len(seats) - i - 1  # requests still to plan: one row each at least
+            room = None if self.max_step_rows is None else max(0, self.max_step_rows - planned - others - 1)
+            rows = run.plan(rows_before=planned + others, max_drafts=room)
+            plan.append((seat, run.pos, rows))
+            planned += len(rows)
+        try:
+            logits = self._forward_rows(plan)
+        except BaseException as e:
+            for seat in seats:
+                self._fail(seat, e)
+            raise
+        self.steps += 1
+        self.rows_histogram[planned] = self.rows_histogram.get(planned, 0) + 1
+        first = 0
+        for seat, _, rows in plan:
+            gen, run = self._runs[seat]
+            try:
+                run.consume(logits[first:first + len(rows)])
+            except Exception as e:  # noqa: BLE001 - this request's own failure (a grammar): it alone ends
+                self._fail(seat, e)
+            first += len(rows)
+        return planned
+
+    def _fail(self, seat: int, error: BaseException) -> None:
+        if seat not in self._runs:
+            return
+        gen, _ = self._runs[seat]
+        gen.error = error
+        gen.finish_reason = "error"
+        self._leave(seat)
+
+    def cancel_all(self, error: BaseException) -> None:
+        """Fail every active request (the engine thread is going away)."""
+        for seat in list(self._runs):
+            self._fail(seat, error)
