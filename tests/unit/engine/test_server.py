@@ -62,6 +62,12 @@ def wait_idle(client, within_s: float = 1.0) -> float:
     return time.monotonic() - t0
 
 
+def status_of(client) -> dict:
+    """/decode_status's one-seat fields (TileRT's state / rid / phase) and the seats held."""
+    s = client.get("/decode_status").json()
+    return {k: s[k] for k in ("state", "rid", "phase", "seats_busy") if k in s}
+
+
 def reserve(client, rid, ttl_s=5.0):
     r = client.post("/pd/reserve", json={"rid": rid, "ttl_s": ttl_s})
     assert r.status_code == 200, r.text
@@ -163,7 +169,7 @@ def test_busy_while_waiting_for_kv_then_cancel_frees_node(node, reference):
     t = threading.Thread(target=first_request)
     t.start()
     deadline = time.monotonic() + 5
-    while client.get("/decode_status").json() != {"state": "busy", "rid": "r-wait", "phase": "waiting_kv"}:
+    while status_of(client) != {"state": "busy", "rid": "r-wait", "phase": "waiting_kv", "seats_busy": 1}:
         assert time.monotonic() < deadline
         time.sleep(0.01)
     assert source.busy is False  # the awaited KV must still be admitted by the control plane
@@ -280,7 +286,7 @@ def test_info_endpoints(node):
     for option in ("temperature", "top_p", "top_k", "repetition_penalty", "presence_penalty", "ignore_eos", "seed",
                    "stop_token_ids"):
         assert option in caps["sampling"]
-    assert client.get("/decode_status").json() == {"state": "idle", "rid": None}
+    assert status_of(client) == {"state": "idle", "rid": None, "seats_busy": 0}
     assert client.post("/pd/cancel", json={"rid": "nobody"}).json() == {"rid": "nobody", "cancelled": False}
 
 

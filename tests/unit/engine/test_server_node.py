@@ -16,7 +16,7 @@ from expresslane.engine.server import LocalKVSource, ServerConfig, create_app
 
 from ._live import LiveServer
 from ._models import build_model
-from .test_server import MAX_SEQ, PROMPT, body, metric, read_ndjson, wait_idle
+from .test_server import MAX_SEQ, PROMPT, body, metric, read_ndjson, status_of, wait_idle
 
 TOKEN = "node-token-for-tests"
 
@@ -85,10 +85,10 @@ def wait_phase(client, phase, within_s=5.0):
 def test_reserve_caps_ttl_and_refuses_another_rid(node):
     client, source, _, _ = node
     r = reserve(client, "res-a", ttl_s=100)
-    assert r.status_code == 200 and r.json() == {"rid": "res-a", "reserved": True, "ttl_s": 2.0}
+    assert r.status_code == 200 and r.json() == {"rid": "res-a", "reserved": True, "ttl_s": 2.0, "seat": 0}
     assert source.expected("res-a")
     other = reserve(client, "res-b")
-    assert other.status_code == 429 and other.json()["error"] == "busy"
+    assert other.status_code == 429 and other.json()["error"] == "busy" and other.headers["retry-after"] == "1"
     assert reserve(client, "res-a", ttl_s=1).status_code == 200  # a retry of the holder refreshes it
     assert client.post("/pd/cancel", json={"rid": "res-a"}).json() == {"rid": "res-a", "cancelled": True}
     assert not source.expected("res-a") and ("cancel", "res-a") in source.calls
@@ -124,7 +124,7 @@ def test_decode_without_reservation_is_409_and_touches_nothing(node):
     client, source, _, _ = node
     r = client.post("/pd/decode", json=body("never-reserved", 5))
     assert r.status_code == 409 and r.json()["error"] == "not_reserved"
-    assert client.get("/decode_status").json() == {"state": "idle", "rid": None}
+    assert status_of(client) == {"state": "idle", "rid": None, "seats_busy": 0}
     assert metric(client, "expresslane_decode_requests_total", 'status="not_reserved"') >= 1
 
 
@@ -211,7 +211,7 @@ def test_health_names_the_failing_check_and_requests_are_refused(node):
 def test_stuck_engine_thread_makes_the_node_unhealthy(model_dir):
     with make_node(model_dir, health_probe_timeout_s=0.2) as (client, _, _, app):
         gate = threading.Event()
-        app.state.runner._executor.submit(gate.wait, 30)  # the one engine thread stops answering
+        app.state.runner.thread.submit(gate.wait, 30)  # the one engine thread stops answering
         try:
             bad = client.get("/health")
             assert bad.status_code == 503 and "did not answer" in bad.json()["checks"]["engine"]

@@ -57,6 +57,18 @@ def parse_attention(attention: str | AttentionKind) -> AttentionKind:
 CUDA_GRAPH_CHOICES = {"auto": None, "on": True, "off": False}
 
 
+def multi_seat_unsupported(device_type: str, attention: str | AttentionKind, cuda_graph: bool | None,
+                           lean_gemv: str = "auto") -> str | None:
+    """Why an engine so built cannot step several users together (decode/batch.py), or None."""
+    kind = parse_attention(attention)
+    if resolve_cuda_graph(cuda_graph, device_type, kind) or kind is not AttentionKind.LIVE:
+        return (f"several users a step run the live-attention step without CUDA graphs (a CPU node); this engine "
+                f"has attention {kind.value!r} on {device_type}")
+    if lean_gemv == PER_REQUEST:
+        return "a per-request GEMV family runs one request at a time"
+    return None
+
+
 def default_attention(device_type: str) -> str:
     """On a GPU the split-KV Triton kernel (live rows only, fixed shapes: CUDA-graph friendly); elsewhere
     the live-length CPU kernel."""
@@ -219,10 +231,9 @@ class DecodeEngine:
         cuda_graph = resolve_cuda_graph(cuda_graph, device.type, kind)
         if seats < 1:
             raise ValueError(f"seats must be >= 1, got {seats}")
-        if seats > 1 and (cuda_graph or kind is not AttentionKind.LIVE or lean_gemv == PER_REQUEST):
-            raise ValueError(f"{seats} seats: several users a step run the live-attention step (a CPU node); "
-                             f"this engine has attention {kind.value!r}, cuda_graph={cuda_graph}, "
-                             f"lean_gemv={lean_gemv!r}")
+        why = multi_seat_unsupported(device.type, kind, cuda_graph, lean_gemv) if seats > 1 else None
+        if why:
+            raise ValueError(f"{seats} seats: {why}")
         self.seats = seats
         self.model = model
         self.config = config

@@ -5,9 +5,10 @@
     python -m expresslane.engine.server --model DIR --ctrl-port 5556 --http-port 5557
     app = create_app(config, engine, receiver, registry=None)
 
-Modules: config (the one typed config), slot (the request slot's state machine), runner (the slot driven for real
-+ the decode thread), health (engine / control plane / NIXL checks), auth (bearer token), app (HTTP), kv_source
-(the KVSource contract + LocalKVSource), receiver (the real one), schemas, errors, metrics.
+Modules: config (the one typed config), seats (each request seat's state machine), runner (the seats driven for
+real), engine_thread (the one thread that touches the engine: injects, starts, the multi-user steps), health
+(engine / control plane / NIXL checks), auth (bearer token), app (HTTP), kv_source (the KVSource contract +
+LocalKVSource), receiver (the real one), schemas, errors, metrics.
 """
 
 from .app import create_app

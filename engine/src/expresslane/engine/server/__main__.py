@@ -16,11 +16,12 @@ import time
 import torch
 import uvicorn
 
-from ..decode import DecodeEngine, SpeculationConfig
+from ..decode import DecodeEngine, KVGeometry, SpeculationConfig, default_attention, parse_dtype
+from ..decode.engine import multi_seat_unsupported
 from ..models.config import ModelConfig
 from ..secrets import NODE_TOKEN, PEER_SECRET, describe
 from .app import create_app
-from .config import ServerConfig, parse_args, resolve_lean_gemv
+from .config import ServerConfig, parse_args, resolve_lean_gemv, resolve_seats
 from .receiver import build_receiver
 
 log = logging.getLogger("expresslane.engine.server")
@@ -50,12 +51,45 @@ def node_lean_gemv(config: ServerConfig) -> str:
                              hidden_size=ModelConfig.from_model_dir(config.model).hidden_size)
 
 
+def weight_bytes(mc: ModelConfig, dtype: torch.dtype) -> int:
+    """Bytes of a checkpoint's weights in `dtype` (projections, embeddings, norms; biases ignored)."""
+    h, layers = mc.hidden_size, mc.num_layers
+    per_layer = h * (mc.q_size + 2 * mc.kv_size) + mc.q_size * h + 3 * h * mc.intermediate_size + 2 * h
+    embed = mc.vocab_size * h * (1 if mc.tie_word_embeddings else 2)
+    return (layers * per_layer + embed + h) * torch.empty((), dtype=dtype).element_size()
+
+
+def node_seats(config: ServerConfig, lean_gemv: str) -> int:
+    """The node's seats (config.resolve_seats), logged with why and what a seat costs at start."""
+    device = torch.device(config.device)
+    attention = config.attention or default_attention(device.type)
+    why = multi_seat_unsupported(device.type, attention, config.cuda_graph, lean_gemv)
+    if why is None and config.compile:
+        why = "--compile: the compiled step serves one sequence"
+    mc = ModelConfig.from_model_dir(config.model)
+    dtype = parse_dtype(config.dtype)
+    seat_bytes = KVGeometry(mc.num_layers, mc.num_kv_heads, mc.head_dim, config.max_seq_len, dtype,
+                            device).seat_bytes()
+    free = None
+    if device.type == "cuda":  # the engine is not built yet: what its weights will take, from the config
+        free = max(0, torch.cuda.mem_get_info(device)[0] - weight_bytes(mc, dtype))
+    try:
+        seats, reason = resolve_seats(config.seats, device_type=device.type, seat_bytes=seat_bytes,
+                                      free_bytes=free, multi_seat_step=why)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
+    log.info("seats: %d (%s); KV per seat %.1f MB at max_seq_len %d", seats, reason, seat_bytes / 1e6,
+             config.max_seq_len)
+    return seats
+
+
 def build_engine(config: ServerConfig) -> DecodeEngine:
     t0 = time.perf_counter()
+    lean_gemv = node_lean_gemv(config)
     engine = DecodeEngine.from_pretrained(config.model, dtype=config.dtype, device=config.device,
                                           max_seq_len=config.max_seq_len, attention=config.attention,
                                           compile=config.compile, cuda_graph=config.cuda_graph, lean=config.lean,
-                                          lean_gemv=node_lean_gemv(config),
+                                          lean_gemv=lean_gemv, seats=node_seats(config, lean_gemv),
                                           speculation=SpeculationConfig(k=config.spec_k) if config.speculation
                                           else None)
     if config.warmup:
@@ -69,11 +103,11 @@ def build_engine(config: ServerConfig) -> DecodeEngine:
             engine.disable_compile()
             engine.warmup()
     log.info("engine ready in %.1fs: %s %s on %s, max_seq_len=%d, %.1f MB of weights, attention=%s, compile=%s, "
-             "cuda_graph=%s, lean=%s (gemv %s), speculation=%s",
+             "cuda_graph=%s, lean=%s (gemv %s), speculation=%s, seats=%d",
              time.perf_counter() - t0, engine.config.model_type, config.dtype, config.device, config.max_seq_len,
              engine.weight_bytes() / 1e6, engine.attention, engine.compile, engine.cuda_graph,
              engine.runner.lean, engine.lean_gemv if engine.families else engine.runner.lean_gemv,
-             f"k={config.spec_k}" if config.speculation else "off")
+             f"k={config.spec_k}" if config.speculation else "off", engine.seats)
     if engine.warmup_report:
         log.info("warm-up: %s", json.dumps(engine.warmup_report))
     if engine.speculation is not None:

@@ -1,7 +1,7 @@
 """The express decode node's HTTP app: TileRT's decode-node contract plus reservations, health and auth
 (docs/api.md, "The express node's HTTP API").
 
-    POST /pd/reserve  {rid, ttl_s} -> {rid, reserved: true, ttl_s}            (429 busy, 503 not_ready)
+    POST /pd/reserve  {rid, ttl_s} -> {rid, reserved: true, ttl_s, seat}      (429 busy: every seat held, 503 not_ready)
     POST /pd/decode   {rid, first_token_id, max_tokens, sampling:{...}, stream, timeout_s, top_logprobs,
                        structured_outputs}
                       -> {rid, token_ids, seq_len, finish_reason, timing_ms[, logprobs, top_logprobs]} or NDJSON
@@ -35,7 +35,7 @@ from ..decode.grammar import GrammarCompiler, GrammarError, RequestGrammar
 from ..decode.logprobs import MAX_TOP_LOGPROBS
 from .auth import BearerAuth
 from .config import ServerConfig
-from .errors import BadRequest, Cancelled, DecodeServerError, InvalidParameter, KVTransferFailed, NotReady, Unsupported
+from .errors import BadRequest, Busy, Cancelled, DecodeServerError, InvalidParameter, KVTransferFailed, NotReady, Unsupported
 from .health import HealthMonitor
 from .kv_source import KVSource, ReceivedKVLike
 from .metrics import DecodeMetrics, SpeculationCollector
@@ -69,7 +69,8 @@ class _ASGIEndpoint:
 
 
 def error_response(err: DecodeServerError) -> JSONResponse:
-    return JSONResponse(err.body(), status_code=err.status)
+    headers = {"retry-after": "1"} if isinstance(err, Busy) else None  # a seat frees within a request's time
+    return JSONResponse(err.body(), status_code=err.status, headers=headers)
 
 
 def _label(err: DecodeServerError) -> str:
@@ -253,7 +254,8 @@ def create_app(config: ServerConfig, engine: DecodeEngine, receiver: KVSource,
             ttl_s = runner.reserve(body.rid, body.ttl_s if body.ttl_s is not None else config.reservation_ttl_s)
         except DecodeServerError as e:
             return error_response(e)
-        return JSONResponse({"rid": body.rid, "reserved": True, "ttl_s": ttl_s})
+        return JSONResponse({"rid": body.rid, "reserved": True, "ttl_s": ttl_s,
+                             "seat": runner.seats.seat_of(body.rid)})
 
     async def decode(request: Request) -> Response:
         try:
@@ -356,7 +358,8 @@ def create_app(config: ServerConfig, engine: DecodeEngine, receiver: KVSource,
     async def capabilities(_: Request) -> Response:
         caps = engine.capabilities()
         caps.update({"model": config.model_name, "model_dir": config.model, "max_seq_len": engine.max_seq_len,
-                     "stream": True, "max_concurrent_requests": 1, "default_timeout_s": config.kv_timeout_s,
+                     "stream": True, "seats": engine.seats, "max_concurrent_requests": engine.seats,
+                     "default_timeout_s": config.kv_timeout_s,
                      "max_timeout_s": config.max_timeout_s, "reservations": True,
                      "max_reservation_ttl_s": config.reservation_ttl_s,
                      "max_top_logprobs": MAX_TOP_LOGPROBS,

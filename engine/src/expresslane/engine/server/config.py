@@ -42,6 +42,7 @@ class ServerConfig:
     cuda_graph: bool | None = None  # None: on for cuda with masked attention (the engine's default)
     lean: bool | None = None  # the fused T = 1 CUDA step: False off, None where it applies, True or fail
     lean_gemv: str = "auto"  # its GEMV kernels (models/lean.py): auto, cuda-core, tensor-core, per-request
+    seats: int | None = None  # requests decoded at once (decode/batch.py); None = auto (resolve_seats)
     threads: int | None = None  # torch intra-op threads on CPU; None = one per bound CPU, else torch default
     cpu_bind: tuple[int, ...] | None = None  # pin the whole process to these CPUs; None = inherit
     warmup: bool = True
@@ -99,6 +100,33 @@ def resolve_lean_gemv(choice: str, *, device_type: str, speculation: bool, lean:
     if kind is not AttentionKind.SPLIT_KV or not resolve_cuda_graph(cuda_graph, device_type, kind):
         return choice
     return PER_REQUEST if hidden_size >= PER_REQUEST_MIN_HIDDEN else choice
+
+
+#: A node's seats at most, and a CPU node's by default (--seats auto).
+MAX_SEATS = 8
+CPU_SEATS = 4
+
+
+def resolve_seats(choice: int | None, *, device_type: str, seat_bytes: int, free_bytes: int | None,
+                  multi_seat_step: str | None) -> tuple[int, str]:
+    """The node's seats and why. `choice` None is auto: CPU_SEATS on a CPU; on a GPU as many seats (at most
+    MAX_SEATS) as fit in 80 % of the device memory left after the weights, each seat holding one max_seq_len
+    request's KV twice (the engine's cache and its receive region). `multi_seat_step`: why this engine cannot
+    step several users together (None: it can); then auto is 1 and an explicit choice above 1 is a ValueError."""
+    if choice is not None:
+        if not 1 <= choice <= MAX_SEATS:
+            raise ValueError(f"--seats must be in [1, {MAX_SEATS}], got {choice}")
+        if choice > 1 and multi_seat_step:
+            raise ValueError(f"--seats {choice}: {multi_seat_step}")
+        return choice, "as configured"
+    if multi_seat_step:
+        return 1, multi_seat_step
+    if device_type != "cuda" or free_bytes is None:
+        return CPU_SEATS, f"the CPU default ({CPU_SEATS})"
+    fit = int(0.8 * free_bytes) // (2 * seat_bytes)
+    seats = max(1, min(MAX_SEATS, fit))
+    return seats, (f"{fit} seats of {2 * seat_bytes / 2**30:.2f} GiB (KV and receive region at max_seq_len) fit "
+                   f"in 80 % of {free_bytes / 2**30:.1f} GiB free: {seats}")
 
 
 def _positive(ap: argparse.ArgumentParser, a: argparse.Namespace, *names: str) -> None:
@@ -159,6 +187,10 @@ def parse_args(argv: list[str] | None = None, env: Mapping[str, str] | None = No
                          "both, each request on the family its prompt suits (a cuda device and --speculation on; "
                          "the warm-up builds both families); auto (the default): per-request where the lean step "
                          "speculates on a cuda device and the model's hidden size is 4096 or more, else cuda-core")
+    ap.add_argument("--seats", default="auto",
+                    help=f"requests decoded at once, each bit-identical to alone (1..{MAX_SEATS}; auto: "
+                         f"{CPU_SEATS} on a CPU, on a GPU as many as its free memory holds at --max-seq-len, "
+                         f"at most {MAX_SEATS})")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch CPU threads (default: one per --cpu-bind CPU, else torch's default)")
     ap.add_argument("--cpu-bind", default=None, metavar="LIST",
@@ -198,6 +230,14 @@ def parse_args(argv: list[str] | None = None, env: Mapping[str, str] | None = No
                  f"--speculation {a.speculation})")
     if a.threads is not None and a.threads < 1:
         ap.error("--threads must be >= 1")
+    seats = None
+    if a.seats != "auto":
+        try:
+            seats = int(a.seats)
+        except ValueError:
+            ap.error(f"--seats must be auto or an integer, got {a.seats!r}")
+        if not 1 <= seats <= MAX_SEATS:
+            ap.error(f"--seats must be in [1, {MAX_SEATS}], got {seats}")
     try:
         SpeculationConfig(k=a.spec_k)
     except ValueError as e:
@@ -209,9 +249,10 @@ def parse_args(argv: list[str] | None = None, env: Mapping[str, str] | None = No
         request_deadline_s=a.request_deadline_s, stall_timeout_s=a.stall_timeout_s,
         health_interval_s=a.health_interval_s, health_probe_timeout_s=a.health_probe_timeout_s,
         max_connections=a.max_connections, verify_checksum=a.verify_checksum, node_token=node_token,
-        peer_secret=peer_secret.encode() if peer_secret else None, attention=a.attention, compile=a.compile, cuda_graph=cuda_graph, lean=lean,
+        peer_secret=peer_secret.encode() if peer_secret else None, attention=a.attention, compile=a.compile,
+        cuda_graph=cuda_graph, lean=lean,
         lean_gemv=a.lean_gemv,
         speculation=a.speculation == "on", spec_k=a.spec_k,
-        threads=a.threads,
+        seats=seats, threads=a.threads,
         cpu_bind=cpu_bind, warmup=a.warmup, log_level=a.log_level,
     )

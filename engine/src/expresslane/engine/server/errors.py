@@ -4,7 +4,7 @@
     +-- BadRequest (400 bad_request)
     |   +-- InvalidParameter (400 invalid_parameter)  e.g. a structured_outputs spec that does not compile
     +-- Unauthorized (401 unauthorized)     missing / wrong bearer token (EXPRESS_NODE_TOKEN)
-    +-- Busy (429 busy)                     the slot is held by another rid (ONE request per node)
+    +-- Busy (429 busy, Retry-After)        every seat is held (or the rid is already being served)
     +-- NotReserved (409 not_reserved)      /pd/decode of a rid without a live /pd/reserve
     +-- NotReady (503 not_ready)            engine / control plane / NIXL agent unhealthy, or draining
     +-- Cancelled (499 cancelled)           /pd/cancel or client gone, before or during decode

@@ -23,14 +23,28 @@ PHASES = ("wire_wait", "convert", "inject", "decode")
 _SECONDS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _GBPS = (0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 _TOKS = (1, 5, 10, 25, 50, 100, 200, 300, 500, 750, 1000, 1500, 2000, 3000, 5000)
+_ROWS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32)
+#: step_seconds{rows}: a step's rows in these classes (a label per count would grow with seats and k)
+ROW_CLASSES = ((1, "1"), (2, "2"), (3, "3"), (4, "4"), (5, "5"), (8, "6-8"), (16, "9-16"), (10**9, "17+"))
+
+
+def row_class(rows: int) -> str:
+    return next(label for top, label in ROW_CLASSES if rows <= top)
 
 
 class DecodeMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         self.registry = registry
         p = "expresslane_decode_"
-        self.busy = Gauge(p + "busy", "1 while a request holds this node (reserved, KV wait, inject or decode)",
+        self.busy = Gauge(p + "busy", "1 while every seat of this node is held (reserved, KV wait, inject or decode)",
                           registry=registry)
+        self.seats = Gauge(p + "seats", "Requests this node decodes at once (its seats)", registry=registry)
+        self.seats_busy = Gauge(p + "seats_busy", "Seats held by a request (reserved, KV wait, inject or decode)",
+                                registry=registry)
+        self.step_rows = Histogram(p + "step_rows", "Rows of each decode forward (every active user's token and "
+                                   "drafts)", buckets=_ROWS, registry=registry)
+        self.step_seconds = Histogram(p + "step_seconds", "Wall time of each decode step (forward, sampling, "
+                                      "emission) by the rows it ran", ["rows"], buckets=_SECONDS, registry=registry)
         self.healthy = Gauge(p + "healthy", "1 when the engine thread, control plane and NIXL agent are all ok",
                              registry=registry)
         self.reservations = Counter(p + "reservations", "/pd/reserve outcomes and what became of reservations",
@@ -66,6 +80,12 @@ class DecodeMetrics:
             self.reservations.labels(outcome)
         for phase in PHASES:
             self.phase_seconds.labels(phase)
+        self._step_seconds = {label: self.step_seconds.labels(label) for _, label in ROW_CLASSES}
+
+    def record_step(self, rows: int, seconds: float) -> None:
+        """One decode step of `rows` rows took `seconds` (the engine thread's callback)."""
+        self.step_rows.observe(rows)
+        self._step_seconds[row_class(rows)].observe(seconds)
 
     def record_handoff(self, nbytes: int, transfer_s: float) -> None:
         self.handoff_bytes.inc(nbytes)
