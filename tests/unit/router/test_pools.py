@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry
 from expresslane.router.config import Affinity, ConfigError, parse_config
 from expresslane.router.errors import UpstreamError, UpstreamUnavailable
 from expresslane.router.metrics import RouterMetrics
-from expresslane.router.pools import PrefillPool, affinity_key
+from expresslane.router.fleet.pools import PrefillPool, affinity_key
 
 from ._kit import EXPRESS, NATIVE, config_dict, make_config
 from .test_router_express_lane import FakeNode

@@ -7,7 +7,7 @@ import asyncio
 
 import httpx
 
-from expresslane.router.secrets import RouterSecrets
+from expresslane.router.server.secrets import RouterSecrets
 
 from ._kit import PREFILL, make_config
 

@@ -475,7 +475,7 @@ async def test_first_token_that_ends_the_answer_never_waits_for_the_node(make_cl
 
 def test_continuation_body_is_a_token_id_completion_with_the_remaining_budget():
     from expresslane.router.lanes.continuation import continuation_body
-    from expresslane.router.request import options_of
+    from expresslane.router.openai.request import options_of
 
     chat = {"model": "tiny-x", "messages": [{"role": "user", "content": "x"}], "stream": True, "max_tokens": 10,
             "temperature": 0, "top_p": 0.9, "seed": 7, "stop": ["\n"], "min_tokens": 5, "ignore_eos": True,

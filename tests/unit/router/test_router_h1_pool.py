@@ -17,8 +17,8 @@ import httpx
 import pytest
 
 from expresslane.router.errors import UpstreamError, UpstreamTimeout, UpstreamUnavailable
-from expresslane.router.h1_pool import H1Pool
-from expresslane.router.requestlog import _request_id
+from expresslane.router.upstream.h1_pool import H1Pool
+from expresslane.router.server.requestlog import _request_id
 
 T = httpx.Timeout(5, connect=2)
 

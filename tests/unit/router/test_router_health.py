@@ -8,8 +8,8 @@ import asyncio
 import httpx
 import pytest
 
-from expresslane.router.gate import NodeGate, NoHealthyNode
-from expresslane.router.health import BreakerState, CircuitBreaker
+from expresslane.router.fleet.gate import NodeGate, NoHealthyNode
+from expresslane.router.fleet.health import BreakerState, CircuitBreaker
 from expresslane.router.resilience import HealthConfig
 
 from ._kit import EXPRESS, NATIVE, PREFILL, make_config
@@ -152,7 +152,7 @@ async def test_ready_is_503_while_the_prefill_is_down(make_client, upstreams):
 
 
 async def test_probes_send_the_upstream_auth_headers(make_client, upstreams):
-    from expresslane.router.secrets import RouterSecrets
+    from expresslane.router.server.secrets import RouterSecrets
 
     seen = {}
 

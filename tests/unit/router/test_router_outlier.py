@@ -3,7 +3,7 @@ that refuse (last serving node, max_ejection_percent), panic, ejection time grow
 
 from __future__ import annotations
 
-from expresslane.router.outlier import NodeState, OutlierConfig, OutlierDetector
+from expresslane.router.fleet.outlier import NodeState, OutlierConfig, OutlierDetector
 
 
 class Clock:

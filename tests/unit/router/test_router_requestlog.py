@@ -9,7 +9,7 @@ import logging
 
 import httpx
 
-from expresslane.router.requestlog import JsonFormatter, RequestIdFilter
+from expresslane.router.server.requestlog import JsonFormatter, RequestIdFilter
 
 from ._kit import EXPRESS, NATIVE, PREFILL, make_config, ndjson
 

@@ -37,29 +37,29 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope
 
-from .auth import ApiKey, ApiKeys
-from .capabilities import CapabilityRouter, reroute_counter
+from .server.auth import ApiKey, ApiKeys
+from .fleet.capabilities import CapabilityRouter, reroute_counter
 from .config import LANES, ExpressPool, NativePool, RouterConfig
-from .detokenizer import ModelText, load_model_text
-from .endpoints import RESPONSES_API_ERROR, Endpoints
+from .openai.detokenizer import ModelText, load_model_text
+from .server.endpoints import RESPONSES_API_ERROR, Endpoints
 from .errors import (BadRequest, ClientGone, MethodNotAllowed, ModelNotFound, NotFound, RouterError,
                      error_body)
-from .discovery import PREFILL_POOL, Membership, Resolver, resolve_addresses
-from .health import HealthMonitor
-from .pools import PrefillPool, member_serving
+from .fleet.discovery import PREFILL_POOL, Membership, Resolver, resolve_addresses
+from .fleet.health import HealthMonitor
+from .fleet.pools import PrefillPool, member_serving
 from .lanes.base import LaneContext
 from .lanes.express import ExpressLane, check_express_supported
 from .lanes.native import NativeLane
-from .fastpath import CompletionsFastPath, RouterApp
-from .limits import loads_object, read_asgi_body, read_body
+from .server.fastpath import CompletionsFastPath, RouterApp
+from .server.limits import loads_object, read_asgi_body, read_body
 from .metrics import RequestRecord, RouterMetrics
-from .openai_shapes import ClientRequest, Kind, parse_request
-from .requestlog import RequestIdMiddleware, upstream_request_id_hook
-from .secrets import RouterSecrets
-from .aiohttp_upstream import AiohttpTransport
-from .h1_pool import H1Pool
-from .http_protocol import ClientWatch, client_watch
-from .upstream import HttpxOneShot
+from .openai.shapes import ClientRequest, Kind, parse_request
+from .server.requestlog import RequestIdMiddleware, upstream_request_id_hook
+from .server.secrets import RouterSecrets
+from .upstream.aiohttp_transport import AiohttpTransport
+from .upstream.h1_pool import H1Pool
+from .server.http_protocol import ClientWatch, client_watch
+from .upstream.calls import HttpxOneShot
 
 __all__ = ["create_app", "Lanes", "resolve_lane"]
 
@@ -189,7 +189,7 @@ def create_app(config: RouterConfig, *, secrets: RouterSecrets | None = None,
         oneshot = H1Pool(keepalive_expiry_s=t.upstream_keepalive_s) if transport is None else None
         async with contextlib.AsyncExitStack() as stack, httpx.AsyncClient(
                 transport=transport or AiohttpTransport(keepalive_expiry_s=t.upstream_keepalive_s), trust_env=False,
-                timeout=httpx.Timeout(t.decode_s, connect=t.connect_s),  # (aiohttp's pool: aiohttp_upstream.py)
+                timeout=httpx.Timeout(t.decode_s, connect=t.connect_s),  # (aiohttp's pool: upstream/aiohttp_transport.py)
                 limits=httpx.Limits(max_connections=512, max_keepalive_connections=64,
                                     keepalive_expiry=t.upstream_keepalive_s),
                 event_hooks={"request": [upstream_request_id_hook]}) as client:  # X-Request-Id on both legs

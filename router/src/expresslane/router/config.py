@@ -53,7 +53,7 @@ from urllib.parse import urlsplit
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from .outlier import OutlierConfig  # front-door: ejection by the request path's failures (outlier.py)
+from .fleet.outlier import OutlierConfig  # front-door: ejection by the request path's failures (outlier.py)
 from .resilience import HealthConfig, ResilienceConfig  # router-path's sections (health.py, lanes/)
 
 __all__ = [

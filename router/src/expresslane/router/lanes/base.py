@@ -17,13 +17,13 @@ from starlette.types import Receive, Scope, Send
 from ..config import RouterConfig
 from ..errors import EJECTING_KINDS, RouterError, UpstreamError
 from ..metrics import RequestRecord, RouterMetrics
-from ..pools import PrefillPool, member_serving
+from ..fleet.pools import PrefillPool, member_serving
 from ..resilience import Deadline
-from ..upstream import HttpxOneShot, OneShotCalls
+from ..upstream.calls import HttpxOneShot, OneShotCalls
 
 if TYPE_CHECKING:
-    from ..discovery import Membership
-    from ..health import HealthMonitor
+    from ..fleet.discovery import Membership
+    from ..fleet.health import HealthMonitor
 
 __all__ = ["EJECTING_KINDS", "LaneContext", "ManagedStream", "count_upstream_error", "shielded"]
 

@@ -53,18 +53,18 @@ import httpx
 from starlette.responses import Response
 
 from ..config import ExpressNode, ExpressPool, QueueConfig
-from ..detokenizer import IncrementalDetokenizer, ModelText, OutputAssembler
+from ..openai.detokenizer import IncrementalDetokenizer, ModelText, OutputAssembler
 from ..errors import LaneBusy, RouterError, UpstreamError, UpstreamRejected, UpstreamUnavailable
-from ..gate import Lease, NodeGate, NoHealthyNode, QueueFull, QueueTimeout
+from ..fleet.gate import Lease, NodeGate, NoHealthyNode, QueueFull, QueueTimeout
 from ..metrics import RequestRecord, node_label
-from ..openai_shapes import SSE_DONE, ClientRequest, sse
-from ..pools import member_failed
-from ..prefill import derive_tilert_rid, express_prefill_body, first_token_id, prompt_token_ids, prompt_tokens
+from ..openai.shapes import SSE_DONE, ClientRequest, sse
+from ..fleet.pools import member_failed
+from .prefill import derive_tilert_rid, express_prefill_body, first_token_id, prompt_token_ids, prompt_tokens
 from ..resilience import Deadline
-from ..output_limits import check_requested, effective_max_tokens
-from ..logprobs import Position, TokenStrings, from_node, from_prefill
-from ..structured import node_structured_outputs
-from ..upstream import map_transport_error, read_json
+from ..openai.output_limits import check_requested, effective_max_tokens
+from ..openai.logprobs import Position, TokenStrings, from_node, from_prefill
+from ..openai.structured import node_structured_outputs
+from ..upstream.errors import map_transport_error, read_json
 from .base import EJECTING_KINDS, LaneContext, ManagedStream, closing_on_error, count_upstream_error
 from .continuation import Continuation
 from .express_node import STAGE, Leg, NodeBusy, NodeClient, NodeFailed, NodeTokens

@@ -26,8 +26,9 @@ import httpx
 from ..config import ExpressNode
 from ..errors import BadRequest, RouterError, UpstreamError
 from ..resilience import Deadline
-from ..upstream import LineReader, loads_line, map_transport_error
-from ..logprobs import Position
+from ..upstream.lines import LineReader, loads_line
+from ..upstream.errors import map_transport_error
+from ..openai.logprobs import Position
 from .base import EJECTING_KINDS, LaneContext
 
 __all__ = ["Leg", "NodeBusy", "NodeClient", "NodeFailed", "NodeTokens", "STAGE"]

@@ -22,7 +22,7 @@ Off the happy path:
 - a stream that sends nothing for `stall_timeout_s` from a node whose health probes did not answer within that
   window, or that ends without `[DONE]`, is an error event in vLLM's streaming error format (then `[DONE]`),
   never a quiet success; a node whose probes answer is busy, and its stream is waited on up to the request
-  deadline (upstream.LineReader).
+  deadline (upstream/lines.LineReader).
 """
 
 from __future__ import annotations
@@ -42,11 +42,12 @@ from ..config import NativePool
 from ..errors import RouterError, UpstreamError, UpstreamTimeout, UpstreamUnavailable
 from ..json_codec import CompactJSONResponse
 from ..metrics import RequestRecord, node_label
-from ..openai_shapes import SSE_DONE, ClientRequest, iter_sse_data, sse
-from ..pools import member_failed
-from ..prefill import native_prefill_body, prompt_tokens
+from ..openai.shapes import SSE_DONE, ClientRequest, iter_sse_data, sse
+from ..fleet.pools import member_failed
+from .prefill import native_prefill_body, prompt_tokens
 from ..resilience import Deadline
-from ..upstream import LineReader, open_stream
+from ..upstream.lines import LineReader
+from ..upstream.calls import open_stream
 from .base import EJECTING_KINDS, LaneContext, ManagedStream, closing_on_error, count_upstream_error
 
 __all__ = ["NativeLane", "NativeStream", "decode_body", "fix_usage"]

@@ -32,17 +32,17 @@ from collections.abc import Awaitable, Callable, Iterable
 
 from typing import TYPE_CHECKING
 
-from .config import DnsMembers, ExpressPool, NativePool, RouterConfig
-from .metrics import PREFILL_POOL
+from ..config import DnsMembers, ExpressPool, NativePool, RouterConfig
+from ..metrics import PREFILL_POOL
 
 if TYPE_CHECKING:
     from prometheus_client import Counter
 
-    from .metrics import RouterMetrics
+    from ..metrics import RouterMetrics
 
 __all__ = ["DnsState", "Membership", "PoolMembers", "PREFILL_POOL", "Resolver", "resolve_addresses"]
 
-log = logging.getLogger("expresslane.router.discovery")
+log = logging.getLogger("expresslane.router.fleet.discovery")
 
 
 # (host, port) -> addresses; the default asks the event loop's getaddrinfo.

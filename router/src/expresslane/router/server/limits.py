@@ -16,8 +16,8 @@ from typing import Any
 from starlette.requests import Request
 from starlette.types import Receive
 
-from .errors import BadRequest, ClientGone, PayloadTooLarge
-from .json_codec import client_decoder
+from ..errors import BadRequest, ClientGone, PayloadTooLarge
+from ..json_codec import client_decoder
 
 __all__ = ["json_depth_exceeds", "loads_object", "read_asgi_body", "read_body"]
 

@@ -1,11 +1,11 @@
 """The router's one-shot calls on a small keep-alive HTTP/1.1 client: asyncio protocols and httptools' parser.
 
-`H1Pool` is the `upstream.OneShotCalls` of a running router: the prefill legs, the native lane's non-streaming
+`H1Pool` is the `calls.OneShotCalls` of a running router: the prefill legs, the native lane's non-streaming
 decode leg (`post_json`) and the health probes (`get_status`). aiohttp's client was about 40 % of the router's
 own CPU per request before it (docs/bench/2026-12-01-router-h1pool/: request/response objects, header
 multidicts, timers per read, its connector's bookkeeping); here a call is one write of the request's bytes,
 httptools' C parser over the reply, one timer, and the connection back in its pool. Streams and everything
-else stay on httpx over aiohttp (aiohttp_upstream.AiohttpTransport).
+else stay on httpx over aiohttp (aiohttp_transport.AiohttpTransport).
 
 Failures are typed exactly as on the aiohttp path (tests/unit/router/test_router_upstream_json.py runs every
 case on every path, with real sockets):
@@ -14,7 +14,7 @@ case on every path, with real sockets):
   whole reply later than timeout.read                       -> UpstreamTimeout "timeout" ("did not answer within")
   reset / closed mid-body, bad gzip  httpx.ReadError        -> UpstreamError "transport"
   closed before a reply, malformed   httpx.RemoteProtocolError -> UpstreamError "transport"
-then the reply through `upstream.status_error` and `upstream.json_object`. `get_status` raises the httpx
+then the reply through `errors.status_error` and `errors.json_object`. `get_status` raises the httpx
 exceptions themselves (health.py tells timeouts from the rest). A cancelled call is a cancellation (its
 connection is closed, never reused).
 
@@ -46,9 +46,9 @@ from urllib.parse import urlsplit
 import httptools
 import httpx
 
-from .requestlog import current_request_id
-from .json_codec import dumps_compact
-from .upstream import json_object, map_transport_error, status_error, total_timeout_error
+from ..server.requestlog import current_request_id
+from ..json_codec import dumps_compact
+from .errors import json_object, map_transport_error, status_error, total_timeout_error
 
 __all__ = ["H1Pool"]
 

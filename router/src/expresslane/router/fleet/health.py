@@ -36,15 +36,15 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from .config import ExpressPool, RouterConfig
-from .metrics import RouterMetrics, node_label
+from ..config import ExpressPool, RouterConfig
+from ..metrics import RouterMetrics, node_label
 from .outlier import Decision, OutlierConfig, OutlierDetector
-from .resilience import HealthConfig
-from .upstream import OneShotCalls
+from ..resilience import HealthConfig
+from ..upstream.calls import OneShotCalls
 
 __all__ = ["BreakerState", "CircuitBreaker", "HealthMonitor", "Upstream"]
 
-log = logging.getLogger("expresslane.router.health")
+log = logging.getLogger("expresslane.router.fleet.health")
 
 
 class BreakerState(enum.Enum):

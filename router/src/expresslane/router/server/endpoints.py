@@ -25,15 +25,15 @@ from typing import Any
 import httpx
 from starlette.responses import JSONResponse, Response
 
-from .config import RouterConfig
-from .errors import EJECTING_KINDS, BadRequest, ModelNotFound, RouterError, UpstreamError
-from .pools import PrefillPool, member_failed
+from ..config import RouterConfig
+from ..errors import EJECTING_KINDS, BadRequest, ModelNotFound, RouterError, UpstreamError
+from ..fleet.pools import PrefillPool, member_failed
 from .secrets import RouterSecrets
-from .upstream import check_status, map_transport_error, read_json
+from ..upstream.errors import check_status, map_transport_error, read_json
 
 __all__ = ["Endpoints", "RESPONSES_API_ERROR"]
 
-log = logging.getLogger("expresslane.router.endpoints")
+log = logging.getLogger("expresslane.router.server.endpoints")
 
 RESPONSES_API_ERROR = ("The Responses API (/v1/responses) is not served by this router: use /v1/chat/completions "
                        "(the same models, tools and structured outputs)")

@@ -4,7 +4,7 @@ calls, the endpoints beside completions). The one-shot calls (prefill legs, the 
 leg, health probes) have their own client, h1_pool.H1Pool (docs/bench/2026-12-01-router-h1pool/).
 
 aiohttp's errors become the httpx exceptions of the same meaning (`httpx_error`), which
-`upstream.map_transport_error` maps. Timeouts: httpx's connect (aiohttp's includes the wait for a pool slot) and
+`errors.map_transport_error` maps. Timeouts: httpx's connect (aiohttp's includes the wait for a pool slot) and
 read (per socket read); no redirects, no cookies, no proxies from the environment.
 """
 

@@ -13,8 +13,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from .errors import BadRequest, VllmValidation
-from .limits import loads_object
+from ..errors import BadRequest, VllmValidation
+from ..server.limits import loads_object
 from .request import RequestOptions, options_of
 
 __all__ = [

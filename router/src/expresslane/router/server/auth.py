@@ -26,8 +26,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from .config import LANES
-from .errors import PermissionDenied, RateLimited, Unauthorized
+from ..config import LANES
+from ..errors import PermissionDenied, RateLimited, Unauthorized
 
 __all__ = ["ApiKey", "ApiKeys", "AuthConfigError", "TokenBucket", "parse_api_keys"]
 

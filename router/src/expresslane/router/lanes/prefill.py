@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .errors import UpstreamError
+from ..errors import UpstreamError
 
 __all__ = ["derive_tilert_rid", "express_prefill_body", "first_token_id", "native_prefill_body",
            "prompt_token_ids", "prompt_tokens"]

@@ -28,9 +28,9 @@ from collections import defaultdict
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from .config import Affinity
-from .errors import EJECTING_KINDS, RouterError, UpstreamError, UpstreamUnavailable
-from .metrics import PREFILL_POOL, RouterMetrics, node_label
+from ..config import Affinity
+from ..errors import EJECTING_KINDS, RouterError, UpstreamError, UpstreamUnavailable
+from ..metrics import PREFILL_POOL, RouterMetrics, node_label
 
 if TYPE_CHECKING:
     from .health import HealthMonitor

@@ -14,7 +14,7 @@ vLLM cannot apply them there); the native lane's decode server applies the same 
 
 from __future__ import annotations
 
-from .errors import VllmValidation
+from ..errors import VllmValidation
 from .request import RequestOptions
 
 __all__ = ["check_requested", "effective_max_tokens"]

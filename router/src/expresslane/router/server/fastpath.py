@@ -35,8 +35,8 @@ from fastapi import FastAPI
 from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
-from .errors import RouterError, error_body
-from .openai_shapes import Kind
+from ..errors import RouterError, error_body
+from ..openai.shapes import Kind
 from .requestlog import RequestTrace
 
 __all__ = ["FAST_ROUTES", "CompletionsFastPath", "RouterApp"]

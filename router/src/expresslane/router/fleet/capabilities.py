@@ -31,14 +31,14 @@ from typing import Any
 import httpx
 from prometheus_client import Counter
 
-from .config import ExpressNode, ExpressPool, RouterConfig
-from .errors import BadRequest, UnsupportedFeature
-from .secrets import RouterSecrets
+from ..config import ExpressNode, ExpressPool, RouterConfig
+from ..errors import BadRequest, UnsupportedFeature
+from ..server.secrets import RouterSecrets
 
 __all__ = ["CapabilityRouter", "EXPRESSLANE_ENGINE", "FEATURES", "NATIVE", "TILERT", "Feature", "Reroute",
            "compat_table", "requested_features", "reroute_counter"]
 
-log = logging.getLogger("expresslane.router.capabilities")
+log = logging.getLogger("expresslane.router.fleet.capabilities")
 
 
 def _on(v: Any, neutral: Any = 0) -> bool:

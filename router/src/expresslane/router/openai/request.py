@@ -1,4 +1,4 @@
-"""One typed view of the client's request, parsed once (openai_shapes.parse_request) and read by every lane and leg.
+"""One typed view of the client's request, parsed once (shapes.parse_request) and read by every lane and leg.
 
 The raw body still travels to vLLM unchanged where vLLM is the one to judge it (the prefill legs, the native
 decode leg); what the router itself acts on (stop rules, output budget, logprobs, tools, special tokens) is read
