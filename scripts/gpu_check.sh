@@ -34,7 +34,7 @@
 # text that repeats on: FORCED_CONTEXTS 1024,8192,32768 FORCED_ORACLE_K 3,4 for the 8B oracle targets);
 # tensor-core with the norm kernels and per-row / shared attention: docs/bench/2026-12-04-gpu-check/,
 # docs/bench/2026-12-05-gpu-check-green/),
-# PROBE_NORM (1 in part norm, 0 in bench: scripts/probe_lean_norm.py, the tensor-core step with its norms as
+# PROBE_NORM (1 in part norm, 0 in bench: docs/bench/2026-12-05-h100-gpu-check/probe_lean_norm.py, the tensor-core step with its norms as
 # kernels and as tails against the CUDA-core step, into lean-norm.jsonl, at NORM_SHAPES llama-8b,llama-1b),
 # REPEATS (2), MAX_SEQ_LEN (33100), REPLAY_TEXT (docs/bench/2026-12-04-cost-aware-drafter/texts.json; empty: none),
 # REPLAY (recorded (drafted, kept) traces, bench --replay; none by default), PROBE_ATTENTION (0; 1: the verify
@@ -139,17 +139,17 @@ run_bench() {
   if [[ ${PROBE_NORM:-$([[ $part == norm ]] && echo 1 || echo 0)} == 1 ]]; then
     echo "== lean norm: kernel vs tail (tensor-core), against cuda-core"
     : >"$out/lean-norm.jsonl"
-    python3 scripts/probe_lean_norm.py --shapes "${NORM_SHAPES:-llama-8b,llama-1b}" \
+    python3 docs/bench/2026-12-05-h100-gpu-check/probe_lean_norm.py --shapes "${NORM_SHAPES:-llama-8b,llama-1b}" \
       --contexts "${FORCED_CONTEXTS:-1024,32768}" --max-seq-len "${MAX_SEQ_LEN:-33100}" \
       --json "$out/lean-norm.jsonl" 2>&1 | tee -a "$out/bench.log"
   fi
   # the verify's attention per row (the lean step's) against one program reading each tile for every row: time
-  # and bits at the 8B / 1B attention shapes (scripts/probe_verify_attention.py)
+  # and bits at the 8B / 1B attention shapes (docs/bench/2026-12-05-gpu-check/probe_verify_attention.py)
   if [[ ${PROBE_ATTENTION:-0} == 1 ]]; then
     echo "== verify attention: per-row vs shared"
     : >"$out/verify-attention.jsonl"
     # 8190: a verify of 2-5 rows there straddles the split-KV chunk boundary at 8192 (8 KV heads: 64 splits)
-    python3 scripts/probe_verify_attention.py --contexts "${PROBE_CONTEXTS:-1024,8190,32768}" \
+    python3 docs/bench/2026-12-05-gpu-check/probe_verify_attention.py --contexts "${PROBE_CONTEXTS:-1024,8190,32768}" \
       --json "$out/verify-attention.jsonl" 2>&1 | tee -a "$out/bench.log"
   fi
   # shapes benched with a GEMV family forced (models/lean.py: auto is cuda-core) and a verify attention, at the
@@ -266,7 +266,7 @@ EOF
     [[ -s $out/lean-norm.jsonl ]] && python3 - "$out/lean-norm.jsonl" <<'EOF'
 import json, sys
 rows = [json.loads(line) for line in open(sys.argv[1]) if line.strip()]
-print("lean norm (scripts/probe_lean_norm.py): each step's forward ms by rows; x cuda-core: its one-row step over "
+print("lean norm (docs/bench/2026-12-05-h100-gpu-check/probe_lean_norm.py): each step's forward ms by rows; x cuda-core: its one-row step over "
       "the CUDA-core family's; tokens: 64 greedy tokens as the kernel placement's")
 for r in rows:
     if "sync_us" in r:  # the host's path: us a forward, queued / after a read / replays / verifies with their read

@@ -324,8 +324,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--express-speculation", choices=["on", "off"], default="off",
                     help="off: the headline target is without speculation (random weights rarely repeat)")
     ap.add_argument("--no-express-compile", dest="express_compile", action="store_false")
-    ap.add_argument("--ucx-tls", default="", help="UCX_TLS for every service (default: unset, UCX picks; "
-                    "scripts/gpu_handoff.py measured cuda_ipc VRAM -> VRAM that way on this GPU machine)")
+    ap.add_argument("--ucx-tls", default="", help="UCX_TLS for every service (default: unset, UCX picks; the "
+                    "handoff probe measured cuda_ipc VRAM -> VRAM that way: docs/bench/2026-12-01-vram-handoff/)")
     ap.add_argument("--start-timeout-s", type=float, default=420.0, help="the services must be healthy by then")
     ap.add_argument("--port-base", type=int, default=0, help="added to every default port (dev_stack.py)")
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda",

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The express lane's KV handoff between two real processes on one device, and injection from the receive buffer.
 
-    python scripts/gpu_handoff.py [--device cuda|cpu] [--out DIR] [--deadline-s 480] [--reps 5]
+    python docs/bench/2026-12-01-vram-handoff/gpu_handoff.py [--device cuda|cpu] [--out DIR] [--deadline-s 480] [--reps 5]
                                   [--sizes llama-8b:1024,8192,32768 llama-1b:1024,32768] [--ucx-tls LIST]
 
 Two processes (multiprocessing 'spawn'): a receiver holding the decode node's ``KVReceiver`` (its receive buffer
@@ -44,7 +44,7 @@ import time
 import traceback
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[3]  # this lab note's folder is docs/bench/<date>-<topic>/
 if str(REPO / "engine" / "src") not in sys.path:
     sys.path.insert(0, str(REPO / "engine" / "src"))
 

@@ -1,11 +1,11 @@
 #!/usr/bin/env python3
 """What the express engine's drafter earns on recorded text at measured step costs, without a GPU.
 
-    python scripts/spec_policy_sim.py --texts docs/bench/2026-12-04-cost-aware-drafter/texts.json \
+    python docs/bench/2026-12-04-cost-aware-drafter/spec_policy_sim.py --texts docs/bench/2026-12-04-cost-aware-drafter/texts.json \
         --costs docs/bench/2026-12-04-gpu-check/bench.jsonl [--costs MORE.jsonl] [--overhead 0.08]
 
 Greedy output is fixed, so a draft is kept exactly where it matches the recorded output: the engine's loop can
-be played over a recorded request (its prompt and greedy output: scripts/make_copy_model.py --texts) with any
+be played over a recorded request (its prompt and greedy output: docs/bench/2026-12-04-copy-acceptance/make_copy_model.py --texts) with any
 drafter, charging each step what a forward of that many rows costs (`step_ms_by_rows` of the decode bench's
 JSON lines, per model / GEMV family / context; two contexts make the costs' length dependence, one is used for
 every length). For each cost table and text it prints plain time over speculative time for:
@@ -28,7 +28,7 @@ import statistics
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "engine" / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "engine" / "src"))  # from docs/bench/<note>/
 
 from expresslane.engine.decode import AdaptiveDrafter, PromptLookupDrafter, SpeculationConfig, StepCosts  # noqa: E402
 from expresslane.engine.decode.bench import load_texts, simulate_speedup  # noqa: E402

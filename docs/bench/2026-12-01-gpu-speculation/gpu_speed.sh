@@ -3,9 +3,9 @@
 # (weights + live KV) for Llama-1B- and 8B-shaped bf16 at contexts 1k / 8k / 32k, plain and with an oracle
 # draft at k = 1..4 (acceptance sweep), and transformers' static-cache + compile generate as the reference.
 #
-#   bash scripts/gpu_speed.sh [OUTDIR] [PART]     # PART: all (default) | tests | engine | hf | lean
+#   bash docs/bench/2026-12-01-gpu-speculation/gpu_speed.sh [OUTDIR] [PART]     # PART: all (default) | tests | engine | hf | lean
 #
-# PART lean runs scripts/gpu_lean.py alone (the lean step against the PyTorch step, no checkpoint written;
+# PART lean runs docs/bench/2026-12-01-gpu-lean-step/gpu_lean.py alone (the lean step against the PyTorch step, no checkpoint written;
 # LEAN_ARGS adds its flags, e.g. "--pytest --compiled"); it is not part of "all".
 #
 # Environment: SHAPES (llama-1b llama-8b), STEPS (bench step flags, one word per run, default --compile; e.g.
@@ -14,7 +14,7 @@
 # Needs torch with CUDA, triton, safetensors, transformers, pytest (no vLLM, no network). Logs in OUTDIR
 # (default var/gpu-speed): speed.log (the whole output), results.jsonl (one JSON line per engine result).
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../../.."  # the repository root (this lab note: docs/bench/<date>-<topic>/)
 OUTDIR=${1:-var/gpu-speed}
 PART=${2:-all}
 PY=${PYTHON:-python3}
@@ -23,7 +23,7 @@ MODELS=${MODELS_DIR:-var/models}
 mkdir -p "$OUTDIR" "$MODELS"
 LOG="$OUTDIR/speed.log"
 exec > >(tee -a "$LOG") 2>&1
-echo "== $(date -u +%FT%TZ) scripts/gpu_speed.sh $* (commit $(cat GIT_HEAD 2>/dev/null || git rev-parse --short HEAD 2>/dev/null || echo unknown))"
+echo "== $(date -u +%FT%TZ) docs/bench/2026-12-01-gpu-speculation/gpu_speed.sh $* (commit $(cat GIT_HEAD 2>/dev/null || git rev-parse --short HEAD 2>/dev/null || echo unknown))"
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv,noheader
 "$PY" -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
 
@@ -53,13 +53,13 @@ fi
 if [[ $PART == all || $PART == hf ]]; then
   for shape in ${SHAPES:-llama-1b llama-8b}; do
     echo "== transformers reference $shape"
-    timeout ${HF_TIMEOUT:-240} "$PY" scripts/gpu_hf_reference.py "$MODELS/$shape" --contexts ${HF_CONTEXTS:-1024} \
+    timeout ${HF_TIMEOUT:-240} "$PY" docs/bench/2026-12-01-gpu-speculation/gpu_hf_reference.py "$MODELS/$shape" --contexts ${HF_CONTEXTS:-1024} \
       --tokens ${TOKENS:-256} || echo "transformers reference $shape: failed or timed out (rc $?)"
   done
 fi
 if [[ $PART == lean ]]; then
   echo "== lean step vs PyTorch step"
   # shellcheck disable=SC2086
-  "$PY" scripts/gpu_lean.py --out "$OUTDIR" ${LEAN_ARGS:-} || echo "gpu_lean.py: rc $?"
+  "$PY" docs/bench/2026-12-01-gpu-lean-step/gpu_lean.py --out "$OUTDIR" ${LEAN_ARGS:-} || echo "gpu_lean.py: rc $?"
 fi
 echo "== done $(date -u +%FT%TZ)"

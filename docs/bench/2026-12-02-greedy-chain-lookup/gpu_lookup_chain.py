@@ -1,11 +1,11 @@
 """The greedy chain under prompt lookup on one CUDA GPU (issue 14): tok/s of speculating greedy requests with
 the chain (the default) and without it (the per-token speculating loop), in one run.
 
-    PYTHONPATH=engine/src python3 scripts/gpu_lookup_chain.py --out OUTDIR [--shapes llama-1b,llama-8b]
+    PYTHONPATH=engine/src python3 docs/bench/2026-12-02-greedy-chain-lookup/gpu_lookup_chain.py --out OUTDIR [--shapes llama-1b,llama-8b]
         [--contexts 1024] [--tokens 256] [--repeats 3] [--deadline-s 300] [--pytest] [--smoke-cpu]
 
 Per shape (random bf16 weights with Llama-3.2-1B / Llama-3.1-8B shapes built on the GPU, lm_head x16 as in
-scripts/gpu_make_shape_model.py; the cache rows [0, context) hold random K/V, as scripts/gpu_lean.py does) and
+scripts/gpu_make_shape_model.py; the cache rows [0, context) hold random K/V, as docs/bench/2026-12-01-gpu-lean-step/gpu_lean.py does) and
 context, three lookup contexts for the same request (speculation on: the default adaptive prompt lookup, k=4):
 * plain: the lookup sees a random prompt of `context` tokens (random weights rarely repeat it, so the drafter
   rarely drafts: the all-plain case the chain is for);
@@ -48,12 +48,14 @@ import torch  # noqa: E402
 
 from expresslane.engine.decode import DecodeEngine, SamplingParams, SpeculationConfig  # noqa: E402
 
-from gpu_shapes import ResultLog, make_model  # noqa: E402  (this directory: the scripts run as files)
+# gpu_shapes.py lives beside gpu_lean.py, in the lab note of the lean step
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "2026-12-01-gpu-lean-step"))
+from gpu_shapes import ResultLog, make_model  # noqa: E402
 
 DEV = torch.device("cpu" if args.smoke_cpu else "cuda")
 _log = ResultLog(args.out, args.deadline_s, T0)
 emit, late = _log.emit, _log.late
-FIRST = 424  # the first token (the prefill's), as scripts/gpu_lean.py
+FIRST = 424  # the first token (the prefill's), as docs/bench/2026-12-01-gpu-lean-step/gpu_lean.py
 def decode(engine: DecodeEngine, ctx: int, lookup: list[int], chain: bool, speculative: bool = True) -> dict:
     """Best of --repeats: tok/s of --tokens greedy tokens after the first, the lookup seeing `lookup`."""
     best: dict | None = None

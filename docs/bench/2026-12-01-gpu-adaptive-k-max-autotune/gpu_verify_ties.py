@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Where a (k+1)-row verify forward and the 1-row step disagree on the greedy token, is it a near-tie?
 
-    python scripts/gpu_verify_ties.py MODEL_DIR [--context 1024] [--tokens 256] [--rows 4] [--max-seq-len N]
+    python docs/bench/2026-12-01-gpu-adaptive-k-max-autotune/gpu_verify_ties.py MODEL_DIR [--context 1024] [--tokens 256] [--rows 4] [--max-seq-len N]
 
 Decodes `tokens` greedy tokens with the plain (T = 1) step, then re-runs each position as row 0 of a T-row
 forward (the verify step's shape) with the known continuation as the other rows, and prints every position

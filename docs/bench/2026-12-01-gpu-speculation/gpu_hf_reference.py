@@ -1,9 +1,9 @@
 """transformers' own fastest batch-1 decode on the same checkpoint, as the reference row of
-scripts/gpu_speed.sh: generate() with a static cache and the forward torch.compile'd (transformers' documented
+docs/bench/2026-12-01-gpu-speculation/gpu_speed.sh: generate() with a static cache and the forward torch.compile'd (transformers' documented
 recipe: cache_implementation="static", which makes generate() compile the decode forward with mode
 "reduce-overhead" = CUDA graphs).
 
-    python scripts/gpu_hf_reference.py MODEL_DIR [--contexts 1024] [--tokens 256]
+    python docs/bench/2026-12-01-gpu-speculation/gpu_hf_reference.py MODEL_DIR [--contexts 1024] [--tokens 256]
 """
 
 from __future__ import annotations

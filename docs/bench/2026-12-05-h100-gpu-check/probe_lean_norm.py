@@ -30,7 +30,7 @@ pinned memory, the forward with its argmax in the graph, the read: StepRunner.gr
 rows by the host path before it (the rows as a device tensor, the start and the rows set by two kernels, the
 argmax after the graph, the read). The differences are the host's path.
 
-    python3 scripts/probe_lean_norm.py --json OUT.jsonl     # on a CUDA machine (scripts/gpu_check.sh bench)
+    python3 docs/bench/2026-12-05-h100-gpu-check/probe_lean_norm.py --json OUT.jsonl     # on a CUDA machine (scripts/gpu_check.sh bench)
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "engine" / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "engine" / "src"))  # from docs/bench/<note>/
 
 from expresslane.engine.decode.bench import step_times  # noqa: E402
 from expresslane.engine.decode.engine import DecodeEngine  # noqa: E402

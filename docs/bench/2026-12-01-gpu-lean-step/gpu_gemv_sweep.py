@@ -2,7 +2,7 @@
 kernels' GEMV loops (models/fused.py) over (rows, K-block, warps, stages), and cuBLAS (F.linear) on the same
 weights, Llama-1B / 8B shapes, bf16, triton.testing.do_bench medians (L2 flushed each call, launch included).
 
-    PYTHONPATH=engine/src python3 scripts/gpu_gemv_sweep.py OUTDIR     # writes OUTDIR/sweep.jsonl
+    PYTHONPATH=engine/src python3 docs/bench/2026-12-01-gpu-lean-step/gpu_gemv_sweep.py OUTDIR     # writes OUTDIR/sweep.jsonl
 (The "TB/s" it prints is off by 1e3 in its units; the jsonl's times are right.)
 """
 import json, os, sys, torch, triton, triton.testing

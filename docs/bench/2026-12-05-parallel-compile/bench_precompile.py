@@ -2,8 +2,8 @@
 and on a thread pool (models/precompile.py compiles a pick's candidates so). No GPU is needed: Triton builds the
 cubins with its own ptxas.
 
-    python scripts/bench_precompile.py                 # the CUDA-core family's four kernels, 1 and 5 rows
-    python scripts/bench_precompile.py --threads 16 --kernels gemv_residual
+    python docs/bench/2026-12-05-parallel-compile/bench_precompile.py                 # the CUDA-core family's four kernels, 1 and 5 rows
+    python docs/bench/2026-12-05-parallel-compile/bench_precompile.py --threads 16 --kernels gemv_residual
 
 Each mode compiles into a cache directory of its own (every kernel is really compiled); the binaries of the two
 modes are compared. Prints one line per kernel and row count, then the totals.
@@ -19,8 +19,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine" / "src"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+REPO = Path(__file__).resolve().parents[3]  # this lab note's folder is docs/bench/<date>-<topic>/
+sys.path.insert(0, str(REPO / "engine" / "src"))
+sys.path.insert(0, str(REPO / "scripts"))  # bench_lib
 os.environ.pop("TRITON_INTERPRET", None)
 
 import triton  # noqa: E402

@@ -2,9 +2,9 @@
 """Train a small copy-capable Llama from the repo's own files, deterministically, in minutes of CPU, and
 measure the acceptance prompt lookup gets with it.
 
-    python scripts/make_copy_model.py OUTDIR [--steps 2000] [--seq 512] [--threads 2]
-    python scripts/make_copy_model.py OUTDIR --measure-only      # acceptance of an existing OUTDIR
-    python scripts/make_copy_model.py OUTDIR --tokens 240 --trace TRACES.json   # + the speculation traces
+    python docs/bench/2026-12-04-copy-acceptance/make_copy_model.py OUTDIR [--steps 2000] [--seq 512] [--threads 2]
+    python docs/bench/2026-12-04-copy-acceptance/make_copy_model.py OUTDIR --measure-only      # acceptance of an existing OUTDIR
+    python docs/bench/2026-12-04-copy-acceptance/make_copy_model.py OUTDIR --tokens 240 --trace TRACES.json   # + the speculation traces
 
 No checkpoint can be downloaded here, and random weights never copy, so prompt-lookup acceptance on them is
 meaningless. This model learns what matters for it: continuing text like the repo's code and docs and, above
@@ -47,7 +47,7 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[3]  # this lab note's folder is docs/bench/<date>-<topic>/
 SEQ = 512
 
 

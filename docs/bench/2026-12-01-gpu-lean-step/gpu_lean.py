@@ -1,6 +1,6 @@
 """The lean decode step on one CUDA GPU, in one run (issue 14, items 2 and 5): checks, then speed.
 
-    PYTHONPATH=engine/src python3 scripts/gpu_lean.py --out OUTDIR [--shapes llama-1b,llama-8b]
+    PYTHONPATH=engine/src python3 docs/bench/2026-12-01-gpu-lean-step/gpu_lean.py --out OUTDIR [--shapes llama-1b,llama-8b]
         [--contexts 1024,8192,32768] [--tokens 256] [--deadline-s 240] [--pytest] [--compiled]
 
 1. Device facts and copy bandwidth (bytes read + written, best of 3 copies of 1 GiB x 10).

@@ -13,7 +13,7 @@ For each projection of the 8B (and 1B) shape and each candidate block shape, pac
 one row and at five (CUDA-graph replay, median), reads what the five-row kernel spills. That a packed
 shape's rows are the one-row launch's bits is the tests' (tests/unit/engine/test_fused_kernels.py).
 
-    python3 scripts/probe_packed_gemv.py --json OUT.jsonl [--model 8b|1b|both]     # on a CUDA machine
+    python3 docs/bench/2026-12-05-h200-hint-packed/probe_packed_gemv.py --json OUT.jsonl [--model 8b|1b|both]     # on a CUDA machine
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import functools
 import json
 import sys
 import time
+from pathlib import Path
 
 import torch
 import triton
@@ -30,7 +31,8 @@ import triton.testing
 
 from expresslane.engine.models import fused
 from expresslane.engine.models.precompile import precompile
-from probe_verify_kernels import SHAPES_1B, SHAPES_8B
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "2026-12-04-tensor-core-verify"))
+from probe_verify_kernels import SHAPES_1B, SHAPES_8B  # noqa: E402  (that lab note's probe)
 
 ROWS = 5
 PACKED_SINGLE = [(4, 1024, 1, 4, 8), (4, 2048, 0, 4, 8), (4, 2048, 1, 4, 8), (8, 1024, 0, 4, 8),

@@ -2,7 +2,7 @@
 """Stream a long greedy generation through DecodeEngine and print the largest gaps between tokens, and how
 many torch.compile frames were compiled after warmup (must be 0: a mid-stream compile is a multi-second gap).
 
-    python scripts/stream_gap_probe.py MODEL_DIR [--tokens 1500] [--compile]
+    python docs/bench/2026-12-01-gpu-adaptive-k-max-autotune/stream_gap_probe.py MODEL_DIR [--tokens 1500] [--compile]
         [--spec-k 4] [--fixed-k] [--prompt-len 200] [--threads 1]
 
 The prompt repeats a short pattern, so prompt lookup drafts (and verify steps of several row counts run).
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "engine" / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "engine" / "src"))  # from docs/bench/<note>/
 
 from expresslane.engine.decode import DecodeEngine, SamplingParams, SpeculationConfig  # noqa: E402
 

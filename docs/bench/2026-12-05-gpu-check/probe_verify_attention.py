@@ -14,7 +14,7 @@ being the one-row step, and checks with torch.equal that every row of each kerne
 output. On the H200, T5 / T1 of the whole 8B tensor-core step at 32k was 1.41 with `per-row`
 (docs/bench/2026-12-04-gpu-check/); the attention is what grows there.
 
-    python3 scripts/probe_verify_attention.py --json OUT.jsonl     # on a CUDA machine (scripts/gpu_check.sh bench)
+    python3 docs/bench/2026-12-05-gpu-check/probe_verify_attention.py --json OUT.jsonl     # on a CUDA machine (scripts/gpu_check.sh bench)
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "engine" / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "engine" / "src"))  # from docs/bench/<note>/
 
 from expresslane.engine.models.triton_decode import split_kv_attention, split_kv_attention_rows  # noqa: E402
 

@@ -16,8 +16,8 @@ This probe times, per 8B projection shape (qkv, o, gate_up, down, lm_head):
   statistic of every row first, then each K tile normalised as the lean step normalises it) or over an input
   normalised beforehand (norm=0).
 
-    python3 scripts/probe_verify_kernels.py --json OUT.jsonl          # on a CUDA machine
-    TRITON_INTERPRET=1 python3 scripts/probe_verify_kernels.py --tiny  # anywhere: the kernels' results only
+    python3 docs/bench/2026-12-04-tensor-core-verify/probe_verify_kernels.py --json OUT.jsonl          # on a CUDA machine
+    TRITON_INTERPRET=1 python3 docs/bench/2026-12-04-tensor-core-verify/probe_verify_kernels.py --tiny  # anywhere: the kernels' results only
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The express engine's batch-1 decode speed on a CUDA GPU, against the GPU's own copy bandwidth.
 #
-#   bash scripts/gpu_decode_bench.sh [OUTDIR]       # default var/gpu-bench; needs torch with CUDA,
+#   bash docs/bench/2026-12-01-gpu-cuda-graph/gpu_decode_bench.sh [OUTDIR]       # default var/gpu-bench; needs torch with CUDA,
 #                                                   # safetensors, tokenizers, transformers (no vLLM, no network)
 #
 # Two checkpoints, both made here: the tiny test model (scripts/make_tiny_model.py, the CI model) and a
@@ -10,7 +10,7 @@
 # CUDA graph of the torch.compile'd step, through `python -m expresslane.engine.decode.bench`, which prints
 # tok/s, the weight bandwidth achieved and the copy-bandwidth bound. The log lands in OUTDIR/gpu-decode.log.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../../.."  # the repository root (this lab note: docs/bench/<date>-<topic>/)
 OUTDIR=${1:-var/gpu-bench}
 PY=${PYTHON:-python3}
 export PYTHONPATH="$PWD/engine/src${PYTHONPATH:+:$PYTHONPATH}"
