@@ -64,6 +64,11 @@ extra+=(--speculation "$EXPRESS_SPECULATION")
 [[ -n "$EXPRESS_MAX_CONNECTIONS" ]] && extra+=(--max-connections "$EXPRESS_MAX_CONNECTIONS")
 [[ "$EXPRESS_VERIFY_CHECKSUM" == 0 ]] && extra+=(--no-verify-checksum)
 
+# A checkpoint the engine cannot serve (architecture, activation, RoPE type, quantized or other tensor dtypes) stops
+# here, at start, with one line naming what is unsupported (exit 2), before the weights load.
+"$PYTHON" -c 'import sys; from expresslane.engine.models.config import main; sys.exit(main(sys.argv[1:]))' \
+  "$MODEL_DIR" || exit 2
+
 exec "$PYTHON" -m expresslane.engine.server \
   --model "$MODEL_DIR" --dtype "$DTYPE" --device "$EXPRESS_DEVICE" \
   --max-seq-len "$MAX_MODEL_LEN" --host "$BIND_HOST" \
