@@ -43,7 +43,6 @@ from bench_lib.client import token_prompt  # noqa: E402
 from dev_stack import LAUNCH, SERVICES, DevStack, StackError  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
-NATIVE_ALIAS, EXPRESS_ALIAS = "tiny-llama", "tiny-llama-express"  # compose/config/router.yaml's aliases
 # Per shape: seconds it needs at least (stack start + greedy + a short bench), and the GPU memory split.
 # vLLM: 0.25 of the GPU is only checked as free at start; the KV cache is fixed (8B: 128 KiB/token, so 10 GiB
 # holds 80k tokens: 4 users x 8.4k with room). The express node's KV cache is its max_seq_len (one user).
@@ -164,8 +163,8 @@ def greedy_check(stack: DevStack, shape: str, prompts: list[int], output: int, v
                     "return_token_ids": True}
             row: dict = {"prompt_tokens": p, "lanes": {}}
             for lane, url, model, logprobs in (
-                    ("express", stack.router_url, EXPRESS_ALIAS, False),
-                    ("native", stack.router_url, NATIVE_ALIAS, True),
+                    ("express", stack.router_url, stack.aliases[1], False),  # compose/config/router.yaml's
+                    ("native", stack.router_url, stack.aliases[0], True),  # aliases: the served name
                     ("prefill", stack.prefill_url, shape, True)):
                 t0 = time.perf_counter()
                 r = client.post(url + "/v1/completions",

@@ -3,8 +3,11 @@
 # with the documented default written inline; nothing else reads these variables.
 set -euo pipefail
 PYTHON="${PYTHON:-python3}"
-MODEL_DIR="${MODEL_DIR:-/models/tiny-llama}"
-SERVED_MODEL_NAME="${SERVED_MODEL_NAME:-tiny-llama}"
+MODEL_DIR="${MODEL_DIR:-/models/smollm2-135m-instruct}"
+# The name clients and the router use: the checkpoint directory's own name unless set (compose sets it from
+# MODEL_NAME). The router's aliases derive from it (compose/config/router.yaml: NAME and NAME-express).
+SERVED_MODEL_NAME="${SERVED_MODEL_NAME:-$(basename "$MODEL_DIR")}"
+export MODEL_DIR SERVED_MODEL_NAME
 DTYPE="${DTYPE:-float32}"
 MAX_MODEL_LEN="${MAX_MODEL_LEN:-4096}"
 MAX_NUM_BATCHED_TOKENS="${MAX_NUM_BATCHED_TOKENS:-512}"
