@@ -14,7 +14,8 @@ being the one-row step, and checks with torch.equal that every row of each kerne
 output. On the H200, T5 / T1 of the whole 8B tensor-core step at 32k was 1.41 with `per-row`
 (docs/bench/2026-12-04-gpu-check/); the attention is what grows there.
 
-    python3 docs/bench/2026-12-05-gpu-check/probe_verify_attention.py --json OUT.jsonl     # on a CUDA machine (scripts/gpu_check.sh bench)
+    python3 docs/bench/2026-12-05-gpu-check/probe_verify_attention.py --json OUT.jsonl
+        # on a CUDA machine, from the repository root (the GPU check's bench ran it until 2026-12-07)
 """
 
 from __future__ import annotations

@@ -30,7 +30,8 @@ pinned memory, the forward with its argmax in the graph, the read: StepRunner.gr
 rows by the host path before it (the rows as a device tensor, the start and the rows set by two kernels, the
 argmax after the graph, the read). The differences are the host's path.
 
-    python3 docs/bench/2026-12-05-h100-gpu-check/probe_lean_norm.py --json OUT.jsonl     # on a CUDA machine (scripts/gpu_check.sh bench)
+    python3 docs/bench/2026-12-05-h100-gpu-check/probe_lean_norm.py --json OUT.jsonl
+        # on a CUDA machine, from the repository root (the GPU check's bench ran it until 2026-12-07)
 """
 
 from __future__ import annotations
