@@ -31,8 +31,8 @@ tiny-llama
   scripts/make_tiny_model.py's deterministic random Llama (4 layers, hidden 256): noise, but fast and built for
   exactness tests (large top-1 margins). --seed applies.
 
-Your own checkpoint needs no model-init: point MODEL_DIR (compose: MODELS_HOST_DIR + compose/overlays/
-own-checkpoint.yaml; the dev stack: --model-dir) at it. docs/deployment.md ("Serving your own checkpoint").
+Your own checkpoint needs no model-init: the dev stack serves it as it is (`scripts/dev_stack.py up --model-dir
+DIR`), gpu-single from MODELS_HOST_DIR/MODEL_NAME.
 
 Idempotent: when OUTDIR's marker matches (model, dtype, converter version) and every file still has its recorded
 sha256, it exits 0 at once (hashing 540 MB takes ~2 s). A non-empty OUTDIR it did not write is refused without
@@ -349,7 +349,7 @@ def init_gguf_model(model: str, outdir: Path, dtype: str, gguf: Path | None, *, 
         return f"{outdir}: {model} ({dtype}) up to date, checksums verified"
     if not force and outdir.is_dir() and any(outdir.iterdir()) and read_marker(outdir) is None:
         raise ModelInitError(f"{outdir} is not empty and was not written by model_init.py; use --force to "
-                             f"overwrite (or serve that directory as your own checkpoint: MODEL_DIR)")
+                             f"overwrite (or serve that directory as your own checkpoint: dev_stack.py --model-dir)")
     gguf = gguf or installed_gguf(source)
     gguf_digest = sha256_file(gguf)
     if verify and gguf_digest != source.gguf_sha256:
@@ -394,8 +394,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.model not in MODELS:
         print(f"model_init: unknown model {args.model!r}; this tool writes {', '.join(MODELS)}. Your own "
-              f"checkpoint needs no model-init: set MODEL_DIR to its directory (docs/deployment.md, \"Serving "
-              f"your own checkpoint\")", file=sys.stderr)
+              f"checkpoint needs no model-init: serve its directory as it is (scripts/dev_stack.py up "
+              f"--model-dir DIR)", file=sys.stderr)
         return 2
     if args.model == "tiny-llama":
         return init_tiny(args.outdir, args.dtype, args.seed, args.force)

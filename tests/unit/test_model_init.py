@@ -173,7 +173,7 @@ def test_a_gguf_that_is_not_the_pinned_one_is_refused(tmp_path):
 
 def test_bad_requests_name_the_problem(tmp_path):
     unknown = _run(str(tmp_path / "a"), "--model", "llama-70b", timeout=60)
-    assert unknown.returncode == 2 and "unknown model 'llama-70b'" in unknown.stderr and "MODEL_DIR" in unknown.stderr
+    assert unknown.returncode == 2 and "unknown model 'llama-70b'" in unknown.stderr and "--model-dir" in unknown.stderr
     missing = _run(str(tmp_path / "b"), "--gguf", str(tmp_path / "none.gguf"), timeout=60)
     assert missing.returncode == 2 and "no such file" in missing.stderr
     foreign = tmp_path / "c"
