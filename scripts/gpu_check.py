@@ -267,6 +267,8 @@ def run_tests(run: Run) -> None:
     print("\n".join(tail), flush=True)
     if rc in (124, 137):  # interrupted, pytest still prints a closing "N passed" line: the targets read this
         run.note(f"tests interrupted at their budget ({budget:.0f} s)")
+    elif rc not in (0, 1):  # pytest's own exit codes: 2 interrupted, 3 internal error, 4 usage, 5 nothing collected
+        run.note(f"tests did not run to the end (pytest rc {rc}: pytest.txt says why)")
     run.note(f"tests {time.monotonic() - t0:.0f} s")
 
 

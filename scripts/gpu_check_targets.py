@@ -77,6 +77,8 @@ def targets(out: Path) -> list[tuple[bool, str, str]]:
         cut = "tests interrupted" in phases_txt  # pytest prints its closing line after an interrupt too
         found.append(("failed" not in closing[-1] and "error" not in closing[-1] and not cut, "GPU tests all green",
                       closing[-1] + (" (interrupted at its budget)" if cut else "")))
+    elif pytest_txt.exists():  # pytest stopped before its summary (a usage error, a crash): not green
+        found.append((False, "GPU tests all green", "pytest printed no summary line (pytest.txt says why)"))
 
     for gemv in filter(one_family, families("llama-8b")):
         o3 = mode_rows("llama-8b", gemv, "oracle-k3")

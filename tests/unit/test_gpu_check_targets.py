@@ -136,3 +136,9 @@ def test_a_per_request_engines_oracle_rows_are_not_a_familys_verify_targets(tmp_
                                                        "llama-1b per-request:cuda-core: a verify"))]
     assert t["8B tensor-core: oracle k = 4 at 1k >= 1,000 tok/s, exact"] == (True, "1052.5 tok/s")
     assert "llama-8b per-request:cuda-core: speculation on random prompts >= 0.97x a node without it" in t
+
+
+def test_tests_that_never_reached_their_summary_are_not_green(tmp_path):
+    (tmp_path / "pytest.txt").write_text("ERROR: usage: python -m pytest [options]\n"
+                                         "python -m pytest: error: unrecognized arguments: -n\n")
+    assert _by_target(tmp_path)["GPU tests all green"] == (False, "pytest printed no summary line (pytest.txt says why)")
