@@ -63,7 +63,8 @@ def main(argv: list[str] | None = None) -> int:
 
     app = create_app(config, secrets=secrets, access_log=not args.no_access_log)
     return serve(app, host=args.host or config.listen.host, port=args.port or config.listen.port,
-                 log_level=args.log_level.lower())  # our log handlers, not uvicorn's
+                 log_level=args.log_level.lower(),  # our log handlers, not uvicorn's
+                 keepalive_s=config.listen.keepalive_timeout_s)
 
 
 if __name__ == "__main__":

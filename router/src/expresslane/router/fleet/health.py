@@ -1,27 +1,38 @@
-"""Upstream health: active probes decide whether a node is DOWN (a circuit breaker per upstream); the request
-path's failures feed outlier detection per pool (outlier.py), which may take a node out of one pool's traffic for
-a while but never makes a pool's last serving node unavailable.
+"""Upstream health as Envoy models it: active health checking per upstream, outlier detection per pool (outlier.py),
+and panic routing per pool.
 
-Breaker (probes only):
-    CLOSED --(unhealthy_threshold probe failures)--> OPEN
-    OPEN --(open_s passed)--> HALF_OPEN
-    HALF_OPEN --(healthy_threshold successes)--> CLOSED
-    HALF_OPEN --(one failure)--> OPEN (open_s starts again)
+Active health checking: one `ActiveHealth` state machine per upstream, moved by probes only.
 
-Only CLOSED upstreams get traffic while probes run (in HALF_OPEN the probe is the trial). With probes off
-(`health.enabled: false`) the breaker never opens; outlier detection alone takes nodes out of traffic.
+    HEALTHY   --(unhealthy_threshold failing probes in a row)-->  UNHEALTHY
+    UNHEALTHY --(healthy_threshold passing probes in a row)-->    HEALTHY
 
-Probes: `GET <url>/health` every `interval_s` with `timeout_s` on the prefill, every native node and every
-express node (an express node answers 503 naming the failing check when its engine, control plane or NIXL
-agent is not healthy). A request that cannot connect to a node starts a probe round at once (a dead node is
-found by the probes within one round, not only by outlier detection's count).
+A probe is `GET <url>/health` every `interval_s`, within `timeout_s`, on the probes' own connection pool (traffic
+cannot starve it). Its outcome (`ProbeResult`):
+  PASSED  200: the node's process answers (also a sign of life, below);
+  FAILED  connect refused / unreachable / a connect that took longer than timeout_s (probe_connect), another status
+          (probe_http_<status>: an express node answers 503 naming the check that fails), or no answer in time from
+          a node that showed no other sign of life in the window (probe_timeout);
+  SLOW    no answer in time from a node that did show life within interval_s + timeout_s (a leg to it completed, a
+          stream line came from it): neither passing nor failing. A busy server with a slow /health is not a dead
+          one; a paused or hung one completes nothing and fails its probes.
+A member that appears (DNS) and must be proven first (an express node) starts UNHEALTHY ("not_probed_yet"). With
+probes off (`health.enabled: false`) every upstream is healthy and outlier detection alone takes nodes out.
 
-Passive reports come from the lanes (connect errors, timeouts, stalls, transport errors, 503 not_ready), with the
-error's message as their cause; every outlier decision is one log line naming the rule, the failure and its cause.
+Outlier detection (outlier.py): the lanes report every leg's outcome here (`report_success`, `report_failure`, with
+the error's message as its cause; `report_alive` for each line a stream gets). A passing probe ends an ejection
+(outlier `successful_active_health_check_uneject_host`). Every decision is one log line naming the rule, the failure
+and its cause; a refused ejection at most once per node per interval.
 
-Metrics: `expresslane_router_upstream_healthy{lane,pool,node}` (1 takes traffic, 0 not),
-`expresslane_router_upstream_ejections_total{lane,pool,node,reason}` and
-`expresslane_router_outlier_decisions_total{pool,node,decision,reason}`.
+Routing: a member takes its pool's traffic (`available`) when it is healthy and not ejected; when fewer than
+`healthy_panic_threshold` % of the pool's members are, the pool panics and every member takes traffic (Envoy's panic
+routing: probes and errors can make a pool slower, never empty it; a one-member pool always keeps its member).
+
+A request that cannot connect to a node starts a probe round at once.
+
+Metrics: `expresslane_router_upstream_healthy{lane,pool,node}` (1: healthy and not ejected; panic aside),
+`expresslane_router_pool_panic{pool}` (1 while the pool routes to every member), `..._upstream_ejections_total{lane,
+pool,node,reason}` (probe_* when probes mark it unhealthy, an outlier rule otherwise),
+`..._outlier_decisions_total{pool,node,decision,reason}`, `..._health_probes_total{lane,node,result}`.
 """
 
 from __future__ import annotations
@@ -38,72 +49,65 @@ import httpx
 
 from ..config import ExpressPool, RouterConfig
 from ..metrics import RouterMetrics, node_label
-from .outlier import Decision, OutlierConfig, OutlierDetector
 from ..resilience import HealthConfig
 from ..upstream.calls import OneShotCalls
+from .outlier import Decision, OutlierConfig, OutlierDetector
 
-__all__ = ["BreakerState", "CircuitBreaker", "HealthMonitor", "Upstream"]
+__all__ = ["ActiveHealth", "HealthMonitor", "HealthState", "ProbeResult", "Upstream"]
 
-log = logging.getLogger("expresslane.router.fleet.health")
-
-
-class BreakerState(enum.Enum):
-    CLOSED = "closed"
-    OPEN = "open"
-    HALF_OPEN = "half_open"
+log = logging.getLogger("expresslane.router.health")
 
 
-class CircuitBreaker:
-    """The state machine of one upstream. Pure logic on an injected clock (unit-testable)."""
+class HealthState(enum.Enum):
+    HEALTHY = "healthy"
+    UNHEALTHY = "unhealthy"
 
-    def __init__(self, cfg: HealthConfig, clock: Callable[[], float] = time.monotonic, *, trial_traffic: bool = False):
+
+class ProbeResult(enum.Enum):
+    PASSED = "passed"
+    FAILED = "failed"
+    SLOW = "slow"
+
+
+class ActiveHealth:
+    """One upstream's active health checking (module docstring). Pure logic: the probes' outcomes in, the state out."""
+
+    __slots__ = ("cfg", "state", "failures", "successes", "reason")
+
+    def __init__(self, cfg: HealthConfig, *, proven: bool = True) -> None:
         self.cfg = cfg
-        self._clock = clock
-        self.trial_traffic = trial_traffic  # HALF_OPEN takes requests (no probes to decide)
-        self._state = BreakerState.CLOSED
-        self.failures = 0
-        self.successes = 0
-        self.opened_at = 0.0
-        self.reason: str | None = None
+        self.state = HealthState.HEALTHY if proven or not cfg.enabled else HealthState.UNHEALTHY
+        self.failures = 0  # failing probes in a row
+        self.successes = 0  # passing probes in a row
+        self.reason: str | None = None if self.state is HealthState.HEALTHY else "not_probed_yet"
 
     @property
-    def state(self) -> BreakerState:
-        if self._state is BreakerState.OPEN and self._clock() - self.opened_at >= self.cfg.open_s:
-            self._state = BreakerState.HALF_OPEN
-            self.successes = 0
-        return self._state
+    def healthy(self) -> bool:
+        return self.state is HealthState.HEALTHY or not self.cfg.enabled
 
-    def allows_traffic(self) -> bool:
-        s = self.state
-        return s is BreakerState.CLOSED or (s is BreakerState.HALF_OPEN and self.trial_traffic)
-
-    def success(self) -> bool:
-        """Record a success; True when this re-admits the upstream (HALF_OPEN -> CLOSED)."""
-        s = self.state
+    def passed(self) -> bool:
+        """A passing probe; True when it makes the upstream healthy."""
         self.failures = 0
-        if s is BreakerState.HALF_OPEN:
-            self.successes += 1
-            if self.successes >= self.cfg.healthy_threshold:
-                self._state, self.reason = BreakerState.CLOSED, None
-                return True
+        self.successes += 1
+        if self.state is HealthState.UNHEALTHY and self.successes >= self.cfg.healthy_threshold:
+            self.state, self.reason = HealthState.HEALTHY, None
+            return True
+        return False
+
+    def failed(self, reason: str) -> bool:
+        """A failing probe; True when it makes the upstream unhealthy."""
+        self.successes = 0
+        self.failures += 1
+        if self.state is HealthState.HEALTHY and self.failures >= self.cfg.unhealthy_threshold:
+            self.state, self.reason = HealthState.UNHEALTHY, reason
+            return True
+        if self.state is HealthState.UNHEALTHY:
+            self.reason = reason
         return False
 
     def unproven(self) -> None:
-        """A member that just appeared and has not answered a probe yet: HALF_OPEN, so it takes traffic after
-        healthy_threshold probe successes (with probes off: at once, as trial traffic)."""
-        self._state, self.successes, self.failures, self.reason = BreakerState.HALF_OPEN, 0, 0, "not_probed_yet"
-
-    def failure(self, reason: str) -> bool:
-        """Record a failed probe; True when this ejects the upstream (-> OPEN from CLOSED or HALF_OPEN)."""
-        s = self.state
-        if s is BreakerState.OPEN:
-            return False
-        self.failures += 1
-        if s is BreakerState.HALF_OPEN or self.failures >= self.cfg.unhealthy_threshold:
-            self._state, self.opened_at, self.reason = BreakerState.OPEN, self._clock(), reason
-            self.failures = self.successes = 0
-            return True
-        return False
+        """A member that just appeared and must pass a probe before it takes traffic."""
+        self.state, self.failures, self.successes, self.reason = HealthState.UNHEALTHY, 0, 0, "not_probed_yet"
 
 
 @dataclass
@@ -111,9 +115,10 @@ class Upstream:
     lane: str  # prefill | native | express
     url: str
     auth: str  # "vllm" | "express": which upstream header set its calls carry
+    health: ActiveHealth
     pools: list[str] = field(default_factory=list)
-    breaker: CircuitBreaker | None = None
-    answered_at: float | None = None  # the clock's time of the last probe that got 200
+    probed_at: float | None = None  # the clock's time of the last passing probe
+    leg_at: float | None = None  # ... of the last sign of life on the request path: a completed leg, a stream line
 
     @property
     def node(self) -> str:
@@ -130,6 +135,7 @@ class HealthMonitor:
         self._clock = clock
         self._listeners: list[Callable[[], None]] = []
         self._wake: asyncio.Event | None = None
+        self._panic: dict[str, bool] = {}
         self.upstreams: dict[str, Upstream] = {}
         self.outliers: dict[str, OutlierDetector] = {}  # pool -> its detector ("prefill": the prefill pool)
         for url in config.prefill.static_nodes:  # members from DNS come and go through track / forget
@@ -139,16 +145,15 @@ class HealthMonitor:
             for n in pool.nodes:
                 self._add(lane, n if isinstance(n, str) else n.url, auth, name)
         for u in self.upstreams.values():
-            self._set_gauge(u)
-            for reason in ("probe_connect", "probe_timeout", "consecutive_failures"):
-                for pool in u.pools:
+            self._set_gauges(u)
+            for pool in u.pools:
+                for reason in ("probe_connect", "probe_timeout", "consecutive_gateway_failure", "consecutive_5xx"):
                     metrics.ejections.labels(u.lane, pool, u.node, reason)
 
     def _add(self, lane: str, url: str, auth: str, pool: str) -> None:
         u = self.upstreams.get(url)
         if u is None:
-            u = self.upstreams[url] = Upstream(lane, url, auth, breaker=CircuitBreaker(
-                self.cfg, self._clock, trial_traffic=not self.cfg.enabled))
+            u = self.upstreams[url] = Upstream(lane, url, auth, ActiveHealth(self.cfg))
         if pool not in u.pools:
             u.pools.append(pool)
         self.add_pool(pool, [*self.outliers[pool].nodes, url] if pool in self.outliers else [url])
@@ -165,16 +170,15 @@ class HealthMonitor:
     # ---- pool membership (discovery.py) ---------------------------------------------------------
     def track(self, lane: str, url: str, auth: str, pool: str, *, proven: bool = True) -> None:
         """Start probing a pool member that appeared. `proven`: it serves until a probe or a request says
-        otherwise; else it serves once a probe found it healthy (CircuitBreaker.unproven), and a probe round
-        starts at once."""
+        otherwise; else it serves once a probe passed (ActiveHealth.unproven), and a probe round starts at once."""
         new = url not in self.upstreams
         self._add(lane, url, auth, pool)
         u = self.upstreams[url]
-        if new and not proven:
-            u.breaker.unproven()
+        if new and not proven and self.cfg.enabled:
+            u.health.unproven()
             if self._wake is not None:
                 self._wake.set()
-        self._set_gauge(u)
+        self._changed(u)
 
     def forget(self, url: str, pool: str) -> None:
         """Stop probing a member that left `pool` (and drop its gauge and its outlier state in that pool)."""
@@ -188,69 +192,104 @@ class HealthMonitor:
             self._metrics.upstream_healthy.remove(u.lane, pool, u.node)
         if not u.pools:
             del self.upstreams[url]
+        self._update_panic(pool)
 
     # ---- queries -------------------------------------------------------------------------------
     def healthy(self, url: str) -> bool:
-        """Whether the probes let `url` take traffic (outlier detection aside)."""
+        """Whether the active health checks call `url` healthy (outlier detection aside)."""
         u = self.upstreams.get(url)
-        return u is None or u.breaker.allows_traffic()
+        return u is None or u.health.healthy
 
-    def answered_within(self, url: str, window_s: float) -> bool:
-        """Whether a probe of `url` got 200 within the last window_s seconds and the probes let it take traffic:
-        the process answers (a silent stream from it is slow, not dead: upstream.LineReader)."""
+    def alive_within(self, url: str, window_s: float) -> bool:
+        """Whether `url` showed a sign of life within the last window_s seconds: a passing probe, a completed leg,
+        a line of a stream (a silent stream from it is slow, not dead: upstream/lines.LineReader)."""
         u = self.upstreams.get(url)
-        return (u is not None and u.answered_at is not None and self._clock() - u.answered_at <= window_s
-                and u.breaker.allows_traffic())
+        if u is None:
+            return False
+        at = max(u.probed_at or -1e18, u.leg_at or -1e18)
+        return self._clock() - at < window_s
 
-    def available(self, pool: str, url: str) -> bool:
-        """Whether `url` takes traffic of `pool`: the probes let it, and outlier detection does (or panics)."""
+    def legs_alive_within(self, url: str, window_s: float) -> bool:
+        """Whether the request path saw `url` alive within window_s (probes aside: the second signal a slow probe
+        is judged by)."""
+        u = self.upstreams.get(url)
+        return u is not None and u.leg_at is not None and self._clock() - u.leg_at < window_s
+
+    def routable(self, pool: str, url: str) -> bool:
+        """Healthy (probes) and not ejected from `pool` (outlier detection): takes traffic outside panic."""
         if not self.healthy(url):
             return False
         d = self.outliers.get(pool)
-        return d is None or d.admits(url, self.healthy)
+        return d is None or d.admits(url)
+
+    def panicking(self, pool: str) -> bool:
+        """Fewer than healthy_panic_threshold % of the pool's members are routable: route to all of them."""
+        d = self.outliers.get(pool)
+        threshold = self.cfg.healthy_panic_threshold
+        if d is None or not threshold:
+            return False
+        members = d.nodes
+        if not members:
+            return False
+        good = sum(1 for m in members if self.routable(pool, m))
+        return good * 100 < threshold * len(members)
+
+    def available(self, pool: str, url: str) -> bool:
+        """Whether `url` takes traffic of `pool`: routable, or the pool panics (and `url` is one of its members)."""
+        if self.routable(pool, url):
+            return True
+        d = self.outliers.get(pool)
+        return d is not None and url in d.nodes and self.panicking(pool)
 
     def on_change(self, callback: Callable[[], None]) -> None:
         self._listeners.append(callback)
 
     def readiness(self) -> tuple[bool, dict]:
-        """(ready, body): ready when a prefill member and at least one decode node take traffic."""
-        ups = {u.url: {"lane": u.lane, "pools": u.pools, "state": u.breaker.state.value,
-                       "healthy": u.breaker.allows_traffic(), **({"reason": u.breaker.reason}
-                                                                 if u.breaker.reason else {}),
-                       **({"ejected_from": ej} if (ej := [p for p in u.pools if p in self.outliers
-                                                          and not self.outliers[p].admits(u.url, self.healthy)])
-                          else {})}
-               for u in self.upstreams.values()}
+        """(ready, details): ready when a prefill member and at least one decode node are healthy. The details name
+        every upstream, its state and the pools it is ejected from (the app shows them to an authenticated caller)."""
+        ups = {}
+        for u in self.upstreams.values():
+            ejected = [p for p in u.pools if p in self.outliers and not self.outliers[p].admits(u.url)]
+            ups[u.url] = {"lane": u.lane, "pools": u.pools, "state": u.health.state.value, "healthy": u.health.healthy,
+                          **({"reason": u.health.reason} if u.health.reason else {}),
+                          **({"ejected_from": ejected} if ejected else {})}
         prefill_up = any(v["healthy"] for v in ups.values() if v["lane"] == "prefill")  # a pool: one member will do
         decode_up = any(v["healthy"] for v in ups.values() if v["lane"] != "prefill")
         ready = prefill_up and decode_up
-        return ready, {"status": "ready" if ready else "not_ready", "upstreams": ups}
+        panic = sorted(p for p in self.outliers if self.panicking(p))
+        return ready, {"status": "ready" if ready else "not_ready", "upstreams": ups, "panic": panic}
 
-    # ---- reports -----------------------------------------------------------------------------------
+    # ---- the request path's reports ---------------------------------------------------------------
+    def report_alive(self, url: str) -> None:
+        """A sign of life from `url` (a stream line): no outcome yet."""
+        u = self.upstreams.get(url)
+        if u is not None:
+            u.leg_at = self._clock()
+
     def report_success(self, url: str) -> None:
+        """A leg to `url` completed (its reply, or a stream's first line)."""
         u = self.upstreams.get(url)
         if u is None:
             return
+        u.leg_at = self._clock()
         for pool in u.pools:
             self.outliers[pool].success(url)
-        if u.breaker.success():  # (HALF_OPEN takes requests only with probes off)
-            log.warning("upstream %s (%s) re-admitted", u.url, u.lane)
-            self._changed(u)
 
     def report_failure(self, url: str, kind: str, cause: str = "") -> None:
-        """A request to `url` failed (`kind`: the UpstreamError kind; `cause`: its message). Outlier detection of
-        each of its pools decides; a connect failure also starts a probe round at once."""
+        """A leg to `url` failed (`kind`: the UpstreamError kind; `cause`: its message). Outlier detection of each of
+        its pools decides (a kind that is not the node's is ignored: outlier.classify); a connect failure also
+        starts a probe round at once."""
         u = self.upstreams.get(url)
         if u is None:
             return
         if kind == "connect" and self._wake is not None:
             self._wake.set()
         for pool in u.pools:
-            before = self.available(pool, url)
+            before = self.routable(pool, url)
             decision = self.outliers[pool].failure(url, kind, cause, self.healthy)
             if decision is not None:
                 self._decided(u, decision)
-            if before != self.available(pool, url):
+            if before != self.routable(pool, url):
                 self._changed(u)
 
     def _decided(self, u: Upstream, d: Decision) -> None:
@@ -260,56 +299,81 @@ class HealthMonitor:
         log.warning("upstream %s (%s): %s", u.url, u.lane, d.describe())
 
     def _readmissions(self) -> None:
-        for pool, d in self.outliers.items():
+        for d in self.outliers.values():
             for decision in d.readmissions():
                 u = self.upstreams.get(decision.node)
                 if u is not None:
                     self._decided(u, decision)
                     self._changed(u)
 
-    def _set_gauge(self, u: Upstream) -> None:
+    def _set_gauges(self, u: Upstream) -> None:
         for pool in u.pools:
-            self._metrics.upstream_healthy.labels(u.lane, pool, u.node).set(1 if self.available(pool, u.url) else 0)
+            self._metrics.upstream_healthy.labels(u.lane, pool, u.node).set(1 if self.routable(pool, u.url) else 0)
+
+    def _update_panic(self, pool: str) -> None:
+        panic = self.panicking(pool)
+        if panic != self._panic.get(pool, False):
+            self._panic[pool] = panic
+            if panic:
+                log.warning("pool %s panics: fewer than %d %% of its members are healthy; every member takes traffic",
+                            pool, self.cfg.healthy_panic_threshold)
+            else:
+                log.warning("pool %s routes to its healthy members again", pool)
+        self._metrics.pool_panic.labels(pool).set(1 if panic else 0)
 
     def _changed(self, u: Upstream) -> None:
-        self._set_gauge(u)
+        self._set_gauges(u)
+        for pool in u.pools:
+            self._update_panic(pool)
         for cb in self._listeners:
             cb()
 
     # ---- active probes ---------------------------------------------------------------------------
-    def _probe_failed(self, u: Upstream, reason: str) -> None:
-        was_serving = u.breaker.allows_traffic()
-        if u.breaker.failure(reason):
+    def probe_outcome(self, u: Upstream, result: ProbeResult, reason: str = "") -> None:
+        """Apply one probe's outcome to `u` (what `probe` measured; tests drive it directly)."""
+        self._metrics.health_probes.labels(u.lane, u.node, result.value).inc()
+        if result is ProbeResult.PASSED:
+            u.probed_at = self._clock()
+            changed = u.health.passed()
+            if changed:
+                log.warning("upstream %s (%s) is healthy again", u.url, u.lane)
             for pool in u.pools:
-                self._metrics.ejections.labels(u.lane, pool, u.node, reason).inc()
-            log.warning("upstream %s (%s) ejected: %s", u.url, u.lane, reason)
-            self._changed(u)
-        elif was_serving != u.breaker.allows_traffic():
-            self._changed(u)
+                decision = self.outliers[pool].uneject(u.url)
+                if decision is not None:
+                    self._decided(u, decision)
+                    changed = True
+            if changed:
+                self._changed(u)
+        elif result is ProbeResult.FAILED:
+            if u.health.failed(reason):
+                for pool in u.pools:
+                    self._metrics.ejections.labels(u.lane, pool, u.node, reason).inc()
+                log.warning("upstream %s (%s) is unhealthy: %s", u.url, u.lane, reason)
+                self._changed(u)
+        else:
+            log.info("upstream %s (%s): its probe got no answer within %gs, but the node shows life: busy, not "
+                     "down", u.url, u.lane, self.cfg.timeout_s)
 
     async def probe(self, calls: OneShotCalls, u: Upstream) -> None:
-        before = u.breaker.allows_traffic()
         t = self.cfg.timeout_s
         try:
             status = await calls.get_status(u.url + "/health", headers=self._headers(u.auth),
                                             timeout=httpx.Timeout(t, connect=t))
-        except httpx.TimeoutException:
-            self._probe_failed(u, "probe_timeout")
+        except (httpx.ConnectError, httpx.ConnectTimeout):
+            self.probe_outcome(u, ProbeResult.FAILED, "probe_connect")
+        except httpx.TimeoutException:  # connected, no answer in time: slow, or silent?
+            alive = self.legs_alive_within(u.url, self.cfg.interval_s + t)
+            self.probe_outcome(u, ProbeResult.SLOW if alive else ProbeResult.FAILED, "probe_timeout")
         except httpx.HTTPError:
-            self._probe_failed(u, "probe_connect")
+            self.probe_outcome(u, ProbeResult.FAILED, "probe_connect")
         else:
             if status == 200:
-                u.answered_at = self._clock()
-                if u.breaker.success():
-                    log.warning("upstream %s (%s) re-admitted", u.url, u.lane)
-                    self._changed(u)
+                self.probe_outcome(u, ProbeResult.PASSED)
             else:
-                self._probe_failed(u, f"probe_http_{status}")
-        if before != u.breaker.allows_traffic():
-            self._set_gauge(u)  # an OPEN -> HALF_OPEN move seen by the probe also updates the gauge
+                self.probe_outcome(u, ProbeResult.FAILED, f"probe_http_{status}")
 
     async def probe_all(self, calls: OneShotCalls) -> None:
-        await asyncio.gather(*(self.probe(calls, u) for u in self.upstreams.values()))
+        await asyncio.gather(*(self.probe(calls, u) for u in list(self.upstreams.values())))
         self._readmissions()
 
     async def run(self, calls: OneShotCalls) -> None:
@@ -330,7 +394,7 @@ class HealthMonitor:
 
     @contextlib.asynccontextmanager
     async def running(self, calls: OneShotCalls):
-        """Probe in the background while the body runs (`calls`: the lanes' one-shot calls, LaneContext.calls)."""
+        """Probe in the background while the body runs (`calls`: the probes' own one-shot calls)."""
         task = asyncio.create_task(self.run(calls) if self.cfg.enabled else self.run_readmissions())
         try:
             yield self

@@ -29,8 +29,9 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..config import Affinity
-from ..errors import EJECTING_KINDS, RouterError, UpstreamError, UpstreamUnavailable
+from ..errors import RouterError, UpstreamError, UpstreamUnavailable
 from ..metrics import PREFILL_POOL, RouterMetrics, node_label
+from .outlier import classify
 
 if TYPE_CHECKING:
     from .health import HealthMonitor
@@ -42,16 +43,16 @@ T = TypeVar("T")
 
 def member_serving(health: "HealthMonitor | None", url: str, pool: str = PREFILL_POOL) -> bool:
     """Whether member `url` of `pool` (default: the prefill pool) takes traffic now. THE one seam for the pools'
-    ejection policy, used by the prefill pool's choice and the native lane's node choice (LaneContext.available):
-    the health monitor's circuit breaker (active probes) and the pool's outlier detection (outlier.py: a member
-    ejected for its request failures is skipped for its ejection time, never the pool's last serving one)."""
+    routing policy, used by the prefill pool's choice, the native lane's node choice and the express gate
+    (LaneContext.available): healthy by the active probes and not ejected by the pool's outlier detection, or any
+    member while the pool panics (fleet/health.py)."""
     return health is None or health.available(pool, url)
 
 
 def member_failed(err: RouterError) -> bool:
-    """A call to a prefill member that failed as a node fails (gone, hung, refusing: EJECTING_KINDS, or its 503)
+    """A call to a prefill member that failed as a node fails (a gateway failure or a 5xx: fleet/outlier.classify)
     is run on another member (a native prefill leg's KV, if any, expires on the member that computed it)."""
-    return isinstance(err, UpstreamError) and err.kind in EJECTING_KINDS + ("http_503",)
+    return isinstance(err, UpstreamError) and classify(err.kind) is not None
 
 
 def _text(content: Any) -> str:
@@ -114,7 +115,7 @@ class PrefillPool:
         """(member URL, why: affinity | least_loaded) for a request keyed `key`; the typed 503 when none serves."""
         cands = self.available(exclude)
         if not cands:
-            raise self.unavailable("no prefill server takes traffic (health probes fail)" if not exclude
+            raise self.unavailable("no prefill server takes traffic (unhealthy by its health probes)" if not exclude
                                    else "no other prefill server is left to try")
         if key:
             cands.sort(key=lambda u: _weight(key, u), reverse=True)  # the hash order: cands[0] is preferred

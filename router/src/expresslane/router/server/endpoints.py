@@ -26,7 +26,7 @@ import httpx
 from starlette.responses import JSONResponse, Response
 
 from ..config import RouterConfig
-from ..errors import EJECTING_KINDS, BadRequest, ModelNotFound, RouterError, UpstreamError
+from ..errors import BadRequest, ModelNotFound, RouterError, UpstreamError
 from ..fleet.pools import PrefillPool, member_failed
 from .secrets import RouterSecrets
 from ..upstream.errors import check_status, map_transport_error, read_json
@@ -51,12 +51,14 @@ class Endpoints:
 
     def __init__(self, config: RouterConfig, client: httpx.AsyncClient, secrets: RouterSecrets,
                  prefills: PrefillPool, clock: Callable[[], float] = time.monotonic,
-                 report_failure: Callable[[str, str, str], None] = lambda url, kind, cause: None):
+                 report_failure: Callable[[str, str, str], None] = lambda url, kind, cause: None,
+                 report_success: Callable[[str], None] = lambda url: None):
         self.config = config
         self.client = client
         self.secrets = secrets
         self.prefills = prefills
-        self.report_failure = report_failure  # HealthMonitor.report_failure: a member failing as a node does
+        self.report_failure = report_failure  # HealthMonitor.report_failure: outlier detection keeps the node's
+        self.report_success = report_success  # HealthMonitor.report_success
         self.clock = clock
         self._model_card: dict[str, Any] | None = None
         self._model_card_at = 0.0
@@ -76,11 +78,11 @@ class Endpoints:
                 except httpx.HTTPError as e:
                     raise map_transport_error(e, stage="prefill", url=url) from None
                 await check_status(resp, stage="prefill")
-                return resp
             except UpstreamError as e:
-                if e.kind in EJECTING_KINDS:
-                    self.report_failure(base, e.kind, e.message)
+                self.report_failure(base, e.kind, e.message)  # outlier detection keeps only the node's failures
                 raise
+            self.report_success(base)
+            return resp
 
         return await self.prefills.run(body, attempt, retry=member_failed, leg=False)
 

@@ -1,11 +1,14 @@
 """Request ids and access logs.
 
-- `RequestIdMiddleware` (ASGI): each HTTP request gets an id: the client's `X-Request-Id` when it is a sane token
-  (1-128 characters of `A-Za-z0-9._:-`), else a fresh uuid4 hex. The id is returned in the reply's
-  `X-Request-Id`, put on every upstream call made while serving the request (`upstream_request_id_hook`, an httpx
-  request hook: the prefill leg and the decode leg of both lanes), attached to every log record
-  (`RequestIdFilter`), and, with `access_log=True`, written in one access line per request
-  (method, path, status, lane, duration, client, request id; never headers or bodies).
+- `RequestIdMiddleware` (ASGI): each HTTP request gets an internal id, unique per request: the client's
+  `X-Request-Id` (when it is a sane token: 1-128 characters of `A-Za-z0-9._:-`) followed by `-` and 16 random hex
+  digits, else a fresh uuid4 hex. Two clients that send the same `X-Request-Id` never share an internal id (vLLM
+  names its request after it, and a `kind: tilert` node its rid). The internal id is put on every upstream call
+  made while serving the request (`upstream_request_id_hook`, an httpx request hook, and the one-shot client: the
+  prefill leg and the decode leg of both lanes) and attached to every log record (`RequestIdFilter`: `request_id`,
+  and the client's own as `client_request_id`). The reply's `X-Request-Id` is the client's own when it sent a sane
+  one, else the internal id. With `access_log=True`, one access line per request (method, path, status, lane,
+  duration, client, both ids; never headers or bodies).
 - `JsonFormatter`: one JSON object per log line (`--log-format json`).
 """
 
@@ -21,10 +24,13 @@ import uuid
 import httpx
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-__all__ = ["JsonFormatter", "RequestIdFilter", "RequestIdMiddleware", "bind_request_id", "current_request_id", "log_access",
-           "request_id_of", "reply_start", "unbind_request_id", "upstream_request_id_hook"]
+__all__ = ["JsonFormatter", "RequestIdFilter", "RequestIdMiddleware", "bind_request_id", "client_request_id_of",
+           "current_request_id", "internal_request_id", "log_access", "request_id_of", "reply_start",
+           "unbind_request_id", "upstream_request_id_hook"]
 
 _request_id: contextvars.ContextVar[str | None] = contextvars.ContextVar("expresslane_request_id", default=None)
+_client_request_id: contextvars.ContextVar[str | None] = contextvars.ContextVar("expresslane_client_request_id",
+                                                                               default=None)
 _SANE = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 access_log = logging.getLogger("expresslane.router.access")
 
@@ -48,13 +54,23 @@ async def upstream_request_id_hook(request: httpx.Request) -> None:
         request.headers["X-Request-Id"] = rid
 
 
-def request_id_of(scope: Scope) -> str:
-    """The client's `X-Request-Id` (the first one) when it is a sane token, else a fresh uuid4 hex."""
+def client_request_id_of(scope: Scope) -> str | None:
+    """The client's `X-Request-Id` (the first one) when it is a sane token, else None."""
     for k, v in scope.get("headers") or ():
         if k == b"x-request-id":
             given = v.decode("latin-1")
-            return given if _SANE.fullmatch(given) else uuid.uuid4().hex
-    return uuid.uuid4().hex
+            return given if _SANE.fullmatch(given) else None
+    return None
+
+
+def internal_request_id(client_rid: str | None) -> str:
+    """The request's internal id: the client's id with 16 random hex digits after it, else a uuid4 hex."""
+    return f"{client_rid}-{uuid.uuid4().hex[:16]}" if client_rid else uuid.uuid4().hex
+
+
+def request_id_of(scope: Scope) -> str:
+    """A new internal id for the request `scope` (internal_request_id of the client's id)."""
+    return internal_request_id(client_request_id_of(scope))
 
 
 def reply_start(message: Message, rid: bytes) -> tuple[Message, str]:
@@ -76,9 +92,9 @@ def reply_start(message: Message, rid: bytes) -> tuple[Message, str]:
 def log_access(scope: Scope, status: int, lane: str, started: float) -> None:
     """The access line of one request (never headers or bodies); status 0 (no reply sent) is logged as 499."""
     client = scope.get("client")
-    access_log.info("%s %s %d lane=%s %.1fms client=%s", scope.get("method"), scope.get("path"),
+    access_log.info("%s %s %d lane=%s %.1fms client=%s client_request_id=%s", scope.get("method"), scope.get("path"),
                     status or 499, lane or "-", (time.monotonic() - started) * 1000,
-                    client[0] if client else "-")
+                    client[0] if client else "-", _client_request_id.get() or "-")
 
 
 class RequestTrace:
@@ -86,12 +102,14 @@ class RequestTrace:
     the reply's start and notes its status and lane; `finish` writes the access line (if on) and unbinds the id.
     Shared by RequestIdMiddleware and the completion routes' fast path (fastpath.py)."""
 
-    __slots__ = ("rid", "_rid_bytes", "_token", "started", "status", "lane")
+    __slots__ = ("rid", "client_rid", "_rid_bytes", "_token", "_client_token", "started", "status", "lane")
 
     def __init__(self, scope: Scope) -> None:
-        self.rid = request_id_of(scope)
-        self._rid_bytes = self.rid.encode()
+        self.client_rid = client_request_id_of(scope)
+        self.rid = internal_request_id(self.client_rid)
+        self._rid_bytes = (self.client_rid or self.rid).encode()  # the reply names the client's own id
         self._token = bind_request_id(self.rid)
+        self._client_token = _client_request_id.set(self.client_rid)
         self.started = time.monotonic()
         self.status, self.lane = 0, ""
 
@@ -106,6 +124,7 @@ class RequestTrace:
     def finish(self, scope: Scope, access_log: bool) -> None:
         if access_log:
             log_access(scope, self.status, self.lane, self.started)
+        _client_request_id.reset(self._client_token)
         unbind_request_id(self._token)
 
 
@@ -126,10 +145,11 @@ class RequestIdMiddleware:
 
 
 class RequestIdFilter(logging.Filter):
-    """Adds `request_id` (or "-") to every record, for formats that show it."""
+    """Adds `request_id` and `client_request_id` (or "-") to every record, for formats that show them."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         record.request_id = _request_id.get() or "-"
+        record.client_request_id = _client_request_id.get() or "-"
         return True
 
 
@@ -142,6 +162,9 @@ class JsonFormatter(logging.Formatter):
         rid = getattr(record, "request_id", None) or _request_id.get()
         if rid and rid != "-":
             out["request_id"] = rid
+        crid = getattr(record, "client_request_id", None) or _client_request_id.get()
+        if crid and crid != "-":
+            out["client_request_id"] = crid
         if record.exc_info:
             out["exc"] = self.formatException(record.exc_info)
         return json.dumps(out, ensure_ascii=False)

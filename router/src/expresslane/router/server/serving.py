@@ -27,7 +27,7 @@ import uvicorn
 
 from .http_protocol import RouterHttpProtocol
 
-__all__ = ["RouterServer", "serve"]
+__all__ = ["RouterServer", "serve", "server_config"]
 
 STARTUP_FAILURE = 3  # uvicorn.run's exit code when the app did not start
 
@@ -83,9 +83,17 @@ class RouterServer(uvicorn.Server):
             self._loop.call_soon_threadsafe(self._wake.set)  # a signal handler: wake the loop through its pipe
 
 
-def serve(app, *, host: str, port: int, log_level: str) -> int:
+def server_config(app, *, host: str, port: int, log_level: str, keepalive_s: float) -> uvicorn.Config:
+    """The router's uvicorn settings. `keepalive_s`: how long an idle client connection stays open (config
+    listen.keepalive_timeout_s, 75 s; uvicorn's own default, 5 s, equals httpx's and the openai SDK's idle expiry,
+    and a client reusing a connection raced the server's close: "server disconnected without sending a response").
+    uvicorn arms that timer only while a connection is idle: never on one with a request in flight."""
+    return uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False, log_config=None,
+                          timeout_keep_alive=keepalive_s)
+
+
+def serve(app, *, host: str, port: int, log_level: str, keepalive_s: float) -> int:
     """Serve `app` until SIGINT/SIGTERM (uvicorn.run's behaviour, our handlers for logs and access lines)."""
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False, log_config=None)
-    server = RouterServer(config)
+    server = RouterServer(server_config(app, host=host, port=port, log_level=log_level, keepalive_s=keepalive_s))
     server.run()
     return 0 if server.started else STARTUP_FAILURE

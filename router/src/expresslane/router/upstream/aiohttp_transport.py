@@ -4,14 +4,17 @@ calls, the endpoints beside completions). The one-shot calls (prefill legs, the 
 leg, health probes) have their own client, h1_pool.H1Pool (docs/bench/2026-12-01-router-h1pool/).
 
 aiohttp's errors become the httpx exceptions of the same meaning (`httpx_error`), which
-`errors.map_transport_error` maps. Timeouts: httpx's connect (aiohttp's includes the wait for a pool slot) and
-read (per socket read); no redirects, no cookies, no proxies from the environment.
+`errors.map_transport_error` maps. Timeouts: httpx's connect and read (per socket read); no redirects, no cookies,
+no proxies from the environment. At most `max_connections` requests are open at once (each holds its slot until its
+reply is closed); a request that finds none free within its connect timeout raises httpx.PoolTimeout (the router's
+own saturation, `RouterSaturated`: never the node's fault). The slots are this transport's, not aiohttp's connector
+limit, whose wait aiohttp counts into its connect timeout (a full pool then read as the node's timeout).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import aiohttp
 import httpx
@@ -41,10 +44,10 @@ def _client_timeout(connect: float | None, read: float | None, pool: float | Non
 
 
 class _AiohttpBody(httpx.AsyncByteStream):
-    """A reply body read from aiohttp, chunk by chunk; aiohttp's errors as httpx's."""
+    """A reply body read from aiohttp, chunk by chunk; aiohttp's errors as httpx's. Closing it frees the slot."""
 
-    def __init__(self, resp: aiohttp.ClientResponse, request: httpx.Request) -> None:
-        self._resp, self._request = resp, request
+    def __init__(self, resp: aiohttp.ClientResponse, request: httpx.Request, slot: "_Slot") -> None:
+        self._resp, self._request, self._slot = resp, request, slot
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
         try:
@@ -55,28 +58,59 @@ class _AiohttpBody(httpx.AsyncByteStream):
 
     async def aclose(self) -> None:
         self._resp.release()
+        self._slot.release()
+
+
+class _Slot:
+    """One of the transport's request slots, released once."""
+
+    __slots__ = ("_sem",)
+
+    def __init__(self, sem: asyncio.Semaphore) -> None:
+        self._sem: asyncio.Semaphore | None = sem
+
+    def release(self) -> None:
+        if self._sem is not None:
+            self._sem.release()
+            self._sem = None
 
 
 class AiohttpTransport(httpx.AsyncBaseTransport):
     """One aiohttp ClientSession (made on first use, inside the running loop); closed by the httpx client."""
 
-    def __init__(self, *, max_connections: int = 512, keepalive_expiry_s: float = 2.0) -> None:
-        self._max_connections = max_connections
+    def __init__(self, *, max_connections: int = 512, keepalive_expiry_s: float = 2.0,
+                 on_saturated: Callable[[], None] | None = None) -> None:
+        self._slots = asyncio.Semaphore(max_connections)
         self._keepalive_s = keepalive_expiry_s
+        self._on_saturated = on_saturated or (lambda: None)
         self._session: aiohttp.ClientSession | None = None
 
     def _get_session(self) -> aiohttp.ClientSession:
         if self._session is None:
             self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=self._max_connections, keepalive_timeout=self._keepalive_s),
+                connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=self._keepalive_s),  # (our slots bound it)
                 cookie_jar=aiohttp.DummyCookieJar(), auto_decompress=False, trust_env=False,
                 skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding", "Content-Type"))
         return self._session
 
     # ---- as an httpx transport ----------------------------------------------------------------------
+    async def _slot(self, connect_s: float | None) -> _Slot:
+        if self._slots.locked():
+            try:
+                async with asyncio.timeout(connect_s):
+                    await self._slots.acquire()
+            except TimeoutError:
+                self._on_saturated()
+                raise httpx.PoolTimeout(f"no free connection in {connect_s:g}s: the router's upstream streams are "
+                                        "all in use") from None
+        else:
+            await self._slots.acquire()
+        return _Slot(self._slots)
+
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         t = request.extensions.get("timeout") or {}
         body = await request.aread()
+        slot = await self._slot(t.get("connect"))
         try:
             resp = await self._get_session().request(
                 request.method, str(request.url),
@@ -84,8 +118,12 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
                 data=body or None, timeout=_client_timeout(t.get("connect"), t.get("read"), t.get("pool")),
                 allow_redirects=False, compress=None)
         except (asyncio.TimeoutError, aiohttp.ClientError) as e:
+            slot.release()
             raise httpx_error(e, request) from e
-        return httpx.Response(resp.status, headers=list(resp.raw_headers), stream=_AiohttpBody(resp, request),
+        except BaseException:
+            slot.release()
+            raise
+        return httpx.Response(resp.status, headers=list(resp.raw_headers), stream=_AiohttpBody(resp, request, slot),
                               request=request, extensions={"http_version": b"HTTP/1.1"})
 
     async def aclose(self) -> None:

@@ -1,6 +1,7 @@
 """One mapping of an upstream's failure to the router's typed errors (errors.py), for every client and leg.
 
-connect refused / DNS / pool exhausted -> UpstreamUnavailable (503)
+connect refused / DNS                  -> UpstreamUnavailable (503)
+the router's own pool had no free slot -> RouterSaturated (503, kind router_saturated: never the node's fault)
 read/write/connect timeout             -> UpstreamTimeout (504)
 4xx                                    -> UpstreamRejected (relayed unchanged)
 503                                    -> UpstreamUnavailable
@@ -17,16 +18,19 @@ from typing import Any
 
 import httpx
 
-from ..errors import UpstreamError, UpstreamRejected, UpstreamTimeout, UpstreamUnavailable
+from ..errors import RouterSaturated, UpstreamError, UpstreamRejected, UpstreamTimeout, UpstreamUnavailable
 
 __all__ = ["check_status", "json_object", "map_transport_error", "read_json", "status_error", "total_timeout_error"]
 
 
 def map_transport_error(exc: httpx.HTTPError, *, stage: str, url: str) -> UpstreamError:
-    if isinstance(exc, httpx.TimeoutException) and not isinstance(exc, httpx.PoolTimeout):
+    if isinstance(exc, httpx.PoolTimeout):
+        return RouterSaturated(f"{stage}: the router has no free upstream connection now ({exc}); retry later",
+                               stage=stage)
+    if isinstance(exc, httpx.TimeoutException):
         return UpstreamTimeout(f"{stage}: {url} did not answer in time ({type(exc).__name__})",
                                stage=stage, kind="timeout")
-    if isinstance(exc, (httpx.ConnectError, httpx.PoolTimeout)):
+    if isinstance(exc, httpx.ConnectError):
         return UpstreamUnavailable(f"{stage}: cannot connect to {url} ({exc or type(exc).__name__})",
                                    stage=stage, kind="connect")
     return UpstreamError(f"{stage}: {url} failed: {type(exc).__name__}: {exc}", stage=stage, kind="transport")

@@ -10,7 +10,9 @@ else stay on httpx over aiohttp (aiohttp_transport.AiohttpTransport).
 Failures are typed exactly as on the aiohttp path (tests/unit/router/test_router_upstream_json.py runs every
 case on every path, with real sockets):
   connect refused / unreachable      httpx.ConnectError     -> UpstreamUnavailable "connect"
-  connect (or a pool slot) too slow  httpx.ConnectTimeout   -> UpstreamTimeout "timeout"
+  connect too slow                   httpx.ConnectTimeout   -> UpstreamTimeout "timeout"
+  no free pool slot within connect   httpx.PoolTimeout      -> RouterSaturated "router_saturated" (the router's
+                                                               own limit: never counted against the node)
   whole reply later than timeout.read                       -> UpstreamTimeout "timeout" ("did not answer within")
   reset / closed mid-body, bad gzip  httpx.ReadError        -> UpstreamError "transport"
   closed before a reply, malformed   httpx.RemoteProtocolError -> UpstreamError "transport"
@@ -40,6 +42,7 @@ import collections
 import functools
 import ssl
 import zlib
+from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -200,7 +203,9 @@ class _Conn(asyncio.Protocol):
 class H1Pool:
     """Keep-alive connections to the upstreams, bounded; made inside the running loop (the router's lifespan)."""
 
-    def __init__(self, *, max_connections: int = 512, keepalive_expiry_s: float = 2.0) -> None:
+    def __init__(self, *, max_connections: int = 512, keepalive_expiry_s: float = 2.0,
+                 on_saturated: Callable[[], None] | None = None) -> None:
+        self._on_saturated = on_saturated or (lambda: None)
         self._idle: dict[tuple[str, str, int], collections.deque[_Conn]] = {}
         self._slots = asyncio.Semaphore(max_connections)
         self._keepalive_s = keepalive_expiry_s
@@ -285,8 +290,9 @@ class H1Pool:
                 async with asyncio.timeout(connect_s):
                     await self._slots.acquire()
             except TimeoutError:
-                raise httpx.ConnectTimeout(f"no free connection in {connect_s:g}s (pool of "
-                                           f"{len(self._open)} busy)") from None
+                self._on_saturated()
+                raise httpx.PoolTimeout(f"no free connection in {connect_s:g}s: all {len(self._open)} of the "
+                                        "router's upstream connections are busy") from None
         else:
             await self._slots.acquire()
         try:
