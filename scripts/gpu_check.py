@@ -303,14 +303,13 @@ def run_stack(run: Run) -> None:
     if run.left() < 60:
         run.note("stack not run: the run's budget (--deadline-s) is spent")
         return
-    env = device_env(args, site_first=True)
-    if carried_vllm(args):
+    if carried_vllm(args):  # standard library only: run without the site it replaces
         rc, _ = run.command((PYTHON, "scripts/gpu_carry.py", "assemble", "--parts", str(args.parts_dir),
-                             "--site", str(args.site)), run.left(), None, env)
+                             "--site", str(args.site)), run.left(), None, {**os.environ, "PYTHONUNBUFFERED": "1"})
         if rc:
             run.note(f"stack not run: the carried vLLM did not assemble (rc {rc})")
             return
-        env = device_env(args, site_first=True)
+    env = device_env(args, site_first=True)
     step = stack_step(args, time.time() + run.left() - 10)
     print(f"== stack {' '.join(step.argv[1:])}", flush=True)
     rc, _ = run.command(step.argv, run.left(), None, env)

@@ -214,3 +214,40 @@ def test_summary_of_both_lanes(tmp_path) -> None:
                         "express / native 1.16x")
     assert any(line.startswith("    greedy   1024: express_vs_prefill diverges at 4") for line in lines)
     assert gpu_check.stack_lines(tmp_path) == []
+
+
+def test_the_stack_unpacks_the_carried_vllm_then_runs(tmp_path, monkeypatch) -> None:
+    """Parts in --parts-dir (as the carry's last call leaves them): `stack` assembles --site from them with
+    scripts/gpu_carry.py, then starts the stack with that site first on the path."""
+    import io
+    import json
+    import shutil
+    import tarfile
+
+    digest = gpu_carry.sha256_file(gpu_carry.LOCK)
+    archive = tmp_path / "site.tar.xz"
+    with tarfile.open(archive, "w:xz") as tar:
+        files = {"vllm/__init__.py": b"", gpu_carry.MARKER: json.dumps({"lock_sha256": digest}).encode()}
+        for name, data in files.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    (tmp_path / "carry").mkdir()
+    gpu_carry.split_archive(archive, tmp_path / "carry", 10_000_000, digest)
+    parts = tmp_path / "parts"
+    shutil.copytree(tmp_path / "carry" / "p1", parts)
+    seen = {}
+
+    def stack_step(args: argparse.Namespace, deadline_epoch: float) -> gpu_check.Step:
+        seen["deadline"] = deadline_epoch
+        return gpu_check.Step("stack", ("sh", "-c", 'echo "$PYTHONPATH" > "$0"', str(tmp_path / "path.txt")))
+
+    monkeypatch.setattr(gpu_check, "stack_step", stack_step)
+    args = gpu_check.parse_args(["stack", str(tmp_path / "out"), "--parts-dir", str(parts), "--site",
+                                 str(tmp_path / "site")])
+    run = gpu_check.Run(args, write_files=False)
+    gpu_check.run_stack(run)
+    assert (tmp_path / "site" / "vllm" / "__init__.py").exists()
+    assert (tmp_path / "path.txt").read_text().split(":")[0] == str(tmp_path / "site")
+    assert run.phases[-1].startswith("stack ") and len(run.phases) == 1, run.phases
+    assert time.time() + 500 < seen["deadline"] < time.time() + 570
