@@ -23,12 +23,12 @@ check's bench took 235-265 s); `bench --help` lists every part (the registry PAR
 `stack`: scripts/gpu_stack.py: stock vLLM prefill and native decode, our express node (speculation on, as
 deployed) and the router, started by scripts/launch/*.sh; the cross-lane greedy check, then scripts/bench.py
 through the router, both lanes, concurrency 1 / 2 / 4, prompts 1k / 8k (2026-12-04, H200: 8B 116 s to start +
-210 s of bench, 1B 96 + 75 s: about 10 min with the carried vLLM's unpacking; one device call of 10 min takes
+210 s of bench, 1B 96 + 75 s: about 10 min with the carried vLLM's unpacking; one command run of 10 min takes
 the 8B, a second the 1B, as scripts/gpu_carry.py calls prints them). Its files go to OUT/stack/ (at most 8, as
 gpu_stack.py writes them); a run of `stack` alone prints its table and writes nothing else.
 
 Deadlines: every phase ends by --deadline-s from the start (a phase that would run past it is interrupted, what it
-wrote stays, the table is still printed): 570 s, one device call of 600 s with time for the summary, for `tests`,
+wrote stays, the table is still printed): 570 s, one command run of 600 s with time for the summary, for `tests`,
 `bench` and `stack`; 1,800 s for `all`. OUT gets pytest.txt, bench.log, bench.jsonl, phases.txt (each phase's
 wall time), summary.txt (the table and the targets).
 
