@@ -182,3 +182,26 @@ def test_the_gpu_stacks_native_lane_reads_over_cuda_ipc_by_default(tmp_path):
     tls = gpu_stack.stack_env("llama-8b", gpu_stack.parse_args(["--shapes", "llama-8b", "--models", str(tmp_path),
                                                                 "--out", "x", "--ucx-tls", "cuda_ipc,tcp"]))
     assert tls["UCX_TLS"] == "cuda_ipc,tcp" and tls["UCX_CUDA_IPC_ENABLE_GET_ZCOPY"] == "on"
+
+
+# ---- the one-host CPU split, as a launcher value ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cpus,first,second,threads", [("0", "0", "0", "1"), ("0,1", "0", "1", "1"),
+                                                        ("0-3", "0,1", "2,3", "2"), ("0-2", "0", "1,2", "2")])
+def test_split_gives_prefill_and_native_decode_disjoint_halves(cpus, first, second, threads):
+    """PREFILL_CPU_BIND=split / DECODE_NATIVE_CPU_BIND=split / EXPRESS_THREADS=split: dev_stack.py's cpu_split, for
+    compose (every container sees the host's CPUs); other values pass through to vLLM unchanged."""
+    if not set(range(int(cpus[-1]) + 1)) <= os.sched_getaffinity(0):
+        pytest.skip(f"this host has fewer CPUs than {cpus}")
+    launch = REPO / "scripts" / "launch"
+    script = (f'source "{launch}/common.sh"; echo "$(cpu_bind split first) $(cpu_bind split second) '
+              f'$(cpu_bind 0-7 first) $(cpu_bind auto second)"')
+    out = subprocess.run(["taskset", "-c", cpus, "bash", "-c", script], env=dict(os.environ, PYTHON=sys.executable),
+                         capture_output=True, text=True, timeout=60)
+    assert out.stdout.split() == [first, second, "0-7", "auto"], out.stderr
+    threads_of = subprocess.run(
+        ["taskset", "-c", cpus, "bash", "-c", f'source "{launch}/common.sh"; '
+         'echo "$(cpu_bind split second | tr "," "\\n" | wc -l)"'],
+        env=dict(os.environ, PYTHON=sys.executable), capture_output=True, text=True, timeout=60)
+    assert threads_of.stdout.strip() == threads
