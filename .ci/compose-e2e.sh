@@ -44,6 +44,9 @@ if [[ -z "${BUILD_CA_BUNDLE:-}" && -s /etc/ssl/certs/ca-certificates.crt ]]; the
   export BUILD_CA_BUNDLE=/etc/ssl/certs/ca-certificates.crt
 fi
 export COMPOSE_PROJECT_NAME="${COMPOSE_PROJECT_NAME:-expresslane}"
+# The served model's name, as compose/compose.yaml derives it (default: the real model smollm2-135m-instruct); the
+# router's aliases are SERVED and SERVED-express (compose/config/router.yaml). MODEL_NAME=tiny-llama: the tiny one.
+served="${SERVED_MODEL_NAME:-${MODEL_NAME:-smollm2-135m-instruct}}"
 # CPU placement as scripts/dev_stack.py's cpu_split (its docstring says why). Values already in the
 # environment win.
 ncpu="$(nproc)"
@@ -188,6 +191,7 @@ soak() {  # the chaos soak, CI-sized, on the stack brought up above (COMPOSE_FIL
   # shellcheck disable=SC2086  # SOAK_ARGS is a list of words
   "$SOAK_PYTHON" scripts/soak.py --compose --project "$COMPOSE_PROJECT_NAME" --duration "$SOAK_S" \
     --seed "$SOAK_SEED" --concurrency 3 --fault-every 8,14 --down 2,5 --pause-share 0.35 --pause-only decode-native \
+    --native-alias "$served" --express-alias "$served-express" \
     --ports "router=${ROUTER_PUBLISH_PORT:-8080},prefill=${PREFILL_PUBLISH_PORT:-8000},decode-native=${DECODE_NATIVE_PUBLISH_PORT:-8100},decode-express=${EXPRESS_HTTP_PUBLISH_PORT:-5557}" \
     ${SOAK_ARGS:-}
 }
@@ -222,6 +226,7 @@ burst() {  # bursts of 256 mixed requests x BURST_ROUNDS, exactness, then 10 s o
   docker compose exec -T router cat /run/expresslane/secrets/vllm_api_key > "$keyfile" || { rm -f "$keyfile"; return 1; }
   "$SOAK_PYTHON" scripts/burst.py --router "http://127.0.0.1:${ROUTER_PUBLISH_PORT:-8080}" \
     --prefill "http://127.0.0.1:${PREFILL_PUBLISH_PORT:-8000}" --rounds "${BURST_ROUNDS:-3}" --n 256 \
+    --model "$served" --native-alias "$served" --express-alias "$served-express" \
     --vllm-api-key-file "$keyfile" --overload-s 10 --overload-rps 20
   local rc=$?
   rm -f "$keyfile"

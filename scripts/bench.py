@@ -142,14 +142,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--stack-env", action="append", default=[], metavar="KEY=VALUE",
                     help="environment for the started stack and baseline prefill, e.g. PREFILL_CPU_BIND=0 (repeatable)")
     ap.add_argument("--port-base", type=int, default=0, help="the stack's port base (dev_stack.py --port-base)")
-    ap.add_argument("--model-dir", type=Path, default=REPO / "var" / "models" / "tiny-llama")
-    ap.add_argument("--served-model", default="tiny-llama")
+    ap.add_argument("--model-dir", type=Path, default=REPO / "var" / "models" / "smollm2-135m-instruct",
+                    help="the stack's model (default: the real default model; var/models/tiny-llama: the tiny one). "
+                         "With --start-stack, a model scripts/model_init.py knows is written there first")
+    ap.add_argument("--served-model", default=None, help="the name vLLM serves (default: the model directory's name)")
     for name in ("prefill", "native", "express", "connector-metrics"):
         ap.add_argument(f"--{name}", help=f"override the {name} base URL derived from --port-base")
     ap.add_argument("--express-ctrl-port", type=int, help="override the express node's control port")
     ap.add_argument("--router", help="use this router instead of starting a bench router")
-    ap.add_argument("--express-alias", default="tiny-llama-express", help="with --router")
-    ap.add_argument("--native-alias", default="tiny-llama", help="with --router")
+    ap.add_argument("--express-alias", default=None, help="with --router (default: SERVED-express)")
+    ap.add_argument("--native-alias", default=None, help="with --router (default: the served model's name)")
     ap.add_argument("--vllm-api-key-file", type=Path,
                     help="vLLM's API key, for the calls that go to the prefill itself (its /v1/models, the single "
                          "lane) on a closed stack: compose's internal secret, a dev stack's <state>/secrets/vllm_api_key")
@@ -166,7 +168,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--plot-from", type=Path, metavar="FILE",
                     help="only render a plot from FILE (a bench.json, or the decode bench's --json lines), then exit")
     ap.add_argument("--plot-out", type=Path, metavar="PNG", help="with --plot-from (default: FILE with .png)")
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    # The shipped router config derives its aliases from the served name (compose/config/router.yaml).
+    args.served_model = args.served_model or args.model_dir.name
+    args.native_alias = args.native_alias or args.served_model
+    args.express_alias = args.express_alias or f"{args.native_alias}-express"
+    return args
 
 
 class Report:
@@ -264,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     # a started stack leaves the shipped router out unless --router asks for one (the bench router serves)
     services = ("prefill", "decode-native", "decode-express") + (("router",) if args.router else ())
     stack = DevStack(model_dir=args.model_dir, state_dir=out / "stack", port_base=args.port_base,
-                     services=services, extra_env=stack_env)
+                     services=services, extra_env=stack_env, served_model_name=args.served_model)
     if not args.start_stack and not (args.model_dir / "config.json").exists():
         raise SystemExit(f"{args.model_dir}: no config.json (--model-dir must be the stack's model)")
     ep = Endpoints.of_stack(stack, args.served_model)
@@ -278,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.start_stack:
             log(f"starting the dev stack on port base {args.port_base} (logs in {stack.state_dir})")
-            stack.start()  # generates the model first (make_tiny_model.py); stops what it started on failure
+            stack.start()  # writes the model first (model_init.py); stops what it started on failure
         model = D["model"] = model_facts(args.model_dir)
         vocab = model["vocab"]
         for name, url in (("prefill", ep.prefill), ("native", ep.native), ("express", ep.express)):
@@ -350,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
                     stack.stop(("decode-native", "decode-express"))
                     base_env["PREFILL_CPU_BIND"] = ",".join(map(str, halves[1]))
                 baseline = DevStack(model_dir=args.model_dir, state_dir=out / "baseline-prefill", port_base=pb,
-                                    services=("prefill",), extra_env=base_env)
+                                    services=("prefill",), extra_env=base_env, served_model_name=args.served_model)
                 log(f"starting the baseline prefill (EXPRESS_CONNECTOR=0) on {baseline.prefill_url}")
                 baseline.start()
                 base_url = baseline.prefill_url

@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Run the whole expresslane stack without Docker, for development and tests.
 
-    python scripts/dev_stack.py up [--model-dir DIR] [--port-base N] [--only prefill,router,...]
-                                  [--prefills N] [--natives N]
+    python scripts/dev_stack.py up [--model NAME | --model-dir DIR] [--served-model-name NAME] [--port-base N]
+                                  [--only prefill,router,...] [--prefills N] [--natives N]
     python scripts/dev_stack.py status
     python scripts/dev_stack.py down
     python scripts/dev_stack.py kill|pause|resume|restart SERVICE   (fault injection, real signals)
@@ -11,6 +11,13 @@ Every service is started with the SAME launcher the compose files use (scripts/l
 router reads the same compose/config/router.yaml; only the environment differs (everything on
 127.0.0.1, ports from the defaults or shifted by --port-base). State (pids, logs, env) lives in
 var/dev-stack/. The pytest fixture `live_stack` (tests/conftest.py) drives the same `DevStack` class.
+
+The model: `--model NAME` (default smollm2-135m-instruct, the real model; tiny-llama: the tiny random test model)
+is written into var/models/NAME by scripts/model_init.py first (as compose's model-init does; idempotent). Your
+own checkpoint: `--model-dir DIR` serves that directory as it is (no model-init; a Hugging Face Llama / Qwen2 /
+Qwen3 directory with safetensors, tokenizer.json and a chat template). Either way the served name is the
+directory's name unless --served-model-name is given, and the router's aliases derive from it: NAME (native
+lane) and NAME-express (express lane).
 
 Closed by default (`up`, as the compose stack's secrets-init): the stack's internal secrets (the express node's
 token, the control-plane peer secret, vLLM's API key) are generated on the first start into <state>/secrets/
@@ -50,7 +57,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 LAUNCH = REPO / "scripts" / "launch"
 DEFAULT_STATE = REPO / "var" / "dev-stack"
-DEFAULT_MODEL_DIR = REPO / "var" / "models" / "tiny-llama"
+MODELS_DIR = REPO / "var" / "models"
+DEFAULT_MODEL = "smollm2-135m-instruct"  # what `up` serves (scripts/model_init.py writes it)
+DEFAULT_MODEL_DIR = MODELS_DIR / "tiny-llama"  # the DevStack class's default: the fast tiny model of the tests
+MODEL_INIT = REPO / "scripts" / "model_init.py"
+KNOWN_MODELS = ("smollm2-135m-instruct", "tiny-llama")  # model_init.py's MODELS
 
 # Default ports: the same numbers as .env / docs/architecture.md.
 DEFAULT_PORTS = {
@@ -94,6 +105,11 @@ class DevStack:
     """The processes of one local stack. Usable as a context manager."""
 
     model_dir: Path = DEFAULT_MODEL_DIR
+    # What scripts/model_init.py writes into model_dir before the start (smollm2-135m-instruct, tiny-llama), or
+    # None: model_dir is the user's own checkpoint, served as it is. "auto": model_init's model of the directory's
+    # name when it knows one (var/models/tiny-llama -> tiny-llama), else None.
+    model: str | None = "auto"
+    served_model_name: str | None = None  # default: model_dir's name
     state_dir: Path = DEFAULT_STATE
     port_base: int = 0
     services: tuple[str, ...] = tuple(SERVICES)
@@ -107,6 +123,8 @@ class DevStack:
     def __post_init__(self) -> None:
         self.model_dir = Path(self.model_dir)
         self.state_dir = Path(self.state_dir)
+        if self.model == "auto":
+            self.model = self.model_dir.name if self.model_dir.name in KNOWN_MODELS else None
         unknown = set(self.services) - set(SERVICES)
         if unknown:
             raise ValueError(f"unknown services {sorted(unknown)}; choose from {list(SERVICES)}")
@@ -175,6 +193,7 @@ class DevStack:
             {
                 "PYTHON": self.python,
                 "MODEL_DIR": str(self.model_dir),
+                "SERVED_MODEL_NAME": self.served_name,
                 "BIND_HOST": "127.0.0.1",
                 "PREFILL_HOST": "127.0.0.1",
                 "PREFILL_NIXL_HOST": "127.0.0.1",
@@ -229,10 +248,35 @@ class DevStack:
         return {"Authorization": f"Bearer {token}"} if token else {}
 
     # ---- lifecycle -------------------------------------------------------------------------
+    @property
+    def served_name(self) -> str:
+        """The name vLLM serves and the router's aliases derive from (NAME, NAME-express): served_model_name, else
+        SERVED_MODEL_NAME from extra_env or the environment, else the model directory's name."""
+        return (self.served_model_name or self.extra_env.get("SERVED_MODEL_NAME")
+                or os.environ.get("SERVED_MODEL_NAME") or self.model_dir.name)
+
+    @property
+    def aliases(self) -> tuple[str, str]:
+        """The router's (native, express) aliases (compose/config/router.yaml derives them from the served name)."""
+        return self.served_name, f"{self.served_name}-express"
+
     def ensure_model(self) -> None:
+        """model set: scripts/model_init.py writes it into model_dir (idempotent). None: model_dir is served as it
+        is; StackError now, before any service starts, when it is not a checkpoint directory."""
+        if self.model is None:
+            missing = [f for f in ("config.json", "tokenizer.json") if not (self.model_dir / f).is_file()]
+            if missing or not any(self.model_dir.glob("*.safetensors")):
+                raise StackError(f"{self.model_dir}: not a checkpoint directory to serve (missing "
+                                 f"{missing or ['*.safetensors']}); a Hugging Face directory with config.json, "
+                                 f"*.safetensors and tokenizer.json, or --model {'|'.join(KNOWN_MODELS)}")
+            return
         dtype = self.extra_env.get("DTYPE", os.environ.get("DTYPE", "float32"))
-        cmd = [self.python, str(REPO / "scripts" / "make_tiny_model.py"), str(self.model_dir), "--dtype", dtype]
-        subprocess.run(cmd, check=True)
+        cmd = [self.python, str(MODEL_INIT), str(self.model_dir), "--model", self.model, "--dtype", dtype]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise StackError(f"model_init.py --model {self.model} {self.model_dir} failed ({proc.returncode}):\n"
+                             f"{proc.stderr.strip()[-2000:]}")
+        print(proc.stdout.strip(), file=sys.stderr)
 
     def start(self) -> "DevStack":
         self.state_dir.mkdir(parents=True, exist_ok=True)
@@ -530,7 +574,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("command", choices=["up", "down", "status", "kill", "pause", "resume", "restart"])
     ap.add_argument("service", nargs="?", help="for kill / pause / resume / restart (also prefill-2 ... with --prefills)")
     ap.add_argument("--signal", choices=list(_SIGNALS), default="KILL", help="kill: which signal (default KILL)")
-    ap.add_argument("--model-dir", type=Path, default=DEFAULT_MODEL_DIR)
+    which = ap.add_mutually_exclusive_group()
+    which.add_argument("--model", choices=KNOWN_MODELS, default=None,
+                       help=f"written into var/models/NAME by scripts/model_init.py (default {DEFAULT_MODEL})")
+    which.add_argument("--model-dir", type=Path, default=None,
+                       help="serve your own checkpoint directory as it is (no model-init)")
+    ap.add_argument("--served-model-name", default=None,
+                    help="the name clients use (default: the model directory's name); aliases NAME, NAME-express")
     ap.add_argument("--state-dir", type=Path, default=DEFAULT_STATE)
     ap.add_argument("--port-base", type=int, default=0, help="added to every default port")
     ap.add_argument("--only", default=",".join(SERVICES), help="comma-separated services to start")
@@ -539,8 +589,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefills", type=int, default=1, help="prefill pool size (default 1)")
     ap.add_argument("--natives", type=int, default=1, help="native decode pool size (default 1)")
     args = ap.parse_args(argv)
+    if args.model_dir is not None:
+        model_dir, model = args.model_dir.resolve(), None
+    else:
+        model = args.model or DEFAULT_MODEL
+        model_dir = MODELS_DIR / model
     stack = DevStack(
-        model_dir=args.model_dir,
+        model_dir=model_dir,
+        model=model,
+        served_model_name=args.served_model_name,
         state_dir=args.state_dir,
         port_base=args.port_base,
         services=tuple(s for s in args.only.split(",") if s),
@@ -568,6 +625,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "up":
         stack.start()
         print(f"up: router {stack.router_url}  (logs in {stack.state_dir}; stop with `dev_stack.py down`)")
+        print(f"  model {stack.model_dir}: aliases {stack.aliases[0]} (native lane), {stack.aliases[1]} (express)")
         print(f"  the router is open on 127.0.0.1; " + (
             f"internal secrets (node token, peer secret, vLLM API key) in {stack.state_dir / 'secrets'}"
             if stack.secure else "--open: the nodes, the control plane and vLLM are open too"))

@@ -10,9 +10,10 @@ beside the repo in one device call (64 MiB a call; the machine has no registry).
     python3 scripts/gpu_carry.py assemble --site DIR [--parts DIR]   # (GPU machine, stdlib only) parts -> DIR
 
 Parts live in .carry/p1, .carry/p2, ... (ignored by git): one call carries one folder and copies its part into
-/tmp/parts, which the machine keeps while it stays warm (30 s between calls). The last call assembles /tmp/site
-(a no-op when it already holds this build) and runs scripts/gpu_stack.py. `assemble` checks every part's sha256
-against the manifest that travels with each part, and names the missing or damaged ones.
+/tmp/parts, which the machine keeps while it stays warm (30 s between calls). The last call runs the GPU check's
+`stack` (scripts/gpu_check.py), which assembles /tmp/site (a no-op when it already holds this build) and runs
+scripts/gpu_stack.py. `assemble` checks every part's sha256 against the manifest that travels with each part, and
+names the missing or damaged ones.
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ DEVICE_LIMIT = 64 << 20          # what one device call may carry: working tree 
 TREE_MARGIN = 6 << 20            # room left for the repo to grow (bench results, docs) after a build
 COMMAND_LIMIT = 2000
 
-# The GPU machine: CPython 3.12 on x86_64 Linux (glibc >= 2.35), packages from /work/.library/device/KINDS.md.
+# The GPU machine: CPython 3.12 on x86_64 Linux (glibc >= 2.35) with the packages below preinstalled (its
+# description, as given with the machine on 2026-12-04; docs/gpu-stack.md).
 PLATFORM_ARGS = ["--python-version", "3.12", "--implementation", "cp", "--abi", "cp312", "--abi", "abi3",
                  "--abi", "none", "--only-binary=:all:"] + [
     a for n in ("manylinux_2_35", "manylinux_2_34", "manylinux_2_31", "manylinux_2_28", "manylinux_2_27",
@@ -160,7 +162,7 @@ def fetch_locked(carry: Path) -> list[Path]:
 
 def cmd_deps(args: argparse.Namespace) -> int:
     """Every carried wheel's unconditional requirements (markers evaluated for the GPU machine) must be carried or
-    on the machine (KINDS.md's list; versions there are not known here, so only names are checked for those)."""
+    on the machine (MACHINE_HAS; versions there are not known here, so only names are checked for those)."""
     import zipfile
 
     from packaging.markers import default_environment
@@ -360,6 +362,12 @@ def part_command(i: int, n: int, extra: str) -> str:
             f"echo part {i}/{n}: $(ls /tmp/parts | tr '\\n' ' '); {extra}")
 
 
+def stack_command(shapes: list[str], args: argparse.Namespace) -> str:
+    """The GPU check's stack: /tmp/site assembled from /tmp/parts, then scripts/gpu_stack.py into $OUT/stack/."""
+    return (f"PYTHONUNBUFFERED=1 python3 scripts/gpu_check.py stack $OUT --stack-shapes {','.join(shapes)} "
+            f"--models /tmp/models --parts-dir /tmp/parts --site /tmp/site --deadline-s {args.deadline_s} 2>&1")
+
+
 def cmd_calls(args: argparse.Namespace) -> int:
     manifests = sorted(args.carry_dir.glob("p*/manifest.json"))
     if not manifests:
@@ -376,16 +384,10 @@ def cmd_calls(args: argparse.Namespace) -> int:
     for i in range(1, n):
         calls.append({"carry": [f".carry/p{i}"], "timeout_s": 240,
                       "command": part_command(i, n, "; ".join(per_call[i - 1]) or "true")})
-    stack = (f"PYTHONUNBUFFERED=1 python3 scripts/gpu_carry.py assemble --parts /tmp/parts --site /tmp/site && "
-             f"{'; '.join(per_call[n - 1]) + '; ' if per_call[n - 1] else ''}"
-             f"PYTHONPATH=/tmp/site:$PWD/engine/src:$PWD/router/src PYTHONUNBUFFERED=1 "
-             f"python3 scripts/gpu_stack.py --shapes {','.join(shapes)} --models /tmp/models --out $OUT "
-             f"--deadline-epoch $((T0 + {args.deadline_s})) 2>&1")
+    # the last call only serves: a checkpoint not written by a part call (one part) is gpu_stack.py's to write
     calls.append({"carry": [f".carry/p{n}"], "timeout_s": 600,
-                  "command": f"T0=$(date +%s); mkdir -p /tmp/parts; cp .carry/p{n}/* /tmp/parts/; {stack}"})
-    again = (f"T0=$(date +%s); python3 scripts/gpu_carry.py assemble --site /tmp/site && "
-             f"PYTHONPATH=/tmp/site:$PWD/engine/src:$PWD/router/src PYTHONUNBUFFERED=1 python3 scripts/gpu_stack.py "
-             f"--shapes {shapes[-1]} --models /tmp/models --out $OUT --deadline-epoch $((T0 + {args.deadline_s})) 2>&1")
+                  "command": f"mkdir -p /tmp/parts; cp .carry/p{n}/* /tmp/parts/; {stack_command(shapes, args)}"})
+    again = stack_command(shapes[-1:], args)
     followup = {"when": f"only if the last call skipped {shapes[-1]} and within 30 s of it (/tmp kept)",
                 "carry": [], "timeout_s": 600, "command": again}
     tree = tree_bytes()
@@ -412,7 +414,7 @@ def main(argv: list[str] | None = None) -> int:
     c = sub.add_parser("calls")
     c.add_argument("--shapes", default="llama-8b,llama-1b")
     c.add_argument("--deadline-s", type=int, default=570,
-                   help="seconds after the last call starts by which gpu_stack.py has stopped its work (limit 600)")
+                   help="seconds after the last call starts by which the stack has stopped its work (limit 600)")
     a = sub.add_parser("assemble")
     a.add_argument("--parts", default="/tmp/parts")
     a.add_argument("--site", default="/tmp/site")

@@ -1,19 +1,19 @@
-#!/usr/bin/env python3
-"""The express engine's GPU targets, each against what one GPU check run measured (scripts/gpu_check.sh prints
-this after its table; the targets are docs/performance.md's, set by the issue "exact on a GPU, and speculation
-that pays").
+"""The GPU check's summary table and its targets, each against what one GPU check run measured
+(scripts/gpu_check.py prints both; docs/performance.md, "The GPU check", lists the targets).
 
-    python3 scripts/gpu_check_targets.py OUTDIR      # OUTDIR: pytest.txt, bench.jsonl, phases.txt of a run
+    python3 scripts/gpu_check_targets.py OUTDIR      # the targets of a run (pytest.txt, bench.jsonl, phases.txt)
 
-One line per target and GEMV family ("+shared": the verify ran the shared attention; "+tail": its norms ran as
-the residual kernels' tails; "+l2": the L2 prefetch), "yes" or "NO" first; a target the run has no rows for is left out.
+One line per target and GEMV family, "yes" or "NO" first; a target the run has no rows for is left out. A
+per-request engine's rows carry the family each request ran ("per-request:tensor-core"); rows of older runs may
+carry "+shared" (the verify ran the shared attention), "+tail" (the norms ran as the residual kernels' tails) or
+"+l2" (the L2 prefetch), options those runs forced.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
-import sys
 from pathlib import Path
 
 
@@ -44,6 +44,9 @@ def _verify_ratio(times: dict) -> float:
     return t[max(t)] / t[1]
 
 
+# ------------------------------------------------------------------------------------------------ the targets
+
+
 def targets(out: Path) -> list[tuple[bool, str, str]]:
     """[(holds, target, measured)] for the run in `out`."""
     bench = out / "bench.jsonl"
@@ -60,6 +63,12 @@ def targets(out: Path) -> list[tuple[bool, str, str]]:
         return [r for r in rows if _shape(r) == shape and _family(r) == gemv and r["mode"] == mode
                 and _speculating(r)]
 
+    def one_family(gemv: str) -> bool:
+        """An engine of one GEMV family: the verify-cost and oracle targets are a family's. A per-request engine
+        runs an oracle on a random prompt on the family that prompt suits (cuda-core): those rows are judged
+        against the one-family engines (the per-request target below), not as a family's verify."""
+        return not gemv.startswith("per-request")
+
     pytest_txt = out / "pytest.txt"
     closing = re.findall(r"=+ (.*?(?:passed|failed|error).*?) in [0-9.]+s", pytest_txt.read_text()) \
         if pytest_txt.exists() else []
@@ -68,8 +77,10 @@ def targets(out: Path) -> list[tuple[bool, str, str]]:
         cut = "tests interrupted" in phases_txt  # pytest prints its closing line after an interrupt too
         found.append(("failed" not in closing[-1] and "error" not in closing[-1] and not cut, "GPU tests all green",
                       closing[-1] + (" (interrupted at its budget)" if cut else "")))
+    elif pytest_txt.exists():  # pytest stopped before its summary (a usage error, a crash): not green
+        found.append((False, "GPU tests all green", "pytest printed no summary line (pytest.txt says why)"))
 
-    for gemv in families("llama-8b"):
+    for gemv in filter(one_family, families("llama-8b")):
         o3 = mode_rows("llama-8b", gemv, "oracle-k3")
         if o3:
             found.append((all(r.get("matches_plain") and r["speedup"] >= (2.5 if r["context"] >= 32768 else 3.0)
@@ -83,7 +94,7 @@ def targets(out: Path) -> list[tuple[bool, str, str]]:
                           f"8B {gemv}: oracle k = 4 at 1k >= 1,000 tok/s, exact", f"{o4[0]['tok_per_s']:.1f} tok/s"))
 
     for shape, cap in (("llama-8b", 1.15), ("llama-1b", 1.3)):
-        for gemv in families(shape):
+        for gemv in filter(one_family, families(shape)):
             timed = [r for r in mode_rows(shape, gemv, "plain") if len(r.get("step_ms_by_rows") or {}) > 1]
             if timed:
                 found.append((all(_verify_ratio(r["step_ms_by_rows"]) <= cap for r in timed),
@@ -115,9 +126,9 @@ def targets(out: Path) -> list[tuple[bool, str, str]]:
                               f"{shape} {gemv}: the drafter on recorded text never slower than a node without it",
                               " ".join(f"{m}@{c}: {v:.2f}x" for m, c, v in x)))
 
-    # The per-request engine against an engine of each one family, request by request, on one card (gpu_check.sh's
-    # per-request part): what would make it `auto` for speculating nodes. Each request within 3 % of the faster
-    # one-family engine's time for it; "auto" is the CUDA-core engine, today's default.
+    # The per-request engine against an engine of each one family, request by request, on one card (gpu_check.py
+    # bench --parts node,plain,families): what made it the node's `auto` at 8B. Each request within 3 % of the
+    # faster one-family engine's time for it; "x auto" is against the CUDA-core engine (the engine's own auto).
     for shape in ("llama-8b", "llama-1b"):
         one = {(r["gemv"], r["mode"], r["context"]): r["tok_per_s"] for r in rows
                if _shape(r) == shape and _speculating(r) and _family(r) in ("cuda-core", "tensor-core")}
@@ -142,10 +153,101 @@ def targets(out: Path) -> list[tuple[bool, str, str]]:
     return found
 
 
-def main() -> None:
-    if len(sys.argv) != 2:
-        sys.exit(__doc__)
-    found = targets(Path(sys.argv[1]))
+# ------------------------------------------------------------------------------------------------ the table
+
+
+def bench_table(rows: list[dict]) -> list[str]:
+    """One line per decode-bench result; "x node": against an engine built without speculation at the same shape
+    and context (speculation on by default must keep >= 0.97x of it where nothing repeats)."""
+    node = {(r["model"], r["context"]): r["tok_per_s"] for r in rows
+            if not r.get("speculation_k", 1) and r.get("step_tune", True)}
+    out = [f"{'shape':10} {'gemv':19} {'ctx':>6} {'mode':19} {'tok/s':>8} {'of bound':>8} {'x plain':>7} "
+           f"{'x node':>6} {'accept':>6} {'exact':>5} {'T=1 ms':>7} {'T=5/T=1':>7}"]
+    for r in rows:
+        ref = node.get((r["model"], r["context"]))
+        xnode = f"{r['tok_per_s'] / ref:.3f}" if ref else "-"
+        spec = r.get("spec") or {}
+        chosen = (r.get("family") or {}).get("family")  # a per-request engine's row: that family's forwards
+        times = {int(k): v for k, v in ((r.get("step_ms_by_rows_by_family") or {}).get(chosen)
+                                        or r["step_ms_by_rows"]).items()}
+        ratio = times[max(times)] / times[1] if len(times) > 1 else float("nan")
+        ob = f"{100 * r['of_bound']:.1f}%" if r.get("of_bound") else "-"
+        acc = f"{spec.get('mean_acceptance', 0):.2f}" if r["mode"] != "plain" else "-"
+        mode = r["mode"] if r.get("speculation_k", 1) else "plain-eng"  # an engine built without speculation
+        mode += "" if r.get("step_tune", True) else " untuned"  # block shapes the fastest alone (--step-tune off)
+        gemv = (str(r.get("gemv")).replace("per-request", "per-req") + (":" + chosen[0] + "c" if chosen else "")
+                + ("+sh" if r.get("verify_attention") == "shared" else "")
+                + ("+tail" if r.get("lean_norm") == "tail" else "") + ("+l2" if r.get("l2_prefetch") else ""))
+        out.append(f"{_shape(r):10} {gemv:19} {r['context']:>6} {mode:19} {r['tok_per_s']:>8.1f} {ob:>8} "
+                   f"{r['speedup']:>6.2f}x {xnode:>6} {acc:>6} {str(r.get('matches_plain', '-')):>5} "
+                   f"{times[1]:>7.3f} {ratio:>7.2f}")
+    return out
+
+
+def start_lines(rows: list[dict]) -> list[str]:
+    """Where each engine's start went (decode/engine.py warmup_report): Triton compiles on the compile threads and
+    block-shape timing within its warm-up; a per-request engine warms each family's runner in turn."""
+    out, seen = [], set()
+    for r in rows:
+        w = r.get("warmup")
+        key = (r["model"], r.get("gemv"), r.get("speculation_k"), r.get("verify_attention"), r.get("lean_norm"),
+               r.get("l2_prefetch"), r.get("step_tune"))
+        if not w or key in seen:
+            continue
+        seen.add(key)
+        for gemv, w in (w["families"].items() if "families" in w else [(str(r.get("gemv")), w)]):
+            phases = " ".join(f"{k} {v:.1f}" for k, v in w.get("phases", {}).items())
+            out.append(f"start {_shape(r):9} {gemv:11} k={r.get('speculation_k')}: load+warm-up "
+                       f"{r.get('load_warmup_s', 0):.1f} s, warm-up {w['seconds']:.1f} s ({phases}); compiles "
+                       f"{w.get('compile_s', 0):.1f} s ({w.get('compile_jobs', 0)} kernels, "
+                       f"{w.get('compile_threads', '?')} threads), block-shape timing {w.get('pick_timing_s', 0):.1f}"
+                       f" s ({w.get('picks', 0)} picks)")
+            out += [f"    {pick}" for pick in w.get("picked", [])]  # one-row us, rows-row us where timed
+            for t in w.get("step_tuned", []):  # the whole step's us with each candidate (models/step_tune.py)
+                rows_us = t.get("step_us_rows")
+                out.append(f"    step-timed {t['kernel']} {t['n']}x{t['k']}: {t['was']} -> {t['best']}; step us "
+                           + ", ".join(f"{c} {v}" + (f"/{rows_us[c]}" if rows_us and c in rows_us else "")
+                                       for c, v in t["step_us"].items()))
+    return out
+
+
+def stack_lines(stack: Path) -> list[str]:
+    """Both lanes through the router (scripts/gpu_stack.py's files): per shape, the cross-lane greedy verdicts
+    and, at one user, each lane's per-user tok/s and TTFT (p50) by prompt length."""
+    if not (stack / "summary.json").exists():
+        return []
+    summary = json.loads((stack / "summary.json").read_text())
+    greedy = json.loads((stack / "greedy.json").read_text()) if (stack / "greedy.json").exists() else {}
+    out = ["both lanes through the router (scripts/gpu_stack.py), one user, p50: tok/s a user, TTFT"]
+    for shape, rec in summary.get("shapes", {}).items():
+        if "skipped" in rec or "error" in rec:
+            out.append(f"  {shape:9} {'skipped' if 'skipped' in rec else 'error'}: "
+                       f"{(rec.get('skipped') or rec.get('error'))[:300]}")
+            continue
+        out.append(f"  {shape:9} stack up in {rec.get('stack_start_s', '?')} s, bench {rec.get('bench_s', '?')} s "
+                   f"(rc {rec.get('bench_rc', '?')})")
+        bench = stack / f"{shape}-bench.json"
+        scenarios = json.loads(bench.read_text())["scenarios"] if bench.exists() else []
+        one = {(s["lane"], s["prompt_tokens"]): s for s in scenarios if s["concurrency"] == 1 and s.get("ok")}
+        for prompt in sorted({p for _, p in one}):
+            e, n = one.get(("express", prompt)), one.get(("native", prompt))
+            cell = {lane: f"{s['user_tok_s']['p50']:8.1f} tok/s {s['ttft_ms']['p50']:8.1f} ms" if s else "-"
+                    for lane, s in (("express", e), ("native", n))}
+            ratio = f"{e['user_tok_s']['p50'] / n['user_tok_s']['p50']:.2f}x" if e and n else "-"
+            out.append(f"    prompt {prompt:>6}  express {cell['express']}  native {cell['native']}  "
+                       f"express / native {ratio}")
+        for g in greedy.get(shape) or []:
+            if isinstance(g, dict) and "compare" in g:
+                out.append(f"    greedy {g['prompt_tokens']:>6}: " + "; ".join(
+                    f"{k} {v['verdict']}" + (f" at {v['first_divergence']}" if "first_divergence" in v else "")
+                    for k, v in g["compare"].items()))
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("out", type=Path, help="a GPU check run's folder")
+    found = targets(ap.parse_args(argv).out)
     if found:
         print("targets (docs/performance.md)")
         for holds, what, measured in found:

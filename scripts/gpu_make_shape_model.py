@@ -1,14 +1,16 @@
 """Write a random-weight bf16 checkpoint with a real model's shapes (decode speed does not depend on the
-values). Used by scripts/gpu_speed.sh and scripts/gpu_stack.py; on a GPU the init takes seconds, the write ~20 s
-for 8B. The directory also gets a tokenizer (write_tokenizer) so stock vLLM's OpenAI server and the router serve
-it; an existing checkpoint without one gets it added. The weights are decode/shapes.py's `random_llama`: the
-decode bench's `--random-shape` builds the same ones in memory.
+values), for the servers that read one from disk (scripts/gpu_stack.py, the GPU check's `stack`: stock vLLM and
+the express node). On a GPU the init takes seconds, the write ~20 s for 8B. The directory also gets a tokenizer
+(write_tokenizer) so stock vLLM's OpenAI server and the router serve it; an existing checkpoint without one gets
+it added. The weights are decode/shapes.py's `random_llama`: the decode bench's `--random-shape` builds the same
+ones in memory.
 
-    python scripts/gpu_make_shape_model.py {llama-1b|llama-8b} OUT_DIR
+    python scripts/gpu_make_shape_model.py {llama-1b|llama-8b|tiny} OUT_DIR
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -16,7 +18,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine" / "src"))
 
-from expresslane.engine.decode.shapes import VOCAB_SIZE, random_llama  # noqa: E402
+from expresslane.engine.decode.shapes import SHAPES, VOCAB_SIZE, random_llama  # noqa: E402
 
 
 def write_tokenizer(out: Path, vocab_size: int = VOCAB_SIZE) -> None:
@@ -33,8 +35,12 @@ def write_tokenizer(out: Path, vocab_size: int = VOCAB_SIZE) -> None:
     fast.save_pretrained(str(out))
 
 
-def main() -> None:
-    shape, out = sys.argv[1], Path(sys.argv[2])
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("shape", choices=sorted(SHAPES), help="decode/shapes.py's shapes (tiny: seconds on a CPU)")
+    ap.add_argument("out", type=Path, help="the checkpoint directory (left as it is where one exists)")
+    args = ap.parse_args(argv)
+    shape, out = args.shape, args.out
     if (out / "config.json").exists():
         if not (out / "tokenizer.json").exists():
             write_tokenizer(out)

@@ -43,7 +43,6 @@ from bench_lib.client import token_prompt  # noqa: E402
 from dev_stack import LAUNCH, SERVICES, DevStack, StackError  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
-NATIVE_ALIAS, EXPRESS_ALIAS = "tiny-llama", "tiny-llama-express"  # compose/config/router.yaml's aliases
 # Per shape: seconds it needs at least (stack start + greedy + a short bench), and the GPU memory split.
 # vLLM: 0.25 of the GPU is only checked as free at start; the KV cache is fixed (8B: 128 KiB/token, so 10 GiB
 # holds 80k tokens: 4 users x 8.4k with room). The express node's KV cache is its max_seq_len (one user).
@@ -88,8 +87,30 @@ def stack_env(shape: str, args: argparse.Namespace) -> dict[str, str]:
         "VLLM_TOOL_CALL_PARSER": "",            # the shape checkpoints have no tool-call tokens
         "VLLM_USE_FLASHINFER_SAMPLER": "0",     # flashinfer is not carried (scripts/gpu_carry.py)
         "EXPRESS_KV_TIMEOUT_S": "120",
-        **({"UCX_TLS": args.ucx_tls} if args.ucx_tls else {}),
+        **native_transport_env(args),
     }
+
+
+# The native lane's KV handoff on one GPU. vLLM's NixlConnector pulls: the native decode READs the blocks from the
+# prefill's VRAM (NIXL READ = a UCX GET). UCX runs a GET over CUDA IPC only where it detects active NVLinks
+# (UCX_CUDA_IPC_ENABLE_GET_ZCOPY=auto); elsewhere the GET goes over TCP through host memory, ~0.4-0.5 GB/s (vLLM issue
+# 52607; NIXL's UCX plugin turns it on from its PR 2208). That matches the 0.3 s (1k) to 2.7 s (8k) handoffs of the
+# 8B (128 KiB/token) in docs/performance.md, where UCX was left to choose. `cuda-ipc` (the default) asks for GET
+# zero-copy over CUDA IPC on every service and logs each transfer's protocol choice (UCX_PROTO_INFO) so the logs
+# show which transport carried it; `ucx-default` is the earlier runs' setting (nothing set).
+NATIVE_TRANSPORTS = {
+    "cuda-ipc": {"UCX_TLS": "cuda_ipc,cuda_copy,sm,self,tcp", "UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "on",
+                 "UCX_PROTO_INFO": "y"},
+    "ucx-default": {},
+}
+
+
+def native_transport_env(args: argparse.Namespace) -> dict[str, str]:
+    """UCX settings for every service (both ends of a NIXL transfer read them); --ucx-tls replaces UCX_TLS."""
+    env = dict(NATIVE_TRANSPORTS[args.native_transport])
+    if args.ucx_tls:
+        env["UCX_TLS"] = args.ucx_tls
+    return env
 
 
 def dry_run(shapes: list[str], args: argparse.Namespace) -> int:
@@ -110,7 +131,9 @@ def dry_run(shapes: list[str], args: argparse.Namespace) -> int:
                                      timeout=30)
                 if out.returncode:
                     raise SystemExit(f"{launcher} failed: {out.stderr}")
-                print(f"## {shape} {name}: {out.stdout.strip()}")
+                # The server's command line is the last one a launcher runs (decode-express.sh checks the
+                # checkpoint with a short python -c first).
+                print(f"## {shape} {name}: {out.stdout.strip().splitlines()[-1]}")
             print(f"## {shape} bench: {shlex.join(bench_cmd(shape, args, Path('/tmp/gpu-stack') / shape / 'bench'))}")
     return 0
 
@@ -164,8 +187,8 @@ def greedy_check(stack: DevStack, shape: str, prompts: list[int], output: int, v
                     "return_token_ids": True}
             row: dict = {"prompt_tokens": p, "lanes": {}}
             for lane, url, model, logprobs in (
-                    ("express", stack.router_url, EXPRESS_ALIAS, False),
-                    ("native", stack.router_url, NATIVE_ALIAS, True),
+                    ("express", stack.router_url, stack.aliases[1], False),  # compose/config/router.yaml's
+                    ("native", stack.router_url, stack.aliases[0], True),  # aliases: the served name
                     ("prefill", stack.prefill_url, shape, True)):
                 t0 = time.perf_counter()
                 r = client.post(url + "/v1/completions",
@@ -324,8 +347,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--express-speculation", choices=["on", "off"], default="off",
                     help="off: the headline target is without speculation (random weights rarely repeat)")
     ap.add_argument("--no-express-compile", dest="express_compile", action="store_false")
-    ap.add_argument("--ucx-tls", default="", help="UCX_TLS for every service (default: unset, UCX picks; "
-                    "scripts/gpu_handoff.py measured cuda_ipc VRAM -> VRAM that way on this GPU machine)")
+    ap.add_argument("--native-transport", choices=list(NATIVE_TRANSPORTS), default="cuda-ipc",
+                    help="the native lane's KV handoff: cuda-ipc (UCX GET zero-copy over CUDA IPC, see "
+                         "NATIVE_TRANSPORTS) or ucx-default (nothing set: the earlier runs)")
+    ap.add_argument("--ucx-tls", default="", help="UCX_TLS for every service, replacing --native-transport's "
+                    "(the handoff probe measured cuda_ipc VRAM -> VRAM: docs/bench/2026-12-01-vram-handoff/)")
     ap.add_argument("--start-timeout-s", type=float, default=420.0, help="the services must be healthy by then")
     ap.add_argument("--port-base", type=int, default=0, help="added to every default port (dev_stack.py)")
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda",

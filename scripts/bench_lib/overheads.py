@@ -11,7 +11,7 @@ import time
 import httpx
 
 from expresslane.router.lanes.native import decode_body
-from expresslane.router.prefill import native_prefill_body
+from expresslane.router.lanes.prefill import native_prefill_body
 
 from .client import completion_body, run_closed_loop, timed_post, token_prompt
 from .stats import percentile

@@ -39,14 +39,14 @@ class Endpoints:
     express_ctrl_host: str
     express_ctrl_port: int
     model_dir: Path
-    served_model: str = "tiny-llama"
+    served_model: str = "smollm2-135m-instruct"
 
     @classmethod
-    def of_stack(cls, stack: DevStack, served_model: str = "tiny-llama") -> "Endpoints":
+    def of_stack(cls, stack: DevStack, served_model: str | None = None) -> "Endpoints":
         return cls(router=stack.router_url, prefill=stack.prefill_url, native=stack.native_url,
                    express=stack.express_url, connector_metrics=stack.connector_metrics_url,
                    express_ctrl_host="127.0.0.1", express_ctrl_port=stack.ports["EXPRESS_CTRL_PORT"],
-                   model_dir=Path(stack.model_dir), served_model=served_model)
+                   model_dir=Path(stack.model_dir), served_model=served_model or stack.served_name)
 
 
 def free_port() -> int:

@@ -3,15 +3,35 @@
 # with the documented default written inline; nothing else reads these variables.
 set -euo pipefail
 PYTHON="${PYTHON:-python3}"
-MODEL_DIR="${MODEL_DIR:-/models/tiny-llama}"
-SERVED_MODEL_NAME="${SERVED_MODEL_NAME:-tiny-llama}"
+MODEL_DIR="${MODEL_DIR:-/models/smollm2-135m-instruct}"
+# The name clients and the router use: the checkpoint directory's own name unless set (compose sets it from
+# MODEL_NAME). The router's aliases derive from it (compose/config/router.yaml: NAME and NAME-express).
+SERVED_MODEL_NAME="${SERVED_MODEL_NAME:-$(basename "$MODEL_DIR")}"
+export MODEL_DIR SERVED_MODEL_NAME
 DTYPE="${DTYPE:-float32}"
 MAX_MODEL_LEN="${MAX_MODEL_LEN:-4096}"
 MAX_NUM_BATCHED_TOKENS="${MAX_NUM_BATCHED_TOKENS:-512}"
 BIND_HOST="${BIND_HOST:-0.0.0.0}"
 SEED="${SEED:-0}"
-# vLLM on CPU: KV cache size in GiB (1 is plenty for the tiny model).
+# vLLM on CPU: KV cache size in GiB (vLLM's default is 4). 1 GiB holds ~23k tokens of SmolLM2-135M in float32
+# (30 layers x 3 KV heads x 64 x 2 x 4 B = 46 KB a token) and far more of the tiny model.
 export VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-1}"
+
+# CPU cores of a vLLM server's OpenMP threads (vLLM's VLLM_CPU_OMP_THREADS_BIND): `auto` (vLLM's choice: every CPU
+# of the NUMA node, so two servers on one host both spin on every core: native decode ran at 0.35 tok/s that way
+# on 2 CPUs), `nobind`, a list like `0-3`, or `split`: the stack's one-host placement (scripts/dev_stack.py
+# cpu_split; docs/deployment.md "CPU placement"): the prefill the first half of the CPUs this process may use,
+# native decode the second half.
+# Usage: cpu_bind VALUE first|second -> the value for VLLM_CPU_OMP_THREADS_BIND
+cpu_bind() {
+  if [[ "$1" != split ]]; then printf '%s' "$1"; return 0; fi
+  "$PYTHON" -c '
+import os, sys
+cpus = sorted(os.sched_getaffinity(0))
+half = len(cpus) // 2
+part = (cpus[:half] if sys.argv[1] == "first" else cpus[half:]) if half else cpus
+print(",".join(map(str, part)))' "$2"
+}
 
 # A secret: NAME_FILE (a file, e.g. a compose secret under /run/secrets; trailing newline dropped) wins over NAME.
 # Usage: read_secret NAME -> prints the value (empty when neither is set); fails loudly on an unreadable file.

@@ -7,8 +7,10 @@ EXPRESS_CTRL_PORT="${EXPRESS_CTRL_PORT:-5556}"
 EXPRESS_DEVICE="${EXPRESS_DEVICE:-cpu}"
 # The host the prefill's sender uses to reach this node's NIXL agent / control port.
 EXPRESS_ADVERTISE_HOST="${EXPRESS_ADVERTISE_HOST:-127.0.0.1}"
-# torch intra-op threads on CPU (empty = one per EXPRESS_CPU_BIND CPU, else torch's default).
+# torch intra-op threads on CPU (empty = one per EXPRESS_CPU_BIND CPU, else torch's default; "split": as many as
+# native decode's half of the CPUs gets with DECODE_NATIVE_CPU_BIND=split, scripts/dev_stack.py cpu_split).
 EXPRESS_THREADS="${EXPRESS_THREADS:-}"
+if [[ "$EXPRESS_THREADS" == split ]]; then EXPRESS_THREADS="$(cpu_bind split second | tr ',' '\n' | wc -l)"; fi
 # CPUs the node is pinned to, taskset -c syntax (e.g. 1 or 2-3; empty or auto = inherit).
 EXPRESS_CPU_BIND="${EXPRESS_CPU_BIND:-}"
 # 1 = torch.compile the decode step: 1.6-2.1x decode speed in the 2-CPU stack
@@ -63,6 +65,11 @@ extra+=(--speculation "$EXPRESS_SPECULATION")
 [[ -n "$EXPRESS_HEALTH_PROBE_TIMEOUT_S" ]] && extra+=(--health-probe-timeout-s "$EXPRESS_HEALTH_PROBE_TIMEOUT_S")
 [[ -n "$EXPRESS_MAX_CONNECTIONS" ]] && extra+=(--max-connections "$EXPRESS_MAX_CONNECTIONS")
 [[ "$EXPRESS_VERIFY_CHECKSUM" == 0 ]] && extra+=(--no-verify-checksum)
+
+# A checkpoint the engine cannot serve (architecture, activation, RoPE type, quantized or other tensor dtypes) stops
+# here, at start, with one line naming what is unsupported (exit 2), before the weights load.
+"$PYTHON" -c 'import sys; from expresslane.engine.models.config import main; sys.exit(main(sys.argv[1:]))' \
+  "$MODEL_DIR" || exit 2
 
 exec "$PYTHON" -m expresslane.engine.server \
   --model "$MODEL_DIR" --dtype "$DTYPE" --device "$EXPRESS_DEVICE" \

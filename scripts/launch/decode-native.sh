@@ -5,7 +5,8 @@ here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 source "$here/common.sh"
 DECODE_NATIVE_PORT="${DECODE_NATIVE_PORT:-8100}"
 KV_BUFFER_DEVICE="${KV_BUFFER_DEVICE:-cpu}"
-export VLLM_CPU_OMP_THREADS_BIND="${DECODE_NATIVE_CPU_BIND:-auto}"
+# CPU cores for vLLM's OpenMP threads: as PREFILL_CPU_BIND ("split": the second half of the CPUs).
+export VLLM_CPU_OMP_THREADS_BIND="$(cpu_bind "${DECODE_NATIVE_CPU_BIND:-auto}" second)"
 export VLLM_NIXL_SIDE_CHANNEL_PORT="${DECODE_NATIVE_NIXL_PORT:-5601}"
 export VLLM_NIXL_SIDE_CHANNEL_HOST="${DECODE_NATIVE_NIXL_HOST:-127.0.0.1}"
 # A KV the decode cannot load (its prefill died mid-handoff, a NIXL failure): `recompute` computes the missing blocks

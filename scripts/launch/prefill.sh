@@ -9,9 +9,10 @@ EXPRESS_CONNECTOR="${EXPRESS_CONNECTOR:-1}"
 CONNECTOR_METRICS_PORT="${CONNECTOR_METRICS_PORT:-9400}"
 # Where the connector's metrics endpoint listens (default: where vLLM listens, BIND_HOST).
 CONNECTOR_METRICS_HOST="${CONNECTOR_METRICS_HOST:-$BIND_HOST}"
-# CPU cores for vLLM's OpenMP threads ("auto", "nobind", or a list like "0-3"); on a small host give
-# prefill and native decode disjoint cores so their spinning OpenMP threads do not fight.
-export VLLM_CPU_OMP_THREADS_BIND="${PREFILL_CPU_BIND:-auto}"
+# CPU cores for vLLM's OpenMP threads ("auto", "nobind", a list like "0-3", or "split": the first half of the
+# CPUs, common.sh cpu_bind); on a small host give prefill and native decode disjoint cores so their spinning OpenMP
+# threads do not fight.
+export VLLM_CPU_OMP_THREADS_BIND="$(cpu_bind "${PREFILL_CPU_BIND:-auto}" first)"
 # 1: our connector puts the forward thread back on its OpenMP core after NixlConnector moved it to the
 # last core of the NUMA node (connector/cpu_affinity.py); 0: leave vLLM's placement as it is.
 PREFILL_RESTORE_OMP_AFFINITY="${PREFILL_RESTORE_OMP_AFFINITY:-1}"

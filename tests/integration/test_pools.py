@@ -25,7 +25,7 @@ import pytest
 
 from dev_stack import DevStack
 from exactness import EXPRESS_ALIAS, NATIVE_ALIAS, chat, completion, token_prompt
-from expresslane.router.pools import _weight, affinity_key
+from expresslane.router.fleet.pools import _weight, affinity_key
 
 MAX_TOKENS = 16
 PREFIX_CHARS = 256  # compose/config/router.yaml's prefill.affinity.prefix_chars

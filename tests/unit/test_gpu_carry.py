@@ -77,7 +77,8 @@ def test_calls_one_part_each_and_the_last_runs_the_stack(tmp_path, capsys) -> No
         assert call["carry"] == [f".carry/p{i}"] and len(call["command"]) <= gpu_carry.COMMAND_LIMIT
         assert call["timeout_s"] <= 600
     assert "gpu_make_shape_model.py llama-8b" in calls[0]["command"]  # checkpoints written while parts travel
-    assert "gpu_carry.py assemble" in calls[-1]["command"] and "gpu_stack.py" in calls[-1]["command"]
+    assert "gpu_check.py stack $OUT --stack-shapes llama-8b,llama-1b" in calls[-1]["command"]
+    assert "--stack-shapes llama-1b " in out["followup"]["command"]  # the last shape again, /tmp kept
     assert out["tree_bytes"] + out["largest_part_bytes"] < gpu_carry.DEVICE_LIMIT
 
 

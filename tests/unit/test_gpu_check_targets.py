@@ -93,7 +93,7 @@ def test_a_per_request_engines_rows_are_judged_by_the_family_each_request_ran(tm
 
 
 def test_the_per_request_engine_is_judged_request_by_request_against_each_one_family_engine(tmp_path):
-    """gpu_check.sh's per-request part benches an engine of each one family beside the per-request one: each
+    """gpu_check.py's families part benches an engine of each one family beside the per-request one: each
     request of the per-request engine must be within 3 % of the faster one-family engine, and its ratio to the
     CUDA-core (auto) engine is shown beside it."""
     import json
@@ -117,3 +117,28 @@ def test_the_per_request_engine_is_judged_request_by_request_against_each_one_fa
     bench[-1] = row("per-request", "text-agentic", 170.0, "cuda-core")  # the choice missed the faster family
     (tmp_path / "bench.jsonl").write_text("".join(json.dumps(r) + "\n" for r in bench))
     assert _by_target(tmp_path)[what] == (False, "lookup@1024: 0.99x (0.99x) agentic@1024: 0.62x (1.00x)")
+
+
+def test_a_per_request_engines_oracle_rows_are_not_a_familys_verify_targets(tmp_path):
+    """The node's per-request engine runs an oracle on a random prompt on the CUDA-core family (the prompt does
+    not repeat): its oracle and verify rows are not judged as a family's (those targets are the one-family
+    engines'), only request by request against them."""
+    import json
+
+    rows = [json.loads(line) for line in (RUN / "bench.jsonl").read_text().splitlines() if line.strip()]
+    for r in rows:
+        if r.get("gemv") == "cuda-core" and r.get("speculation_k", 1):
+            r["gemv"] = "per-request"
+            r["family"] = {"family": "cuda-core", "reason": "", "seconds_per_token": {}}
+    (tmp_path / "bench.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    t = _by_target(tmp_path)
+    assert not [what for what in t if what.startswith(("8B per-request", "llama-8b per-request:cuda-core: a verify",
+                                                       "llama-1b per-request:cuda-core: a verify"))]
+    assert t["8B tensor-core: oracle k = 4 at 1k >= 1,000 tok/s, exact"] == (True, "1052.5 tok/s")
+    assert "llama-8b per-request:cuda-core: speculation on random prompts >= 0.97x a node without it" in t
+
+
+def test_tests_that_never_reached_their_summary_are_not_green(tmp_path):
+    (tmp_path / "pytest.txt").write_text("ERROR: usage: python -m pytest [options]\n"
+                                         "python -m pytest: error: unrecognized arguments: -n\n")
+    assert _by_target(tmp_path)["GPU tests all green"] == (False, "pytest printed no summary line (pytest.txt says why)")

@@ -3,8 +3,8 @@ graph's replay alone (docs/bench/2026-12-01-gpu-lean-step/run5-loop-probe.txt). 
 import json, os, sys, time, torch
 sys.argv = [sys.argv[0], "--out", sys.argv[1]]
 import importlib.util
-spec = importlib.util.spec_from_file_location("gl", "scripts/gpu_lean.py")
-src = open("scripts/gpu_lean.py").read().replace("\nmain()\n", "\n")
+spec = importlib.util.spec_from_file_location("gl", "docs/bench/2026-12-01-gpu-lean-step/gpu_lean.py")
+src = open("docs/bench/2026-12-01-gpu-lean-step/gpu_lean.py").read().replace("\nmain()\n", "\n")
 g = {"__name__": "gl"}
 exec(compile(src, "gpu_lean.py", "exec"), g)
 from expresslane.engine.decode import DecodeEngine

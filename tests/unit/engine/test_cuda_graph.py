@@ -1,7 +1,7 @@
 """The decode step replayed as one CUDA graph must give exactly the tokens of the same step run eagerly, from
 the engine's own prefill, from injected KV, across requests of different lengths (one graph serves every
-position) and with seeded sampling. The GPU tests run where CUDA is present (scripts/gpu_decode_bench.sh's
-machine); the option's validation runs everywhere."""
+position) and with seeded sampling. The GPU tests run where CUDA is present (the GPU check: scripts/gpu_check.py
+tests); the option's validation runs everywhere."""
 
 from __future__ import annotations
 

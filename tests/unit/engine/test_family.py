@@ -21,17 +21,18 @@ from expresslane.engine.decode.bench import load_texts, simulate_speedup
 from expresslane.engine.decode.family import FAMILIES, FamilyPolicy, choose_family, proposals, replay_seconds
 
 REPO = Path(__file__).resolve().parents[3]
-sys.path.insert(0, str(REPO / "scripts"))
+SIM = REPO / "docs/bench/2026-12-04-cost-aware-drafter"  # the policy simulator, beside the texts it replays
+sys.path.insert(0, str(SIM))
 
 from spec_policy_sim import cost_tables  # noqa: E402
 
-TEXTS = REPO / "docs/bench/2026-12-04-cost-aware-drafter/texts.json"
+TEXTS = SIM / "texts.json"
 COSTS = REPO / "docs/bench/2026-12-04-gpu-check"  # bench.jsonl: tensor-core 8B; bench-8b-auto.jsonl: cuda-core
 
 
 def _h200_8b_costs() -> dict[str, StepCosts]:
     """Each family's 8B forward ms by rows on the H200 (the decode bench's step_ms_by_rows), at the shortest and
-    longest context measured (scripts/spec_policy_sim.py reads them so)."""
+    longest context measured (docs/bench/2026-12-04-cost-aware-drafter/spec_policy_sim.py reads them so)."""
     tables = cost_tables([str(COSTS / "bench.jsonl"), str(COSTS / "bench-8b-auto.jsonl")])
     out = {key.split()[-1]: c for key, c in tables.items() if key.startswith("llama-8b ")}
     assert set(out) == set(FAMILIES), tables.keys()

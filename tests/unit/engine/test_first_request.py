@@ -9,7 +9,7 @@ fresh engine: eager, graph, compiled graph and lean graph steps; the greedy chai
 On the H200 on 2026-12-04 the lean graph with the chain decoded the first request wrong from its second token
 on (the greedy graph was captured with the runner's buffers still at the last forward's start and token, and
 its warm-ups overwrote row 0 of the prompt); StepRunner.start_greedy now sets the buffers before it captures.
-Skipped where there is no CUDA device (CI): scripts/gpu_check.sh runs it on the GPU machine."""
+Skipped where there is no CUDA device (CI): the GPU check (scripts/gpu_check.py tests) runs it on a GPU."""
 
 from __future__ import annotations
 

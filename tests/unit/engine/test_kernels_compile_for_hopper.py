@@ -6,7 +6,7 @@ refuses), or compile into one that spills. Here each kernel is compiled ahead of
 Triton's own ptxas, with the 8B shape's arguments and the block shapes the H200 picked
 (docs/bench/2026-12-04-tensor-core-verify/), and ptxas's report must show no spill. No GPU is needed; on an
 H100 / H200 the driver loads the cubin Triton built and reports its spills instead (Triton 3.6 there writes PTX
-that its own bundled ptxas binaries refuse). The GPU check (scripts/gpu_check.sh) still runs and times them."""
+that its own bundled ptxas binaries refuse). The GPU check (scripts/gpu_check.py) still runs and times them."""
 
 from __future__ import annotations
 

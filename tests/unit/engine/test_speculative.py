@@ -307,8 +307,8 @@ def test_a_recorded_text_replays_the_drafter_and_the_simulation_matches_the_engi
     """bench.py's TextReplayDrafter runs the node's drafter on a recorded request's text and has this model
     verify what it picks there: replaying a request of this very model gives the same counters and tokens as
     the request itself. And simulate_speedup, which plays the engine's loop over a fixed greedy output
-    without a model, takes the same steps as the engine did (how scripts/spec_policy_sim.py predicts a policy
-    at a GPU's measured costs)."""
+    without a model, takes the same steps as the engine did (how the policy simulator of
+    docs/bench/2026-12-04-cost-aware-drafter/ predicts a policy at a GPU's measured costs)."""
     from expresslane.engine.decode.bench import RecordingDrafter, TextReplayDrafter, simulate_speedup
 
     model, spec, plain = engines

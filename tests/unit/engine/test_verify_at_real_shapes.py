@@ -14,15 +14,21 @@ oracle runs at these shapes check end to end (every draft kept, every token the 
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="the real shapes run on a GPU")
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "scripts"))
+
+def random_model(shape: str, device: torch.device):
+    """decode/shapes.py's random bf16 checkpoint of `shape` (the weights the decode bench measures: lm_head x16
+    for real models' top-1 margins) as the engine's Transformer on `device`."""
+    from expresslane.engine.decode.shapes import random_checkpoint
+    from expresslane.engine.models.config import ModelConfig
+    from expresslane.engine.models.loader import model_from_tensors
+
+    config, tensors = random_checkpoint(shape, device)
+    return model_from_tensors(ModelConfig.from_dict(config), tensors, torch.bfloat16, device)
 
 
 @pytest.fixture
@@ -52,14 +58,12 @@ def first_fitting_picks(monkeypatch):
 
 @pytest.mark.parametrize("shape", ["llama-1b", "llama-8b"])
 def test_each_verify_row_is_the_one_row_step_at_the_real_shapes(shape, first_fitting_picks):
-    from gpu_shapes import make_model
-
     from expresslane.engine.models.lean import LeanStep
     from expresslane.engine.models.rope import rope_tables
     from expresslane.engine.models.triton_decode import num_splits_for
 
     dev = torch.device("cuda")
-    model = make_model(shape, dev)
+    model = random_model(shape, dev)
     cfg = model.config
     boundary = num_splits_for(cfg.num_kv_heads, dev) * 64  # where a row's chunk grows
     s = boundary + 80

@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry
 
 from expresslane.router.app import create_app
 from expresslane.router.config import RouterConfig, parse_config
-from expresslane.router.detokenizer import ModelText
+from expresslane.router.openai.detokenizer import ModelText
 
 PREFILL = "http://prefill:8000"
 NATIVE = "http://native:8100"

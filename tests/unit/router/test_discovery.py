@@ -11,7 +11,7 @@ from prometheus_client import CollectorRegistry
 
 from expresslane.router.config import DnsMembers
 from expresslane.router.metrics import RouterMetrics
-from expresslane.router.discovery import (PREFILL_POOL, DnsState, Membership, PoolMembers, member_url,
+from expresslane.router.fleet.discovery import (PREFILL_POOL, DnsState, Membership, PoolMembers, member_url,
                                           resolve_addresses)
 
 from ._kit import NATIVE, PREFILL, make_config

@@ -128,9 +128,10 @@ async def test_a_node_that_joins_takes_requests_only_after_a_healthy_probe(make_
         upstreams.on(base, "/health", ok)
     for base in (A, B):
         upstreams.on(base, "/health", lambda r, b, base=base: httpx.Response(health[base], json={"status": "x"}))
-    # interval_s: no scheduled round during the test; rounds come from the joining node (and the test's own calls)
+    # interval_s: no scheduled round during the test; rounds come from the joining node (and the test's own calls).
+    # No panic routing: B, the pool's only member, would take traffic in a panic (tested in test_router_health.py)
     cfg = dns_config(health={"enabled": True, "interval_s": 60, "timeout_s": 0.5, "unhealthy_threshold": 1,
-                             "open_s": 0.01, "healthy_threshold": 1})
+                             "healthy_threshold": 1, "healthy_panic_threshold": 0})
     async with make_client(cfg, resolver=dns) as (client, app):
         monitor, ctx = app.state.health, app.state.lanes.ctx
         dns.answer = ["10.0.0.2"]  # A leaves, B joins (its /health says 503: still loading)
@@ -138,8 +139,6 @@ async def test_a_node_that_joins_takes_requests_only_after_a_healthy_probe(make_
         refused = await client.post("/v1/completions", json=COMP)
         assert not monitor.healthy(B)
         health[B] = 200
-        await monitor.probe_all(ctx.calls)
-        await asyncio.sleep(0.02)  # (open_s: the node's next probe is its trial)
         await monitor.probe_all(ctx.calls)
         assert monitor.healthy(B)
         served = await client.post("/v1/completions", json=COMP)

@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry
 from expresslane.router.config import Affinity, ConfigError, parse_config
 from expresslane.router.errors import UpstreamError, UpstreamUnavailable
 from expresslane.router.metrics import RouterMetrics
-from expresslane.router.pools import PrefillPool, affinity_key
+from expresslane.router.fleet.pools import PrefillPool, affinity_key
 
 from ._kit import EXPRESS, NATIVE, config_dict, make_config
 from .test_router_express_lane import FakeNode
@@ -163,13 +163,13 @@ async def test_native_requests_spread_and_a_conversation_sticks(make_client, vll
 
 async def test_a_dead_prefill_member_costs_nothing_native(make_client, vllm_pair):
     """A member that refuses connections: every request is served by the other one (same kv params), and outlier
-    detection (outlier.py, through pools.member_serving) ejects it after `consecutive_failures` failures, after
+    detection (outlier.py, through pools.member_serving) ejects it after `consecutive_gateway_failure` gateway failures, after
     which the pool's choice skips it."""
     def refused(request, body):
         raise httpx.ConnectError("connection refused")
 
     vllm_pair.on(P1, "/v1/completions", refused)
-    async with make_client(two_prefills(outlier={"consecutive_failures": 2})) as (client, app):
+    async with make_client(two_prefills(outlier={"consecutive_gateway_failure": 2})) as (client, app):
         for s in range(16):
             r = await client.post("/v1/completions", json={"model": "tiny", "prompt": words(20, s), "max_tokens": 3})
             assert r.status_code == 200, r.text
@@ -179,7 +179,7 @@ async def test_a_dead_prefill_member_costs_nothing_native(make_client, vllm_pair
         metrics = (await client.get("/metrics")).text
         assert 'expresslane_router_prefill_requests_total{choice="retry",member="prefill-b:8000"} 2.0' in metrics
         assert ('expresslane_router_outlier_decisions_total{decision="eject",node="prefill-a:8000",pool="prefill",'
-                'reason="consecutive_failures"} 1.0') in metrics
+                'reason="consecutive_gateway_failure"} 1.0') in metrics
 
 
 async def test_an_ejected_member_is_skipped_by_the_prefill_pool_and_a_dns_native_pool(make_client, upstreams):
@@ -189,7 +189,7 @@ async def test_an_ejected_member_is_skipped_by_the_prefill_pool_and_a_dns_native
     dns_native = "http://127.0.0.1:8100"  # localhost's A record
     cfg = two_prefills(pools={"native": {"kind": "native", "nodes": [NATIVE],
                                          "dns": {"name": "localhost", "port": 8100}}},
-                       aliases={"tiny": {"pool": "native"}}, outlier={"consecutive_failures": 2})
+                       aliases={"tiny": {"pool": "native"}}, outlier={"consecutive_gateway_failure": 2})
     async with make_client(cfg) as (client, app):
         ctx, native = app.state.lanes.ctx, app.state.lanes.native
         keys = [words(12, s) for s in range(40)]
@@ -264,7 +264,8 @@ async def test_express_prefill_lost_mid_leg_starts_over_on_the_other_member(make
 
 async def test_no_prefill_member_serving_is_a_503_before_any_work(make_client, vllm_pair):
     """Request failures never take a pool's last member away (outlier.py); the probes do: every member's /health
-    refused -> a typed 503 before any prefill or decode call, and /ready is 503."""
+    refused -> a typed 503 before any prefill or decode call, and /ready is 503 (without panic routing: with it, the
+    pool would route to both members, test_router_health.py)."""
     def refused(request, body):
         raise httpx.ConnectError("connection refused")
 
@@ -273,7 +274,7 @@ async def test_no_prefill_member_serving_is_a_503_before_any_work(make_client, v
     vllm_pair.on(NATIVE, "/health", lambda r, b: httpx.Response(200))
     vllm_pair.on(EXPRESS, "/health", lambda r, b: httpx.Response(200))
     cfg = two_prefills(health={"enabled": True, "interval_s": 0.02, "timeout_s": 0.5, "unhealthy_threshold": 1,
-                               "open_s": 10})
+                               "healthy_panic_threshold": 0})
     async with make_client(cfg) as (client, app):
         for _ in range(500):
             if not any(app.state.health.healthy(b) for b in (P1, P2)):

@@ -7,9 +7,9 @@ import logging
 
 import pytest
 
-from expresslane.router import auth as auth_mod
-from expresslane.router.auth import ApiKeys, AuthConfigError, TokenBucket, parse_api_keys
-from expresslane.router.secrets import RouterSecrets
+from expresslane.router.server import auth as auth_mod
+from expresslane.router.server.auth import ApiKeys, AuthConfigError, TokenBucket, parse_api_keys
+from expresslane.router.server.secrets import RouterSecrets
 
 from ._kit import make_config
 from .test_router_native_lane import CLIENT, vllm  # noqa: F401  (fake prefill + native decode)

@@ -10,9 +10,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from expresslane.router.capabilities import (EXPRESSLANE_ENGINE, FEATURES, NATIVE, TILERT, compat_table,
+from expresslane.router.fleet.capabilities import (EXPRESSLANE_ENGINE, FEATURES, NATIVE, TILERT, compat_table,
                                              features_from_node, requested_features)
-from expresslane.router.secrets import RouterSecrets
+from expresslane.router.server.secrets import RouterSecrets
 
 from ._kit import EXPRESS, NATIVE as NATIVE_URL, PREFILL, make_config, ndjson
 

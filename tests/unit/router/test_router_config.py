@@ -46,13 +46,14 @@ def test_shipped_router_yaml_loads_with_defaults_and_types():
     express = cfg.pools["express"]
     assert isinstance(express, ExpressPool) and express.kind == "expresslane"
     assert (express.nodes[0].url, express.nodes[0].ctrl_port) == ("http://127.0.0.1:5557", 5556)
-    assert cfg.pools[cfg.aliases["tiny-llama"].pool].lane == "native"
-    assert cfg.pools[cfg.aliases["tiny-llama-express"].pool].lane == "express"
-    q = cfg.queue_for("tiny-llama-express", "express")
+    assert cfg.prefill.model == "smollm2-135m-instruct"  # the default stack's real model
+    assert cfg.pools[cfg.aliases["smollm2-135m-instruct"].pool].lane == "native"
+    assert cfg.pools[cfg.aliases["smollm2-135m-instruct-express"].pool].lane == "express"
+    q = cfg.queue_for("smollm2-135m-instruct-express", "express")
     assert (q.when_full, q.spill_to, q.max_waiting) == ("spill", "native", 16)
     assert cfg.max_model_len is None
     assert cfg.limits.max_body_bytes == 16 * 1024 * 1024 and cfg.limits.max_json_depth == 64
-    assert cfg.aliases["tiny-llama-express"].unsupported == "native"
+    assert cfg.aliases["smollm2-135m-instruct-express"].unsupported == "native"
 
 
 def test_shipped_router_yaml_takes_the_environment():
@@ -62,6 +63,8 @@ def test_shipped_router_yaml_takes_the_environment():
     cfg = load_config(SHIPPED, env)
     assert cfg.listen.port == 9999
     assert cfg.prefill.static_nodes == ["http://prefill:8000"] and cfg.prefill.model == "glm"
+    assert sorted(cfg.aliases) == ["glm", "glm-express"]  # the aliases derive from the served model's name
+    assert cfg.aliases["glm-express"].pool == "express" and cfg.aliases["glm"].pool == "native"
     node = cfg.pools["express"].nodes[0]
     assert (node.ctrl_host, node.ctrl_port) == ("10.1.2.3", 7000)
     assert cfg.max_model_len == 2048 and cfg.tokenizer_dir == "/m" and cfg.limits.max_body_bytes == 4096
@@ -107,7 +110,7 @@ def test_entrypoint_check_prints_the_config_without_the_api_key(capsys):
 
     assert main(["--config", str(SHIPPED), "--check"]) == 0
     out = capsys.readouterr().out
-    assert '"tiny-llama-express"' in out and "api_key" not in out
+    assert '"smollm2-135m-instruct-express"' in out and "api_key" not in out
 
 
 def test_entrypoint_reports_config_errors_with_exit_2(tmp_path, capsys):

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from expresslane.router.detokenizer import IncrementalDetokenizer, OutputAssembler, load_model_text
+from expresslane.router.openai.detokenizer import IncrementalDetokenizer, OutputAssembler, load_model_text
 
 
 def stream_text(tok, ids, prompt=()):

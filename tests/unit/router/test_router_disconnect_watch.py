@@ -10,7 +10,7 @@ import pytest
 
 from expresslane.router.app import run_until_disconnect
 from expresslane.router.errors import ClientGone
-from expresslane.router.http_protocol import ClientWatch
+from expresslane.router.server.http_protocol import ClientWatch
 
 from ._asgi import Serving, free_port, serve_lifespan
 
@@ -137,8 +137,8 @@ def test_the_server_tells_the_watch_when_the_client_goes():
 
     import uvicorn
 
-    from expresslane.router.http_protocol import client_watch
-    from expresslane.router.serving import RouterServer
+    from expresslane.router.server.http_protocol import client_watch
+    from expresslane.router.server.serving import RouterServer
 
     events: list[str] = []
     started = threading.Event()

@@ -7,7 +7,7 @@ import asyncio
 
 import httpx
 
-from expresslane.router.secrets import RouterSecrets
+from expresslane.router.server.secrets import RouterSecrets
 
 from ._kit import PREFILL, make_config
 
@@ -162,7 +162,7 @@ async def test_side_calls_with_no_serving_member_are_a_typed_503(make_client, up
     upstreams.on("http://express:5557", "/health", lambda rq, b: httpx.Response(200, json={}))
     cfg = make_config(prefill={"model": "served", "nodes": [P1, P2]},
                       health={"enabled": True, "interval_s": 0.02, "timeout_s": 0.5, "unhealthy_threshold": 1,
-                              "open_s": 60})
+                              "healthy_panic_threshold": 0})
     async with make_client(cfg) as (c, app):
         for _ in range(200):
             if not any(app.state.health.healthy(u) for u in (P1, P2)):

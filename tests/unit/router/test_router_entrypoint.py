@@ -59,7 +59,8 @@ def test_entrypoint_serves_with_keys_from_a_file_and_json_logs(tmp_path):
         out, _ = proc.communicate(timeout=15)
     lines = [ln for ln in out.splitlines() if ln.startswith("{")]
     records = [json.loads(ln) for ln in lines]
-    assert any(r["logger"] == "expresslane.router.access" and r.get("request_id") == "e2e-1"
+    assert any(r["logger"] == "expresslane.router.access" and r.get("client_request_id") == "e2e-1"
+               and r.get("request_id", "").startswith("e2e-1-")
                and "GET /v1/models 200" in r["msg"] for r in records), out
     assert any("401" in r["msg"] for r in records)
     assert KEY not in out

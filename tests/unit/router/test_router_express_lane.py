@@ -244,8 +244,9 @@ async def test_node_unreachable_is_503(make_client, node, upstreams):
     def refused(request, body):
         raise httpx.ConnectError("refused")
 
+    upstreams.on(EXPRESS, "/pd/reserve", refused)  # (a completed reserve would be a success: it breaks the run)
     upstreams.on(EXPRESS, "/pd/decode", refused)
-    async with make_client(make_config(outlier={"consecutive_failures": 2})) as (client, app):
+    async with make_client(make_config(outlier={"consecutive_gateway_failure": 2})) as (client, app):
         r = await client.post("/v1/completions", json=COMP)
         assert gate_of(app).busy_count == 0
         r2 = await client.post("/v1/completions", json=COMP)

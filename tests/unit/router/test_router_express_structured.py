@@ -9,8 +9,8 @@ import re
 
 import pytest
 
-from expresslane.router import tools as T
-from expresslane.router.structured import node_structured_outputs
+from expresslane.router.openai import tools as T
+from expresslane.router.openai.structured import node_structured_outputs
 
 from ._kit import EXPRESS, PREFILL, make_config, parse_sse
 from .test_router_express_lane import FakeNode

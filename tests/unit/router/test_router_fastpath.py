@@ -30,8 +30,8 @@ from prometheus_client import CollectorRegistry
 
 from expresslane.router.app import create_app
 from expresslane.router.config import parse_config
-from expresslane.router.secrets import RouterSecrets
-from expresslane.router.serving import RouterServer
+from expresslane.router.server.secrets import RouterSecrets
+from expresslane.router.server.serving import RouterServer
 
 from ._aiohttp_server import free_port
 

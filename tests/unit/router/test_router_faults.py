@@ -14,7 +14,7 @@ from ._kit import EXPRESS, NATIVE, PREFILL, config_dict, make_config, parse_conf
 from .test_router_express_lane import COMP, PROMPT_IDS, TEXT, FakeNode, gate_of
 
 NATIVE2 = "http://native2:8100"
-ONE_FAILURE = {"consecutive_failures": 1}  # outlier detection decides at the first failure (default: 5)
+ONE_FAILURE = {"consecutive_gateway_failure": 1}  # outlier detection decides at the first failure (default: 3)
 
 
 def _node(upstreams, tokenizer) -> FakeNode:
@@ -290,7 +290,7 @@ async def test_native_connect_error_is_retried_on_another_node_with_the_same_kv(
     assert len(prefills) == 2  # one per request: after a connect error the KV was untouched
     assert len(upstreams.bodies(NATIVE, "/v1/completions")) == 1  # ejected: the second request skips it
     assert ('expresslane_router_outlier_decisions_total{decision="eject",node="native:8100",pool="native",'
-            'reason="consecutive_failures"} 1.0') in metrics
+            'reason="consecutive_gateway_failure"} 1.0') in metrics
     assert 'expresslane_router_retries_total{lane="native",pool="native",reason="connect"} 1.0' in metrics
 
 
@@ -408,10 +408,23 @@ async def test_request_deadline_bounds_a_slow_non_stream_native_request(make_cli
 
 
 async def test_no_healthy_native_node_is_a_fast_503_without_prefill(make_client, upstreams):
+    """Without panic routing (healthy_panic_threshold 0; with it, the pool's only node would be tried:
+    test_router_health.py), an unhealthy pool is a typed 503 before any prefill."""
+    from expresslane.router.fleet.health import ProbeResult
+
     prefills = []
     _prefill_native(upstreams, prefills)
-    async with make_client(make_config(health={"enabled": False, "unhealthy_threshold": 1})) as (client, app):
-        app.state.health.upstreams[NATIVE].breaker.failure("probe_connect")  # the probes say it is down
+    for base in (PREFILL, NATIVE, EXPRESS):
+        upstreams.on(base, "/health", lambda r, b: httpx.Response(200))
+    cfg = make_config(health={"enabled": True, "interval_s": 3600, "unhealthy_threshold": 1,
+                              "healthy_panic_threshold": 0})
+    async with make_client(cfg) as (client, app):
+        monitor = app.state.health
+        for _ in range(100):  # the first (and only) probe round passed
+            if len([c for c in upstreams.calls if c[1] == "/health"]) >= 3:
+                break
+            await asyncio.sleep(0.01)
+        monitor.probe_outcome(monitor.upstreams[NATIVE], ProbeResult.FAILED, "probe_connect")  # the probes say it is down
         r = await client.post("/v1/completions", json={"model": "tiny", "prompt": "x"})
     assert r.status_code == 503 and r.headers["retry-after"] == "2" and prefills == []
     assert json.loads(r.text)["error"]["type"] == "service_unavailable"
@@ -475,7 +488,7 @@ async def test_first_token_that_ends_the_answer_never_waits_for_the_node(make_cl
 
 def test_continuation_body_is_a_token_id_completion_with_the_remaining_budget():
     from expresslane.router.lanes.continuation import continuation_body
-    from expresslane.router.request import options_of
+    from expresslane.router.openai.request import options_of
 
     chat = {"model": "tiny-x", "messages": [{"role": "user", "content": "x"}], "stream": True, "max_tokens": 10,
             "temperature": 0, "top_p": 0.9, "seed": 7, "stop": ["\n"], "min_tokens": 5, "ignore_eos": True,

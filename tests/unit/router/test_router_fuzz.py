@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 
 from expresslane.router.app import create_app
-from expresslane.router.secrets import RouterSecrets
+from expresslane.router.server.secrets import RouterSecrets
 
 from ._kit import EXPRESS, NATIVE, PREFILL, make_config, ndjson
 
@@ -106,7 +106,7 @@ class _Harness:
     def __init__(self) -> None:
         from tokenizers import Tokenizer, models, pre_tokenizers
 
-        from expresslane.router.detokenizer import ModelText
+        from expresslane.router.openai.detokenizer import ModelText
 
         tok = Tokenizer(models.WordLevel({"[UNK]": 0, "a": 1, "b": 2, "c": 3, "d": 4, "x": 5, "y": 6},
                                          unk_token="[UNK]"))

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from expresslane.router.gate import NodeGate, NoHealthyNode, QueueFull, QueueTimeout
+from expresslane.router.fleet.gate import NodeGate, NoHealthyNode, QueueFull, QueueTimeout
 
 
 async def test_one_request_per_node_then_waiters_queue():

@@ -16,9 +16,9 @@ import struct
 import httpx
 import pytest
 
-from expresslane.router.errors import UpstreamError, UpstreamTimeout, UpstreamUnavailable
-from expresslane.router.h1_pool import H1Pool
-from expresslane.router.requestlog import _request_id
+from expresslane.router.errors import RouterSaturated, UpstreamError, UpstreamTimeout, UpstreamUnavailable
+from expresslane.router.upstream.h1_pool import H1Pool
+from expresslane.router.server.requestlog import _request_id
 
 T = httpx.Timeout(5, connect=2)
 
@@ -199,11 +199,13 @@ async def test_timeouts_connect_refused_and_the_pool_bound():
             assert isinstance(refused, UpstreamUnavailable) and refused.kind == "connect"
             with pytest.raises(httpx.ConnectError):
                 await pool.get_status(f"http://127.0.0.1:{free_port()}/health", timeout=T)
-            # the one slot is taken by a call that hangs: the next waits for it within its connect timeout
+            # the one slot is taken by a call that hangs: the next waits for it within its connect timeout, then is
+            # refused by the router itself (its own saturation, never the node's timeout)
             hung = asyncio.ensure_future(pool.post_json(url + "/hang", {}, stage="decode", timeout=T))
             await asyncio.sleep(0.1)
             busy = await _err(pool, url + "/ok", httpx.Timeout(5, connect=0.2))
-            assert isinstance(busy, UpstreamTimeout) and busy.kind == "timeout" and "ConnectTimeout" in busy.message
+            assert isinstance(busy, RouterSaturated) and busy.kind == "router_saturated" and busy.status == 503
+            assert busy.headers["retry-after"] == "1"
             hung.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await hung

@@ -19,8 +19,8 @@ import socket
 import pytest
 import uvicorn
 
-from expresslane.router.http_protocol import ReplyState, ReplyTransport, RouterHttpProtocol
-from expresslane.router.serving import RouterServer
+from expresslane.router.server.http_protocol import ReplyState, ReplyTransport, RouterHttpProtocol
+from expresslane.router.server.serving import RouterServer
 
 from ._asgi import Serving, free_port, serve_lifespan
 

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from starlette.responses import JSONResponse
 
 from expresslane.router.json_codec import CompactJSONResponse, client_decoder, dumps_compact
-from expresslane.router.limits import _no_constants, loads_object
+from expresslane.router.server.limits import _no_constants, loads_object
 from expresslane.router.errors import BadRequest
 
 

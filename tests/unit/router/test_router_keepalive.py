@@ -21,9 +21,9 @@ from starlette.applications import Starlette
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from expresslane.router.aiohttp_upstream import AiohttpTransport
+from expresslane.router.upstream.aiohttp_transport import AiohttpTransport
 from expresslane.router.config import Timeouts
-from expresslane.router.h1_pool import H1Pool
+from expresslane.router.upstream.h1_pool import H1Pool
 
 from ._aiohttp_server import free_port
 

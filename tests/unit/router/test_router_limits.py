@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from expresslane.router.limits import json_depth_exceeds
+from expresslane.router.server.limits import json_depth_exceeds
 
 from ._kit import PREFILL, make_config
 from .test_router_native_lane import CLIENT, vllm  # noqa: F401

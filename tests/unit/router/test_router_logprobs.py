@@ -10,8 +10,8 @@ import types
 
 import pytest
 
-from expresslane.router.detokenizer import load_model_text
-from expresslane.router.logprobs import (TokenStrings, chat_logprobs, completion_logprobs, from_node, from_prefill,
+from expresslane.router.openai.detokenizer import load_model_text
+from expresslane.router.openai.logprobs import (TokenStrings, chat_logprobs, completion_logprobs, from_node, from_prefill,
                                          wanted_k)
 
 vllm = pytest.importorskip("vllm", reason="vLLM is not installed in this environment (the reference)")

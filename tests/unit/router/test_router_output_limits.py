@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from expresslane.router.errors import VllmValidation
-from expresslane.router.output_limits import check_requested, effective_max_tokens
-from expresslane.router.request import options_of
+from expresslane.router.openai.output_limits import check_requested, effective_max_tokens
+from expresslane.router.openai.request import options_of
 
 from ._kit import EXPRESS, PREFILL
 from .test_router_express_lane import PROMPT_IDS, FakeNode

@@ -8,8 +8,8 @@ import pytest
 
 from expresslane.router.app import resolve_lane
 from expresslane.router.errors import BadRequest, ModelNotFound, UpstreamError
-from expresslane.router.openai_shapes import iter_sse_data, parse_request, sse
-from expresslane.router.prefill import (derive_tilert_rid, express_prefill_body, first_token_id, native_prefill_body,
+from expresslane.router.openai.shapes import iter_sse_data, parse_request, sse
+from expresslane.router.lanes.prefill import (derive_tilert_rid, express_prefill_body, first_token_id, native_prefill_body,
                                         prompt_token_ids, prompt_tokens)
 
 from ._kit import config_dict, make_config

@@ -4,12 +4,13 @@ the JSON log format."""
 from __future__ import annotations
 
 import asyncio
+import re
 import json
 import logging
 
 import httpx
 
-from expresslane.router.requestlog import JsonFormatter, RequestIdFilter
+from expresslane.router.server.requestlog import JsonFormatter, RequestIdFilter
 
 from ._kit import EXPRESS, NATIVE, PREFILL, make_config, ndjson
 
@@ -60,8 +61,10 @@ async def test_request_id_is_made_returned_and_sent_to_both_legs(make_client, up
         # max_tokens > 1: with the first token at once, a 1-token express request never reaches the node
         r = await c.post("/v1/completions", json=dict(REQ, model="tiny-x", stream=True, max_tokens=3),
                          headers={"X-Request-Id": "client-id:42"})
-        assert r.headers["x-request-id"] == "client-id:42"
-        assert seen == [("prefill", "client-id:42"), ("express", "client-id:42")]
+        assert r.headers["x-request-id"] == "client-id:42"  # the client gets its own id back
+        internal = seen[0][1]  # ... the legs carry a unique one that starts with it
+        assert re.fullmatch(r"client-id:42-[0-9a-f]{16}", internal)
+        assert seen == [("prefill", internal), ("express", internal)]
         for bad in ("has space", "x" * 129, "a/b", "<script>", ""):
             r = await c.get("/health", headers={"X-Request-Id": bad})
             assert r.headers["x-request-id"] != bad and len(r.headers["x-request-id"]) == 32
@@ -75,7 +78,24 @@ async def test_concurrent_requests_keep_their_own_ids(make_client, upstreams, to
         rs = await asyncio.gather(*[c.post("/v1/completions", json=dict(REQ, model="tiny"),
                                            headers={"X-Request-Id": f"r{i}"}) for i in range(8)])
     assert [r.headers["x-request-id"] for r in rs] == [f"r{i}" for i in range(8)]
-    assert sorted(seen) == sorted([("prefill", f"r{i}") for i in range(8)] + [("native", f"r{i}") for i in range(8)])
+    legs: dict[str, list[str]] = {}
+    for leg, rid in seen:
+        legs.setdefault(rid, []).append(leg)
+    assert sorted(rid.rsplit("-", 1)[0] for rid in legs) == sorted(f"r{i}" for i in range(8))
+    assert all(sorted(v) == ["native", "prefill"] for v in legs.values())  # both legs of a request: one id
+
+
+async def test_clients_reusing_an_id_get_unique_internal_ids(make_client, upstreams, tokenizer):
+    """Two requests with the same X-Request-Id (two clients, or one client's retry) never share an internal id:
+    vLLM names its request after it, and a `kind: tilert` node its rid."""
+    seen: list = []
+    fake(upstreams, tokenizer, seen)
+    async with make_client() as (c, _):
+        rs = await asyncio.gather(*[c.post("/v1/completions", json=dict(REQ, model="tiny"),
+                                           headers={"X-Request-Id": "same"}) for _ in range(4)])
+    assert [r.headers["x-request-id"] for r in rs] == ["same"] * 4
+    prefill_ids = [rid for leg, rid in seen if leg == "prefill"]
+    assert len(prefill_ids) == 4 and len(set(prefill_ids)) == 4 and all(i.startswith("same-") for i in prefill_ids)
 
 
 async def test_access_log_line_per_request(make_client, upstreams, tokenizer, caplog):

@@ -10,7 +10,7 @@ from email.utils import parsedate_to_datetime
 import httpx
 import uvicorn
 
-from expresslane.router.serving import RouterServer
+from expresslane.router.server.serving import RouterServer
 
 from ._asgi import Serving, free_port, serve_lifespan
 

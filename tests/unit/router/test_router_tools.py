@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from expresslane.router import tools as T
+from expresslane.router.openai import tools as T
 
 vllm = pytest.importorskip("vllm", reason="vLLM is not installed in this environment (the reference for tools.py)")
 

@@ -11,11 +11,11 @@ import json
 import httpx
 import pytest
 
-from expresslane.router.aiohttp_upstream import AiohttpTransport
-from expresslane.router.h1_pool import H1Pool
+from expresslane.router.upstream.aiohttp_transport import AiohttpTransport
+from expresslane.router.upstream.h1_pool import H1Pool
 from expresslane.router.errors import RouterError, UpstreamError, UpstreamRejected, UpstreamTimeout, UpstreamUnavailable
-from expresslane.router.requestlog import _request_id, upstream_request_id_hook
-from expresslane.router.upstream import HttpxOneShot
+from expresslane.router.server.requestlog import _request_id, upstream_request_id_hook
+from expresslane.router.upstream.calls import HttpxOneShot
 
 web = pytest.importorskip("aiohttp.web")
 from ._aiohttp_server import echo, free_port, gz, serving, slow  # noqa: E402

@@ -12,8 +12,9 @@ import pytest
 
 from expresslane.router.errors import UpstreamRejected, UpstreamTimeout, UpstreamUnavailable
 from expresslane.router.resilience import Deadline
-from expresslane.router.aiohttp_upstream import AiohttpTransport
-from expresslane.router.upstream import LineReader, open_stream, post_json
+from expresslane.router.upstream.aiohttp_transport import AiohttpTransport
+from expresslane.router.upstream.calls import open_stream, post_json
+from expresslane.router.upstream.lines import LineReader
 
 web = pytest.importorskip("aiohttp.web")
 from ._aiohttp_server import echo, free_port, gz, serving, slow  # noqa: E402
@@ -110,7 +111,7 @@ async def test_the_router_sends_upstream_calls_through_aiohttp_by_default(model_
 def test_connect_timeout_is_httpx_connect_alone_not_plus_the_pool_timeout():
     """The router's client has pool = decode_s (minutes): a connect to a dead host must still give up after
     connect_s (aiohttp's connect timeout already includes the wait for a pool slot)."""
-    from expresslane.router.aiohttp_upstream import _client_timeout
+    from expresslane.router.upstream.aiohttp_transport import _client_timeout
 
     t = httpx.Timeout(600.0, connect=2.0)
     ct = _client_timeout(t.connect, t.read, t.pool)

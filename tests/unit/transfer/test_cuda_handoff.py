@@ -1,4 +1,5 @@
-"""The express lane's KV handoff between two real processes, through scripts/gpu_handoff.py's own code path.
+"""The express lane's KV handoff between two real processes, through the handoff probe's own code path
+(docs/bench/2026-12-01-vram-handoff/gpu_handoff.py).
 
 On a GPU (skipped without CUDA): VRAM staging -> VRAM receive slot over NIXL between two processes is byte-exact
 and checked on the device (wsum16, no host copy); a live DecodeEngine injects straight from the receive slot and
@@ -17,7 +18,8 @@ import torch
 
 pytest.importorskip("nixl")
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "scripts"))
+# the probe lives beside its results, in its lab note (docs/bench/2026-12-01-vram-handoff/)
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "docs" / "bench" / "2026-12-01-vram-handoff"))
 import gpu_handoff  # noqa: E402
 
 from expresslane.engine.transfer.checksum import checksum  # noqa: E402

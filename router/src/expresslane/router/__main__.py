@@ -13,10 +13,10 @@ import logging
 import os
 import sys
 
-from .auth import AuthConfigError, parse_api_keys
+from .server.auth import AuthConfigError, parse_api_keys
 from .config import ConfigError, load_config
-from .requestlog import JsonFormatter, RequestIdFilter
-from .secrets import RouterSecrets, SecretError
+from .server.requestlog import JsonFormatter, RequestIdFilter
+from .server.secrets import RouterSecrets, SecretError
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -59,11 +59,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     setup_logging(args.log_level, args.log_format)
     from .app import create_app
-    from .serving import serve
+    from .server.serving import serve
 
     app = create_app(config, secrets=secrets, access_log=not args.no_access_log)
     return serve(app, host=args.host or config.listen.host, port=args.port or config.listen.port,
-                 log_level=args.log_level.lower())  # our log handlers, not uvicorn's
+                 log_level=args.log_level.lower(),  # our log handlers, not uvicorn's
+                 keepalive_s=config.listen.keepalive_timeout_s)
 
 
 if __name__ == "__main__":

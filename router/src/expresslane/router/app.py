@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -37,29 +38,29 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope
 
-from .auth import ApiKey, ApiKeys
-from .capabilities import CapabilityRouter, reroute_counter
+from .server.auth import ApiKey, ApiKeys
+from .fleet.capabilities import CapabilityRouter, reroute_counter
 from .config import LANES, ExpressPool, NativePool, RouterConfig
-from .detokenizer import ModelText, load_model_text
-from .endpoints import RESPONSES_API_ERROR, Endpoints
+from .openai.detokenizer import ModelText, load_model_text
+from .server.endpoints import RESPONSES_API_ERROR, Endpoints
 from .errors import (BadRequest, ClientGone, MethodNotAllowed, ModelNotFound, NotFound, RouterError,
                      error_body)
-from .discovery import PREFILL_POOL, Membership, Resolver, resolve_addresses
-from .health import HealthMonitor
-from .pools import PrefillPool, member_serving
+from .fleet.discovery import PREFILL_POOL, Membership, Resolver, resolve_addresses
+from .fleet.health import HealthMonitor
+from .fleet.pools import PrefillPool, member_serving
 from .lanes.base import LaneContext
 from .lanes.express import ExpressLane, check_express_supported
 from .lanes.native import NativeLane
-from .fastpath import CompletionsFastPath, RouterApp
-from .limits import loads_object, read_asgi_body, read_body
+from .server.fastpath import CompletionsFastPath, RouterApp
+from .server.limits import loads_object, read_asgi_body, read_body
 from .metrics import RequestRecord, RouterMetrics
-from .openai_shapes import ClientRequest, Kind, parse_request
-from .requestlog import RequestIdMiddleware, upstream_request_id_hook
-from .secrets import RouterSecrets
-from .aiohttp_upstream import AiohttpTransport
-from .h1_pool import H1Pool
-from .http_protocol import ClientWatch, client_watch
-from .upstream import HttpxOneShot
+from .openai.shapes import ClientRequest, Kind, parse_request
+from .server.requestlog import RequestIdMiddleware, upstream_request_id_hook
+from .server.secrets import RouterSecrets
+from .upstream.aiohttp_transport import AiohttpTransport
+from .upstream.h1_pool import H1Pool
+from .server.http_protocol import ClientWatch, client_watch
+from .upstream.calls import HttpxOneShot
 
 __all__ = ["create_app", "Lanes", "resolve_lane"]
 
@@ -186,17 +187,24 @@ def create_app(config: RouterConfig, *, secrets: RouterSecrets | None = None,
             assert config.tokenizer_dir is not None
             mt = await anyio.to_thread.run_sync(load_model_text, config.tokenizer_dir)
         t = config.timeouts
-        oneshot = H1Pool(keepalive_expiry_s=t.upstream_keepalive_s) if transport is None else None
+        saturated = metrics.saturated
+        oneshot = probes = None
+        if transport is None:  # the router's own clients; a test's transport gets every call through httpx
+            oneshot = H1Pool(max_connections=config.upstream.max_connections, keepalive_expiry_s=t.upstream_keepalive_s,
+                             on_saturated=saturated.labels("oneshot").inc)
+            probes = H1Pool(max_connections=config.health.max_connections, keepalive_expiry_s=t.upstream_keepalive_s,
+                            on_saturated=saturated.labels("probe").inc)  # their own budget: traffic cannot starve them
+        streams = transport or AiohttpTransport(max_connections=config.upstream.max_connections,
+                                                keepalive_expiry_s=t.upstream_keepalive_s,
+                                                on_saturated=saturated.labels("stream").inc)
         async with contextlib.AsyncExitStack() as stack, httpx.AsyncClient(
-                transport=transport or AiohttpTransport(keepalive_expiry_s=t.upstream_keepalive_s), trust_env=False,
-                timeout=httpx.Timeout(t.decode_s, connect=t.connect_s),  # (aiohttp's pool: aiohttp_upstream.py)
-                limits=httpx.Limits(max_connections=512, max_keepalive_connections=64,
-                                    keepalive_expiry=t.upstream_keepalive_s),
+                transport=streams, trust_env=False,
+                timeout=httpx.Timeout(t.decode_s, connect=t.connect_s),  # (its pool: upstream/aiohttp_transport.py)
                 event_hooks={"request": [upstream_request_id_hook]}) as client:  # X-Request-Id on both legs
-            # one-shot calls (JSON legs, probes) on their own keep-alive pool (h1_pool.py); a test's own
-            # transport gets them through httpx
-            if oneshot is not None:
-                stack.push_async_callback(oneshot.aclose)
+            # one-shot calls (JSON legs) and probes on keep-alive pools of their own (upstream/h1_pool.py)
+            for pool in (oneshot, probes):
+                if pool is not None:
+                    stack.push_async_callback(pool.aclose)
             ctx = LaneContext(config=config, client=client, metrics=metrics, clock=clock, health=monitor,
                               headers=secrets.upstream_headers, prefills=prefills, membership=membership,
                               calls=oneshot if oneshot is not None else HttpxOneShot(client))
@@ -215,8 +223,9 @@ def create_app(config: RouterConfig, *, secrets: RouterSecrets | None = None,
             caps = app.state.capabilities
             membership.on_change(lambda pool, added, removed: [caps.forget(url) for url in removed])
             app.state.endpoints = Endpoints(config, client, secrets, prefills, clock,
-                                            report_failure=monitor.report_failure)
-            async with membership.running(), monitor.running(ctx.calls):
+                                            report_failure=monitor.report_failure,
+                                            report_success=monitor.report_success)
+            async with membership.running(), monitor.running(probes or HttpxOneShot(client)):
                 yield
             await ctx.drain(t.cancel_s + t.connect_s)  # cancels still in flight reach their nodes
             app.state.lanes = None
@@ -259,7 +268,7 @@ def create_app(config: RouterConfig, *, secrets: RouterSecrets | None = None,
         log.exception("unhandled error on %s", request.url.path)
         return JSONResponse(error_body("internal router error", "internal_error"), status_code=500)
 
-    # ---- auth (auth.py): every route but /health, /ready, /metrics ----
+    # ---- auth (server/auth.py): every route but /health, /ready (its details need a key), /metrics ----
     if not keys.enabled:
         where = f"{config.listen.host}:{config.listen.port}"
         log.warning("no client API keys configured (ROUTER_API_KEYS / ROUTER_API_KEY): the router is open to "
@@ -296,9 +305,21 @@ def create_app(config: RouterConfig, *, secrets: RouterSecrets | None = None,
                 pools[name] = {"busy_nodes": gate.busy_count, "nodes": len(gate.nodes), "waiting": gate.waiting}
         return {"status": "ok", "express_pools": pools}
 
+    def may_see_details(request: Request) -> bool:
+        """/ready's details (every upstream's address and state) go to a caller with a client API key; a router
+        without keys shows them to loopback callers only (the host itself, `docker compose exec`)."""
+        if not keys.enabled:
+            client = request.client
+            return client is not None and _loopback(client.host)
+        try:
+            return keys.authenticate(request.headers.get("authorization")) is not None
+        except RouterError:
+            return False
+
     @app.get("/ready")
     async def ready(request: Request) -> Response:
-        ok, body = monitor.readiness()
+        ok, details = monitor.readiness()
+        body = details if may_see_details(request) else {"status": details["status"]}
         return JSONResponse(body, status_code=200 if ok else 503)
 
     # ---- endpoints beside completions (endpoints.py) ----
@@ -402,6 +423,13 @@ def _follow_members(config: RouterConfig, monitor: HealthMonitor, metrics: Route
     for url in removed:
         monitor.forget(url, pool)
         metrics.member_left(pool, url)
+
+
+def _loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 _SERVE_HEADERS = frozenset((b"authorization", b"content-length", b"x-lane"))

@@ -53,8 +53,8 @@ from urllib.parse import urlsplit
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from .outlier import OutlierConfig  # front-door: ejection by the request path's failures (outlier.py)
-from .resilience import HealthConfig, ResilienceConfig  # router-path's sections (health.py, lanes/)
+from .fleet.outlier import OutlierConfig  # ejection by the request path's outcomes (fleet/outlier.py)
+from .resilience import HealthConfig, ResilienceConfig  # probes, panic, deadlines, retries (fleet/health.py, lanes/)
 
 __all__ = [
     "Affinity",
@@ -68,6 +68,7 @@ __all__ = [
     "QueueConfig",
     "Limits",
     "RouterConfig",
+    "UpstreamPools",
     "interpolate",
     "load_config",
     "parse_config",
@@ -95,6 +96,19 @@ def _strip_url(url: str) -> str:
 class Listen(_Strict):
     host: str = "0.0.0.0"
     port: int = Field(8080, ge=0, le=65535)
+    # How long an idle client connection is kept open (uvicorn's timeout_keep_alive; never a connection with a
+    # request in flight). Longer than any client's own idle expiry (httpx and the openai SDK: 5 s), as load
+    # balancers do (nginx 75 s, AWS ALB 60 s): a client reusing an idle connection never races the server's close.
+    keepalive_timeout_s: float = Field(75.0, ge=1)
+
+
+class UpstreamPools(_Strict):
+    """The router's own upstream connections: at most `max_connections` open per client (the one-shot calls; the
+    streams); a call that finds none free within timeouts.connect_s is refused by the router itself (503
+    router_saturated, `expresslane_router_upstream_pool_saturated_total`), never counted against a node. The
+    health probes have their own pool (health.max_connections)."""
+
+    max_connections: int = Field(512, ge=1)
 
 
 class DnsMembers(_Strict):
@@ -291,11 +305,12 @@ class RouterConfig(_Strict):
     # `token_id:N` as they do (a request's own return_tokens_as_token_ids wins, as in vLLM).
     return_tokens_as_token_ids: bool = False
     timeouts: Timeouts = Timeouts()
+    upstream: UpstreamPools = UpstreamPools()
     pools: dict[str, Pool] = Field(min_length=1)
     aliases: dict[str, Alias] = Field(min_length=1)
     lanes: dict[Lane, str] = Field(default_factory=dict)
-    health: HealthConfig = HealthConfig()  # router-path (resilience.py)
-    outlier: OutlierConfig = OutlierConfig()  # front-door (outlier.py)
+    health: HealthConfig = HealthConfig()  # active health checking, panic routing (resilience.py, fleet/health.py)
+    outlier: OutlierConfig = OutlierConfig()  # outlier detection (fleet/outlier.py)
     resilience: ResilienceConfig = ResilienceConfig()  # router-path (resilience.py)
 
     @field_validator("tool_call_parser")

@@ -15,19 +15,23 @@
     +-- UpstreamRejected (the upstream's own 4xx, relayed byte for byte)
     +-- UpstreamError (502 upstream_error: the upstream answered, but not usefully)
     |   +-- UpstreamUnavailable (503 service_unavailable: connect refused, upstream 503)
+    |   |   +-- RouterSaturated (503 router_saturated: the router's own connection pool is full; not the node's fault)
     |   +-- UpstreamTimeout (504 timeout: no answer in time, KV never reached the node)
     +-- ClientGone (the client disconnected; nothing is sent)
 
-Body: `{"error": {"message", "type", "param", "code"}}` like OpenAI and vLLM.
+Body: `{"error": {"message", "type", "param", "code"}}` like OpenAI and vLLM. A message a client sees names no
+internal address: URLs, `host:port` pairs and IP addresses in it (the router's own words or a library's exception
+text) read `<upstream>` (`public_text`); the full text stays in the router's logs. An upstream's own 4xx reply
+(UpstreamRejected) is relayed unchanged.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 __all__ = [
-    "EJECTING_KINDS",
     "BadRequest",
     "ClientGone",
     "LaneBusy",
@@ -38,6 +42,7 @@ __all__ = [
     "PermissionDenied",
     "RateLimited",
     "RouterError",
+    "RouterSaturated",
     "Unauthorized",
     "UnsupportedFeature",
     "UpstreamError",
@@ -46,7 +51,18 @@ __all__ = [
     "UpstreamUnavailable",
     "VllmValidation",
     "error_body",
+    "public_text",
 ]
+
+_ADDRESS = re.compile(r"\b[a-z][a-z0-9+.-]*://[^\s'\"<>()\[\]]+"  # a URL
+                      r"|\[[0-9a-fA-F:.]+\](?::\d+)?"  # [IPv6]:port
+                      r"|\b\d{1,3}(?:\.\d{1,3}){3}\b(?::\d+)?"  # IPv4[:port]
+                      r"|(?<![\w.:/-])[A-Za-z0-9](?:[A-Za-z0-9.-]*[A-Za-z0-9])?:\d{2,5}\b")  # host:port
+
+
+def public_text(text: str) -> str:
+    """`text` with every internal address in it (URL, host:port, IP address) replaced by `<upstream>`."""
+    return _ADDRESS.sub("<upstream>", text)
 
 
 def error_body(message: str, type_: str, *, param: str | None = None, code: Any = None) -> dict:
@@ -68,7 +84,7 @@ class RouterError(Exception):
         self.headers = dict(headers or {})
 
     def body(self) -> dict:
-        return error_body(self.message, self.type, param=self.param, code=self.code)
+        return error_body(public_text(self.message), self.type, param=self.param, code=self.code)
 
     def render(self) -> tuple[int, bytes, dict[str, str]]:
         """(status, body bytes, headers) of the HTTP reply for this error."""
@@ -166,11 +182,6 @@ class UpstreamRejected(RouterError):
         return self.status, self.content, {"content-type": self.content_type}
 
 
-# UpstreamError kinds that say the node itself may be unreachable, gone or hung: outlier detection counts them
-# (health.py, outlier.py). "transport" is a connection the peer dropped before or during its reply.
-EJECTING_KINDS = ("connect", "timeout", "stall", "transport")
-
-
 class UpstreamError(RouterError):
     status = 502
     type = "upstream_error"
@@ -184,6 +195,16 @@ class UpstreamError(RouterError):
 class UpstreamUnavailable(UpstreamError):
     status = 503
     type = "service_unavailable"
+
+
+class RouterSaturated(UpstreamUnavailable):
+    """The router's own upstream connection pool had no free connection in time: the router is overloaded, the
+    node is not at fault (outlier detection never counts it)."""
+
+    code = "router_saturated"
+
+    def __init__(self, message: str, *, stage: str, retry_after_s: int = 1):
+        super().__init__(message, stage=stage, kind="router_saturated", headers={"retry-after": str(retry_after_s)})
 
 
 class UpstreamTimeout(UpstreamError):

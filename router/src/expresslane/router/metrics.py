@@ -60,16 +60,29 @@ class RouterMetrics:
                                        ["lane", "stage", "type"], registry=r)
         self.generated_tokens = Counter(P + "generated_tokens_total", "Completion tokens returned to clients",
                                         ["lane"], registry=r)
-        # ---- off the happy path (health.py, lanes/) ----
-        self.upstream_healthy = Gauge(P + "upstream_healthy", "1 while an upstream takes traffic, 0 while ejected",
+        # ---- off the happy path (fleet/health.py, fleet/outlier.py, lanes/) ----
+        self.upstream_healthy = Gauge(P + "upstream_healthy",
+                                      "1 while an upstream is healthy (probes) and not ejected (outlier detection), "
+                                      "else 0 (it still takes traffic while its pool panics: pool_panic)",
                                       ["lane", "pool", "node"], registry=r)
+        self.pool_panic = Gauge(P + "pool_panic", "1 while too few of a pool's members are healthy and it routes to "
+                                "all of them (health.healthy_panic_threshold)", ["pool"], registry=r)
+        self.health_probes = Counter(P + "health_probes_total",
+                                     "Active health checks by result: passed, failed, slow (no answer in time from "
+                                     "a node that showed life on the request path: neither)",
+                                     ["lane", "node", "result"], registry=r)
         self.ejections = Counter(P + "upstream_ejections_total",
-                                 "Upstreams taken out of traffic: by the probes (reason probe_*) or by outlier "
-                                 "detection (reason: the rule that tripped)", ["lane", "pool", "node", "reason"],
-                                 registry=r)
+                                 "Upstreams taken out of traffic: marked unhealthy by the probes (reason probe_*) or "
+                                 "ejected by outlier detection (reason: the rule that tripped)",
+                                 ["lane", "pool", "node", "reason"], registry=r)
         self.outlier_decisions = Counter(P + "outlier_decisions_total",
-                                         "Outlier detection's decisions (outlier.py): eject, keep (a guard refused "
-                                         "an ejection), readmit", ["pool", "node", "decision", "reason"], registry=r)
+                                         "Outlier detection's decisions (fleet/outlier.py): eject, keep (a guard "
+                                         "refused an ejection; at most once per node and interval), readmit",
+                                         ["pool", "node", "decision", "reason"], registry=r)
+        self.saturated = Counter(P + "upstream_pool_saturated_total",
+                                 "Upstream calls the router refused itself: its own connection pool had no free "
+                                 "connection within timeouts.connect_s (never counted against a node)", ["client"],
+                                 registry=r)
         self.failovers = Counter(P + "failovers_total",
                                  "Requests moved to another lane before their first token (node down / failed)",
                                  ["alias", "from_lane", "to_lane", "reason"], registry=r)
@@ -130,6 +143,9 @@ class RouterMetrics:
         for pool in (PREFILL_POOL, *config.pools):
             self.pool_members.labels(pool)
             self.pool_dns_failures.labels(pool)
+            self.pool_panic.labels(pool).set(0)
+        for client in ("oneshot", "stream", "probe"):
+            self.saturated.labels(client)
         for lane in LANES:
             for h in (self.ttft, self.itl, self.e2e, self.user_tps, self.queue_wait):
                 h.labels(lane)

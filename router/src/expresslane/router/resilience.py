@@ -2,23 +2,26 @@
 
 Two sections of the router config (both optional; every value has a safe default):
 
-  health:      active probes and the per-node circuit breaker (health.py)
+  health:      active health checking, as Envoy's (fleet/health.py)
     enabled: true             probe every upstream (prefill, native nodes, express nodes) in the background
     interval_s: 2             between probe rounds
     timeout_s: 2              one probe's budget (GET <node>/health)
-    unhealthy_threshold: 2    consecutive probe failures that eject a serving node (CLOSED -> OPEN)
-                              (request-path failures do not: they go to outlier detection, section `outlier`,
-                              outlier.py)
-    open_s: 3                 how long an ejected node stays OPEN before it may be re-admitted (HALF_OPEN)
-    healthy_threshold: 1      consecutive successes in HALF_OPEN that re-admit it (-> CLOSED)
-
+    unhealthy_threshold: 3    consecutive failed probes that mark a healthy node unhealthy (a probe that
+                              connected but got no answer in time fails only when the node showed no other sign
+                              of life within the window: no leg completed there, no stream line came from it)
+    healthy_threshold: 1      consecutive passing probes that mark an unhealthy node healthy again
+    healthy_panic_threshold: 50   when fewer than this % of a pool's members are healthy (probes) and not
+                              ejected (outlier detection), the pool routes to ALL its members (Envoy's panic
+                              routing: a one-member pool always keeps its member); 0 = never
+    max_connections: 64       the probes' own connection pool (traffic cannot starve it)
   resilience:  deadlines, retries and failover (lanes/)
     request_deadline_s: 600   whole request, arrival to last byte; past it: 504 / an error event
-    stall_timeout_s: 10       a stream that sends nothing for this long is dead (error event, cancel, release);
-                              a native decode node whose probes answered within that window is busy: its
-                              stream is waited on, window by window, up to the request deadline
-                              and it is the decode leg's read timeout, so a partitioned node costs seconds
-    first_token_timeout_s: 30 the same for the wait before a decode leg's first byte (KV wait included)
+    stall_timeout_s: 10       a stream that sends nothing for this long, from a node that showed no sign of life in
+                              that window (no passing probe, no other leg completed or streaming), is dead: an
+                              error event, cancel, release. From a node that did, it is busy: the stream is waited
+                              on, window by window, up to the request deadline, whatever the client library's own
+                              per-read timeout (the legs' read timeout is the request deadline)
+    first_token_timeout_s: 30 the same for the wait before a decode leg's first line (KV wait included)
     reserve_ttl_s: 60         ttl of POST /pd/reserve (the node caps it): prefill + handoff must fit in it
     native_retries: 1         a native decode node that fails before the first byte: retry on another node (on
                               the same node after retry_backoff_s when it is the pool's only serving node)
@@ -36,8 +39,9 @@ Two sections of the router config (both optional; every value has a safe default
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from .errors import UpstreamTimeout
 
@@ -52,9 +56,18 @@ class HealthConfig(_Strict):
     enabled: bool = True
     interval_s: float = Field(2.0, gt=0)
     timeout_s: float = Field(2.0, gt=0)
-    unhealthy_threshold: int = Field(2, ge=1)
-    open_s: float = Field(3.0, ge=0)
+    unhealthy_threshold: int = Field(3, ge=1)
     healthy_threshold: int = Field(1, ge=1)
+    healthy_panic_threshold: int = Field(50, ge=0, le=100)
+    max_connections: int = Field(64, ge=1)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_breaker_keys(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "open_s" in data:
+            raise ValueError("open_s is gone: an unhealthy node is probed every interval_s and serves again after "
+                             "healthy_threshold passing probes (Envoy's active health checking); remove open_s")
+        return data
 
 
 class ResilienceConfig(_Strict):

@@ -13,7 +13,11 @@ from pathlib import Path
 from typing import Any
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ACTIVATIONS = ("silu",)
+# safetensors dtype names the engine loads (converted to --dtype on load); quantized formats are not dequantized.
+SUPPORTED_TENSOR_DTYPES = ("F32", "F16", "BF16")
 
 
 class UnsupportedModelError(ValueError):
@@ -67,6 +71,18 @@ class ModelConfig:
                 f"model_type={model_type!r} (architectures={cfg.get('architectures')}) is not supported; "
                 f"the express decode engine implements {SUPPORTED_MODEL_TYPES}"
             )
+        architectures = cfg.get("architectures") or []
+        unknown = [a for a in architectures if a not in SUPPORTED_ARCHITECTURES]
+        if unknown:
+            raise UnsupportedModelError(f"architectures={architectures} is not supported; the express decode engine "
+                                        f"implements {SUPPORTED_ARCHITECTURES}")
+        if cfg.get("quantization_config"):
+            method = (cfg["quantization_config"] or {}).get("quant_method", "?")
+            raise UnsupportedModelError(f"quantized checkpoint (quantization_config.quant_method={method!r}) is not "
+                                        f"supported: the decode engine loads float32, float16 or bfloat16 weights")
+        act = cfg.get("hidden_act", "silu")
+        if act not in SUPPORTED_ACTIVATIONS:
+            raise UnsupportedModelError(f"hidden_act={act!r} is not supported (supported: {SUPPORTED_ACTIVATIONS})")
         if cfg.get("use_sliding_window") and any(t == "sliding_attention" for t in cfg.get("layer_types") or ()):
             raise UnsupportedModelError("sliding-window attention layers are not supported by the decode engine")
         num_heads = int(cfg["num_attention_heads"])
@@ -113,6 +129,41 @@ class ModelConfig:
         return cls.from_dict(cfg, gen)
 
 
+def safetensors_dtypes(model_dir: str | Path) -> dict[str, str]:
+    """{safetensors dtype name: first tensor of that dtype} over a checkpoint's *.safetensors, from their headers
+    alone (no tensor is read)."""
+    found: dict[str, str] = {}
+    for path in sorted(Path(model_dir).glob("*.safetensors")):
+        with path.open("rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            if not 0 < size < 1 << 28:
+                raise UnsupportedModelError(f"{path.name} is not a safetensors file (header size {size})")
+            header = json.loads(f.read(size))
+        for name, info in header.items():
+            if name != "__metadata__":
+                found.setdefault(info["dtype"], f"{path.name}:{name}")
+    return found
+
+
+def check_checkpoint(model_dir: str | Path) -> ModelConfig:
+    """Everything the decode engine can tell about a checkpoint directory before loading it: its config
+    (architecture, activation, RoPE type, sliding window, quantization) and its tensors' dtypes. Returns the
+    config; UnsupportedModelError names what it cannot serve, FileNotFoundError what is missing."""
+    model_dir = Path(model_dir)
+    cfg = ModelConfig.from_model_dir(model_dir)
+    if not any(model_dir.glob("*.safetensors")):
+        bins = sorted(p.name for p in model_dir.glob("*.bin"))
+        raise UnsupportedModelError(f"no *.safetensors in {model_dir}" + (
+            f" (found {bins[:3]}: PyTorch .bin checkpoints are not supported; convert them to safetensors)"
+            if bins else ""))
+    bad = {dtype: where for dtype, where in safetensors_dtypes(model_dir).items()
+           if dtype not in SUPPORTED_TENSOR_DTYPES}
+    if bad:
+        raise UnsupportedModelError(f"tensor dtypes {sorted(bad)} (e.g. {next(iter(bad.values()))}) are not "
+                                    f"supported: the decode engine loads {SUPPORTED_TENSOR_DTYPES}")
+    return cfg
+
+
 def _rope_from_dict(cfg: dict[str, Any]) -> RopeConfig:
     # transformers >= 5 writes `rope_parameters`; older checkpoints write `rope_theta` + `rope_scaling`.
     params = dict(cfg.get("rope_scaling") or {})
@@ -135,3 +186,23 @@ def _rope_from_dict(cfg: dict[str, Any]) -> RopeConfig:
             params.get("original_max_position_embeddings") or cfg.get("max_position_embeddings", 8192)
         ),
     )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """main([MODEL_DIR]), which scripts/launch/decode-express.sh runs first: exit 0 and a one-line summary when the
+    decode engine can serve the checkpoint, else exit 2 and one line naming what it cannot."""
+    import sys
+
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print("usage: check_checkpoint MODEL_DIR", file=sys.stderr)
+        return 2
+    try:
+        cfg = check_checkpoint(args[0])
+    except (UnsupportedModelError, FileNotFoundError, ValueError, KeyError) as e:
+        kind = "unsupported checkpoint" if isinstance(e, UnsupportedModelError) else "not a checkpoint"
+        print(f"expresslane: {kind}: {args[0]}: {e}", file=sys.stderr)
+        return 2
+    print(f"expresslane: {args[0]}: {cfg.model_type}, {cfg.num_layers} layers, hidden {cfg.hidden_size}, "
+          f"{cfg.num_heads}/{cfg.num_kv_heads} heads, rope {cfg.rope.rope_type}: supported")
+    return 0

@@ -13,10 +13,17 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from .config import ModelConfig
+from .config import ModelConfig, UnsupportedModelError, check_checkpoint
 from .transformer import Transformer
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class CheckpointLayoutError(UnsupportedModelError, KeyError):
+    """A tensor the architecture needs is missing: the checkpoint is not laid out as the engine's mapping expects."""
+
+    def __str__(self) -> str:  # KeyError's str() would quote the message
+        return str(self.args[0]) if self.args else ""
 
 
 def checkpoint_files(model_dir: str | Path) -> list[Path]:
@@ -46,7 +53,8 @@ def _hf_to_fused(cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> dict[str
         try:
             return tensors.pop(name)
         except KeyError:
-            raise KeyError(f"checkpoint is missing {name!r} (model_type={cfg.model_type})") from None
+            raise CheckpointLayoutError(f"checkpoint is missing {name!r}: its tensors do not follow the "
+                                        f"{cfg.model_type} layout the engine implements") from None
 
     out["embed_tokens.weight"] = take("model.embed_tokens.weight")
     out["norm.weight"] = take("model.norm.weight")
@@ -78,13 +86,17 @@ def _hf_to_fused(cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> dict[str
             out[dst + "mlp.down_proj.bias"] = take(mlp + "down_proj.bias")
     leftover = [n for n in tensors if not n.endswith(_IGNORED_SUFFIXES)]
     if leftover:
-        raise ValueError(f"checkpoint tensors not used by the {cfg.model_type} mapping: {sorted(leftover)[:8]}")
+        raise UnsupportedModelError(f"checkpoint tensors not used by the {cfg.model_type} mapping (an option the "
+                                    f"engine does not implement?): {sorted(leftover)[:8]}")
     return out
 
 
 def load_model(
     model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str
 ) -> Transformer:
+    """The checkpoint's weights in the fused Transformer; UnsupportedModelError (before any tensor is read) for a
+    checkpoint the engine cannot serve: its architecture, activation, RoPE type or tensor dtypes."""
+    check_checkpoint(model_dir)
     return model_from_tensors(cfg, dict(iter_checkpoint(model_dir)), dtype, device)
 
 

@@ -15,17 +15,17 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from ..config import RouterConfig
-from ..errors import EJECTING_KINDS, RouterError, UpstreamError
+from ..errors import RouterError, UpstreamError
 from ..metrics import RequestRecord, RouterMetrics
-from ..pools import PrefillPool, member_serving
+from ..fleet.pools import PrefillPool, member_serving
 from ..resilience import Deadline
-from ..upstream import HttpxOneShot, OneShotCalls
+from ..upstream.calls import HttpxOneShot, OneShotCalls
 
 if TYPE_CHECKING:
-    from ..discovery import Membership
-    from ..health import HealthMonitor
+    from ..fleet.discovery import Membership
+    from ..fleet.health import HealthMonitor
 
-__all__ = ["EJECTING_KINDS", "LaneContext", "ManagedStream", "count_upstream_error", "shielded"]
+__all__ = ["LaneContext", "ManagedStream", "count_upstream_error", "shielded"]
 
 log = logging.getLogger("expresslane.router")
 _new_timeout = httpx.Timeout.__new__
@@ -75,17 +75,35 @@ class LaneContext:
     def healthy(self, url: str) -> bool:
         return self.health is None or self.health.healthy(url)
 
-    def answered_within(self, url: str, window_s: float) -> bool:
-        """`url`'s health probes answered within the last window_s seconds (False without probes)."""
-        return self.health is not None and self.health.answered_within(url, window_s)
+    def alive_within(self, url: str, window_s: float) -> bool:
+        """`url` showed a sign of life within the last window_s seconds: a passing probe, a completed leg, a stream
+        line (False without a health monitor)."""
+        return self.health is not None and self.health.alive_within(url, window_s)
+
+    def alive(self, url: str) -> Callable[[float], bool]:
+        """`alive_within` for one node, as a LineReader's liveness signal."""
+        return lambda window_s: self.alive_within(url, window_s)
+
+    def on_line(self, url: str) -> Callable[[], None] | None:
+        """A callback for each line a stream from `url` gets: a sign of life (None without a health monitor)."""
+        health = self.health
+        if health is None:
+            return None
+        return lambda: health.report_alive(url)
 
     def available(self, pool: str, url: str) -> bool:
         """`url` takes traffic of `pool`: probes and outlier detection (pools.member_serving)."""
         return member_serving(self.health, url, pool)
 
     def report_failure(self, url: str, kind: str, cause: str = "") -> None:
+        """A leg to `url` failed; outlier detection decides whether `kind` is the node's (fleet/outlier.classify)."""
         if self.health is not None:
             self.health.report_failure(url, kind, cause)
+
+    def report_error(self, url: str, err: RouterError) -> None:
+        """report_failure for a typed error (only UpstreamErrors can be the node's)."""
+        if self.health is not None and isinstance(err, UpstreamError):
+            self.health.report_failure(url, err.kind, err.message)
 
     def report_success(self, url: str) -> None:
         if self.health is not None:

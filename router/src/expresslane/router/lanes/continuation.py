@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import UpstreamError
-from ..request import RequestOptions
+from ..openai.request import RequestOptions
 from ..resilience import Deadline
 from .base import shielded
 from .native import NativeLane, decode_body

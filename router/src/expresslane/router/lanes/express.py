@@ -53,19 +53,20 @@ import httpx
 from starlette.responses import Response
 
 from ..config import ExpressNode, ExpressPool, QueueConfig
-from ..detokenizer import IncrementalDetokenizer, ModelText, OutputAssembler
+from ..openai.detokenizer import IncrementalDetokenizer, ModelText, OutputAssembler
 from ..errors import LaneBusy, RouterError, UpstreamError, UpstreamRejected, UpstreamUnavailable
-from ..gate import Lease, NodeGate, NoHealthyNode, QueueFull, QueueTimeout
+from ..fleet.gate import Lease, NodeGate, NoHealthyNode, QueueFull, QueueTimeout
 from ..metrics import RequestRecord, node_label
-from ..openai_shapes import SSE_DONE, ClientRequest, sse
-from ..pools import member_failed
-from ..prefill import derive_tilert_rid, express_prefill_body, first_token_id, prompt_token_ids, prompt_tokens
+from ..openai.shapes import SSE_DONE, ClientRequest, sse
+from ..fleet.pools import member_failed
+from .prefill import derive_tilert_rid, express_prefill_body, first_token_id, prompt_token_ids, prompt_tokens
 from ..resilience import Deadline
-from ..output_limits import check_requested, effective_max_tokens
-from ..logprobs import Position, TokenStrings, from_node, from_prefill
-from ..structured import node_structured_outputs
-from ..upstream import map_transport_error, read_json
-from .base import EJECTING_KINDS, LaneContext, ManagedStream, closing_on_error, count_upstream_error
+from ..openai.output_limits import check_requested, effective_max_tokens
+from ..openai.logprobs import Position, TokenStrings, from_node, from_prefill
+from ..openai.structured import node_structured_outputs
+from ..upstream.errors import map_transport_error, read_json
+from ..fleet.outlier import classify
+from .base import LaneContext, ManagedStream, closing_on_error, count_upstream_error
 from .continuation import Continuation
 from .express_node import STAGE, Leg, NodeBusy, NodeClient, NodeFailed, NodeTokens
 from .express_options import SAMPLING_KEYS, check_express_supported, sampling_of
@@ -286,18 +287,20 @@ class ExpressLane:
         body = express_prefill_body(req.body, cfg.prefill.model, chat=req.kind == "chat", kv_transfer_params=marker)
         self.native.require_prefill_up()
 
-        async def attempt(url: str) -> dict[str, Any]:  # on one member of the prefill pool (pools.py)
+        async def attempt(url: str) -> dict[str, Any]:  # on one member of the prefill pool (fleet/pools.py)
             try:
-                return await ctx.calls.post_json(url + req.path, body, stage="prefill", headers=ctx.headers("vllm"),
-                                                 timeout=ctx.timeout(deadline.timeout_for(cfg.timeouts.prefill_s,
-                                                                                          stage="prefill")))
+                out = await ctx.calls.post_json(url + req.path, body, stage="prefill", headers=ctx.headers("vllm"),
+                                                timeout=ctx.timeout(deadline.timeout_for(cfg.timeouts.prefill_s,
+                                                                                         stage="prefill")))
             except RouterError as e:
                 count_upstream_error(ctx, "express", e)
-                if isinstance(e, UpstreamError) and e.kind in EJECTING_KINDS:
-                    ctx.report_failure(url, e.kind, e.message)
-                    if e.kind != "connect":  # the member may have begun the handoff under this rid: start over
-                        raise PrefillLost(url, f"prefill {url} failed mid-leg: {e.message}") from None
+                ctx.report_error(url, e)
+                if isinstance(e, UpstreamError) and e.kind != "connect" and classify(e.kind) is not None:
+                    # the member failed as a node does and may have begun the handoff under this rid: start over
+                    raise PrefillLost(url, f"prefill {url} failed mid-leg: {e.message}") from None
                 raise
+            ctx.report_success(url)
+            return out
 
         # A member that refused the connection never saw the rid: the next member prefills for the same reservation.
         pre = await ctx.prefills.run(req.body, attempt,  # type: ignore[union-attr]
@@ -463,8 +466,7 @@ class ExpressLane:
             return
         except UpstreamError as e:
             count_upstream_error(self.ctx, "express", e)
-            if e.kind in EJECTING_KINDS:
-                self.ctx.report_failure(leg.node.url, e.kind, e.message)
+            self.ctx.report_error(leg.node.url, e)
             if asm.finished or len(asm.token_ids) >= leg.max_tokens:
                 return  # every token is in: nothing to continue
             target = self._failover_pool(req.alias, pool)

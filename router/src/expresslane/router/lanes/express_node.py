@@ -6,16 +6,16 @@
 
 The router always asks the node for NDJSON (also for a non-streaming client, which gets the assembled
 JSON), so every wait on a node is bounded: the first token batch by `first_token_timeout_s` (the node's
-own KV wait, `timeouts.kv_wait_s`, is shorter), each later line by `stall_timeout_s`.
+own KV wait, `timeouts.kv_wait_s`, is shorter), each later line by `stall_timeout_s`, each of them extended
+window by window while the node shows life (a busy node is not a dead one), all by the request's deadline.
 
 Outcomes before the first token are `NodeBusy` (429: requeue) or `NodeFailed(reason)` (the request may go
-elsewhere: the lane applies the alias's policy). The node is reported to the health monitor when the
-failure says the node itself is down (connect error, timeout, stall, 503 not_ready).
+elsewhere: the lane applies the alias's policy). Every call's outcome is reported to outlier detection (a
+success, or a failure with its kind: fleet/outlier.classify tells the node's failures from the rest).
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -26,9 +26,10 @@ import httpx
 from ..config import ExpressNode
 from ..errors import BadRequest, RouterError, UpstreamError
 from ..resilience import Deadline
-from ..upstream import LineReader, loads_line, map_transport_error
-from ..logprobs import Position
-from .base import EJECTING_KINDS, LaneContext
+from ..openai.logprobs import Position
+from ..upstream.errors import map_transport_error
+from ..upstream.lines import LineReader, loads_line, wait_alive
+from .base import LaneContext
 
 __all__ = ["Leg", "NodeBusy", "NodeClient", "NodeFailed", "NodeTokens", "STAGE"]
 
@@ -137,8 +138,7 @@ class NodeClient:
         return self.ctx.headers("express")
 
     def _down(self, leg: Leg, kind: str, cause: str) -> None:
-        if kind in EJECTING_KINDS or kind == "not_ready":
-            self.ctx.report_failure(leg.node.url, kind, cause)
+        self.ctx.report_failure(leg.node.url, kind, cause)  # outlier detection keeps only the node's failures
 
     # ---- reserve ------------------------------------------------------------------------------
     async def reserve(self, leg: Leg, deadline: Deadline) -> None:
@@ -155,6 +155,7 @@ class NodeClient:
             self._down(leg, err.kind, err.message)  # a timed-out reserve may have landed: leave it unsettled
             raise NodeFailed(err.kind, err.message, before_prefill=True) from None
         if resp.is_success:
+            self.ctx.report_success(leg.node.url)
             return
         leg.settled = True  # nothing was reserved for us
         text = resp.text[:300]
@@ -170,6 +171,9 @@ class NodeClient:
             self.no_reserve.add(leg.node.url)
             leg.settled = False
             return
+        if resp.status_code >= 500:
+            self._down(leg, f"http_{resp.status_code}", f"express node {leg.node.name} answered /pd/reserve with "
+                                                        f"{resp.status_code}: {text}")
         raise NodeFailed(f"reserve_http_{resp.status_code}",
                          f"express node {leg.node.name} refused the reservation ({resp.status_code}): {text}",
                          before_prefill=True)
@@ -177,42 +181,39 @@ class NodeClient:
     # ---- decode -----------------------------------------------------------------------------------
     async def open_decode(self, leg: Leg, body: dict[str, Any], deadline: Deadline) -> NodeTokens:
         """POST /pd/decode and read its first token batch. Raises NodeBusy, NodeFailed or BadRequest."""
-        res = self.ctx.config.resilience
+        ctx, res = self.ctx, self.ctx.config.resilience
         url = leg.node.url + "/pd/decode"
         first_s = deadline.timeout_for(res.first_token_timeout_s, stage=STAGE)
+        alive = ctx.alive(leg.node.url)
         resp: httpx.Response | None = None
         try:
-            async with asyncio.timeout(first_s):
-                req = self.ctx.client.build_request("POST", url, json={**body, "stream": True},
-                                                    headers=self._headers(),
-                                                    timeout=httpx.Timeout(first_s, connect=self.ctx.config.timeouts.connect_s))
-                resp = await self.ctx.client.send(req, stream=True)
-                if not resp.is_success:
-                    await self._refused(leg, resp)
-                reader = LineReader(resp, stage=STAGE, url=leg.node.url, first_s=first_s,
-                                    next_s=res.stall_timeout_s, deadline=deadline)
-                tokens = NodeTokens(leg, resp, reader, [])
-                gen = tokens.batches()
-                first = await anext(gen, None)
-                await gen.aclose()
-        except TimeoutError:
-            await self._close(resp)
-            msg = f"express node {leg.node.name} sent no first token within {first_s:g}s"
-            self._down(leg, "timeout", msg)
-            raise NodeFailed("timeout", msg)
+            # read timeout: the deadline's (the waits below decide when a silence is a stall, not the library)
+            timeout = httpx.Timeout(deadline.left(), connect=ctx.config.timeouts.connect_s)
+            req = ctx.client.build_request("POST", url, json={**body, "stream": True}, headers=self._headers(),
+                                           timeout=timeout)
+            resp = await wait_alive(ctx.client.send(req, stream=True), want_s=first_s, deadline=deadline,
+                                    alive=alive, stage=STAGE, what=f"express node {leg.node.name} sent no reply")
+            if not resp.is_success:
+                await self._refused(leg, resp)
+            reader = LineReader(resp, stage=STAGE, url=leg.node.url, first_s=first_s, next_s=res.stall_timeout_s,
+                                deadline=deadline, alive=alive, on_line=ctx.on_line(leg.node.url))
+            tokens = NodeTokens(leg, resp, reader, [])
+            gen = tokens.batches()
+            first = await anext(gen, None)
+            await gen.aclose()
         except httpx.HTTPError as e:
             await self._close(resp)
             err = map_transport_error(e, stage=STAGE, url=url)
             self._down(leg, err.kind, err.message)
             raise NodeFailed(err.kind, err.message) from None
-        except UpstreamError as e:  # read errors, stall, an error line or a truncated stream before any token
+        except UpstreamError as e:  # read errors, stall, deadline, an error line or a truncated stream before a token
             await self._close(resp)
             self._down(leg, e.kind, e.message)
             raise NodeFailed(e.kind, e.message) from None
         except BaseException:
             await self._close(resp)
             raise
-        self.ctx.report_success(leg.node.url)
+        ctx.report_success(leg.node.url)
         if first is not None:
             tokens._first, tokens._first_lp = first, tokens.batch_lp
         return tokens  # first is None: a done line before any token (done is set)
@@ -237,7 +238,10 @@ class NodeClient:
             self._down(leg, "not_ready", msg)
             raise NodeFailed("not_ready", msg)
         reason = _reason_of(content) or {504: "kv_timeout", 409: "not_reserved"}.get(code) or f"http_{code}"
-        raise NodeFailed(reason, f"express node {name} answered {code}: {content}")
+        msg = f"express node {name} answered {code}: {content}"
+        if code >= 500 and code != 504:  # (504: the KV never arrived: the prefill's handoff failed, not the node)
+            self._down(leg, f"http_{code}", msg)
+        raise NodeFailed(reason, msg)
 
     # ---- cancel ---------------------------------------------------------------------------------
     async def cancel_unless_settled(self, leg: Leg) -> None:

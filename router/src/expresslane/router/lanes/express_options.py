@@ -6,8 +6,8 @@ from __future__ import annotations
 from typing import Any
 
 from ..errors import BadRequest
-from ..structured import structured_unsupported
-from ..tools import express_unsupported
+from ..openai.structured import structured_unsupported
+from ..openai.tools import express_unsupported
 
 __all__ = ["SAMPLING_KEYS", "check_express_supported", "sampling_of"]
 

@@ -11,13 +11,13 @@ from typing import Any
 
 from starlette.responses import Response
 
-from ..detokenizer import OutputAssembler
+from ..openai.detokenizer import OutputAssembler
 from ..errors import RouterError, UpstreamError
 from ..json_codec import CompactJSONResponse
-from ..logprobs import TokenStrings, chat_logprobs, completion_logprobs
+from ..openai.logprobs import TokenStrings, chat_logprobs, completion_logprobs
 from ..metrics import RequestRecord
-from ..tools import HermesParser, chat_message_and_finish, stream_finish
-from ..openai_shapes import (SSE_DONE, ClientRequest, chat_chunk, chat_response, completion_chunk,
+from ..openai.tools import HermesParser, chat_message_and_finish, stream_finish
+from ..openai.shapes import (SSE_DONE, ClientRequest, chat_chunk, chat_response, completion_chunk,
                              completion_response, sse, usage_chunk)
 from .base import shielded
 from .express_node import Leg

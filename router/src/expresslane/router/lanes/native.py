@@ -11,18 +11,20 @@ The response id is the decode's, the usage is the decode's with `prompt_tokens` 
 Off the happy path:
 - only healthy nodes (health.py) are picked; no healthy node -> 503 + Retry-After before any prefill;
   a prefill known down -> the same, at once.
-- a decode node that fails before the first byte reaches the client (connect error, 503, a connection closed
-  before any reply, no first event in `first_token_timeout_s`, a stream that ends before its first event) is
+- a decode node that fails before the first byte reaches the client (connect error, a 5xx, a connection closed
+  before any reply, no first event in `first_token_timeout_s` from a node showing no life, a stream that ends
+  before its first event) is
   retried on another serving node, or on the same node after `resilience.retry_backoff_s` when it is the pool's
   only serving one (at most `resilience.native_retries` times, counted in retries_total). After a connect error
   the KV was never touched, so the same kv_transfer_params are reused; otherwise the prefill runs again (the
   first node may have pulled and freed the blocks).
-- failures are reported with their message to outlier detection (health.py, outlier.py), which ejects a node
-  only after several, and never the pool's last serving node.
-- a stream that sends nothing for `stall_timeout_s` from a node whose health probes did not answer within that
-  window, or that ends without `[DONE]`, is an error event in vLLM's streaming error format (then `[DONE]`),
-  never a quiet success; a node whose probes answer is busy, and its stream is waited on up to the request
-  deadline (upstream.LineReader).
+- every leg's outcome is reported to outlier detection (fleet/health.py, fleet/outlier.py): a success, or a failure
+  with its message; outlier detection ejects a node after a run of gateway failures or 5xx, never the pool's last
+  serving node.
+- a stream that sends nothing for `stall_timeout_s` from a node that showed no sign of life within that window (no
+  passing probe, no other leg there), or that ends without `[DONE]`, is an error event in vLLM's streaming error
+  format (then `[DONE]`), never a quiet success; a node that shows life is busy, and its stream is waited on up to
+  the request deadline (upstream/lines.LineReader; the leg's read timeout is the deadline, not the window).
 """
 
 from __future__ import annotations
@@ -42,19 +44,20 @@ from ..config import NativePool
 from ..errors import RouterError, UpstreamError, UpstreamTimeout, UpstreamUnavailable
 from ..json_codec import CompactJSONResponse
 from ..metrics import RequestRecord, node_label
-from ..openai_shapes import SSE_DONE, ClientRequest, iter_sse_data, sse
-from ..pools import member_failed
-from ..prefill import native_prefill_body, prompt_tokens
+from ..openai.shapes import SSE_DONE, ClientRequest, iter_sse_data, sse
+from ..fleet.pools import member_failed
+from .prefill import native_prefill_body, prompt_tokens
 from ..resilience import Deadline
-from ..upstream import LineReader, open_stream
-from .base import EJECTING_KINDS, LaneContext, ManagedStream, closing_on_error, count_upstream_error
+from ..upstream.lines import LineReader, wait_alive
+from ..upstream.calls import open_stream
+from .base import LaneContext, ManagedStream, closing_on_error, count_upstream_error
 
 __all__ = ["NativeLane", "NativeStream", "decode_body", "fix_usage"]
 
 log = logging.getLogger("expresslane.router")
 
 # Failures before the first byte that another node may not have: retried there.
-RETRY_KINDS = ("connect", "http_503", "stall", "timeout", "transport", "truncated")
+RETRY_KINDS = ("connect", "http_500", "http_502", "http_503", "http_504", "stall", "timeout", "transport", "truncated")
 
 
 def decode_body(body: dict[str, Any], model: str, kv_transfer_params: dict[str, Any],
@@ -129,18 +132,19 @@ class NativeLane:
 
     def _failed(self, url: str, err: RouterError) -> None:
         count_upstream_error(self.ctx, "native", err)
-        if isinstance(err, UpstreamError) and err.kind in EJECTING_KINDS:
-            self.ctx.report_failure(url, err.kind, err.message)
+        self.ctx.report_error(url, err)  # outlier detection tells the node's failures from the rest
 
     # ---- the prefill leg ---------------------------------------------------------------------------
     def require_prefill_up(self) -> None:
         """No prefill member taking traffic fails the request at once (typed 503 + Retry-After), on both lanes."""
         if not self.ctx.prefills.any_serving():  # type: ignore[union-attr]
-            raise self.ctx.prefills.unavailable("the prefill server is down (health probes fail)")  # type: ignore[union-attr]
+            raise self.ctx.prefills.unavailable(  # type: ignore[union-attr]
+                "no prefill server takes traffic (unhealthy by its health probes)")
 
     async def prefill(self, body: dict[str, Any], path: str, deadline: Deadline) -> tuple[dict[str, Any], int]:
         """(kv_transfer_params, prompt tokens) of a native prefill leg for the client body `body`, on a member of the
-        prefill pool (pools.py); a member that fails as a node does (EJECTING_KINDS) is left for the next one."""
+        prefill pool (fleet/pools.py); a member that fails as a node does (pools.member_failed) is left for the next
+        one."""
         ctx, cfg = self.ctx, self.ctx.config
         self.require_prefill_up()
         leg = native_prefill_body(body, cfg.prefill.model)
@@ -154,6 +158,7 @@ class NativeLane:
                 if not isinstance(kvp, dict):
                     raise UpstreamError("prefill reply has no kv_transfer_params: is the prefill server started "
                                         "with a kv-transfer-config that includes NixlConnector?", stage="prefill")
+                ctx.report_success(url)
                 return kvp, prompt_tokens(pre)
             except RouterError as e:
                 self._failed(url, e)
@@ -166,7 +171,7 @@ class NativeLane:
         ctx, cfg = self.ctx, self.ctx.config
         deadline = ctx.deadline(record)
         if self.pick_node(pool) is None:
-            raise self._unavailable(f"every decode node of pool {pool!r} is down")
+            raise self._unavailable(f"no decode node of pool {pool!r} takes traffic (unhealthy by its probes)")
         kvp, n_prompt = await self.prefill(req.body, req.path, deadline)
         tried: tuple[str, ...] = ()
         res = cfg.resilience
@@ -230,11 +235,15 @@ class NativeLane:
             stack.callback(self._track, pool, url, -1)
             try:
                 first_s = deadline.timeout_for(res.first_token_timeout_s, stage="decode")
-                resp = await stack.enter_async_context(open_stream(
+                # the headers within the wait for the first line (LineReader's rules); the read timeout is the
+                # deadline's: the reader decides when a silence is a stall, not the client library
+                read_s = deadline.timeout_for(ctx.config.timeouts.decode_s, stage="decode")
+                resp = await wait_alive(stack.enter_async_context(open_stream(
                     ctx.client, url + path, body, stage="decode", headers=ctx.headers("vllm"),
-                    timeout=ctx.timeout(first_s)))
+                    timeout=ctx.timeout(read_s))), want_s=first_s, deadline=deadline, alive=ctx.alive(url),
+                    stage="decode", what=f"{url} sent no reply")
                 reader = LineReader(resp, stage="decode", url=url, first_s=first_s, next_s=res.stall_timeout_s,
-                                    deadline=deadline, alive=lambda window_s: ctx.answered_within(url, window_s))
+                                    deadline=deadline, alive=ctx.alive(url), on_line=ctx.on_line(url))
                 events = iter_sse_data(reader.__aiter__())
                 first = await anext(events, None)
                 if first is None:
