@@ -54,6 +54,7 @@ class SeatScheduler:
         self._order = 0  # rotates which request plans first (drafts weighed against the others' rows)
         self.steps = 0
         self.rows_histogram: dict[int, int] = {}  # forwards by row count
+        self.users_histogram: dict[int, int] = {}  # forwards by the requests they ran
 
     @property
     def active(self) -> int:
@@ -113,6 +114,7 @@ class SeatScheduler:
             raise
         self.steps += 1
         self.rows_histogram[planned] = self.rows_histogram.get(planned, 0) + 1
+        self.users_histogram[len(plan)] = self.users_histogram.get(len(plan), 0) + 1
         first = 0
         for seat, _, rows in plan:
             gen, run = self._runs[seat]

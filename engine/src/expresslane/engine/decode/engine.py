@@ -295,7 +295,7 @@ class DecodeEngine:
         # Several seats: every active request's rows in one forward a step (decode/batch.py).
         self.scheduler: SeatScheduler | None = None
         if seats > 1:
-            self.scheduler = SeatScheduler(self.runner.forward_rows, seats,
+            self.scheduler = SeatScheduler(lambda plan: self.runner.forward_rows(plan), seats,
                                            on_finished=lambda gen: self.spec_stats.add(gen.spec))
 
     @property

@@ -1,0 +1,216 @@
+"""Several users on one engine (decode/batch.py): each user's logits at every position are `torch.equal` to the
+same request served alone on the same engine, whatever the other rows are (their number, their contexts, their
+speculation, their sampling, a neighbour cancelled mid-way or joining late), on the three architectures, in
+float32 on a CPU. Greedy tokens therefore equal too, and seeded sampling that does not speculate."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from expresslane.engine.decode import DecodeEngine, SamplingParams, SpeculationConfig
+
+SEATS = 4
+MAX_SEQ = 256
+VOCAB = 512
+
+
+@pytest.fixture(scope="module")
+def engines(hf_model):
+    """(kind, {speculation name: a 4-seat engine}) over one random checkpoint of each architecture."""
+    kind, path, _ = hf_model
+    specs = {"off": None, "adaptive": SpeculationConfig(), "always": SpeculationConfig(adaptive=False)}
+    return kind, {name: DecodeEngine.from_pretrained(path, max_seq_len=MAX_SEQ, speculation=spec, seats=SEATS)
+                  for name, spec in specs.items()}
+
+
+def prompts(seed: int = 0) -> list[list[int]]:
+    """Four prompts of different lengths; two repeat themselves, so prompt lookup drafts on them."""
+    rng = random.Random(seed)
+    loop = [rng.randrange(VOCAB) for _ in range(9)]
+    return [[rng.randrange(VOCAB) for _ in range(17)], loop * 6, [rng.randrange(VOCAB) for _ in range(5)],
+            [rng.randrange(VOCAB) for _ in range(30)] + loop * 3]
+
+
+class Recorder:
+    """Records, per seat, the logits of every row the engine's forwards computed, keyed by (position, the token
+    ids from the prompt's end up to that row): a rejected draft's row (another context) never meets a kept one."""
+
+    def __init__(self, engine: DecodeEngine) -> None:
+        self.engine, self.rows = engine, {}
+        self._orig = engine.runner.forward_rows
+        self.steps: list[int] = []
+
+    def __enter__(self) -> "Recorder":
+        def hook(plan):
+            out = self._orig(plan)
+            i = 0
+            for seat, start, toks in plan:
+                for j in range(len(toks)):
+                    self.rows.setdefault(seat, {})[(start + j, tuple(toks[:j + 1]))] = out[i + j].clone()
+                i += len(toks)
+            self.steps.append(i)
+            return out
+        self.engine.runner.forward_rows = hook
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.engine.runner.forward_rows = self._orig
+
+
+def start(engine, seat, prompt, **sampling):
+    first = int(engine.prefill(prompt, seat=seat).argmax())
+    params = SamplingParams(**{"max_tokens": 40, "ignore_eos": True, "prompt_token_ids": prompt, **sampling})
+    return engine.generate(first, len(prompt), params, seat=seat)
+
+
+def run_all(engine, gens) -> None:
+    while engine.scheduler.active:
+        engine.scheduler.step()
+
+
+def true_rows(rows: dict, gen, prompt_len: int) -> dict[int, torch.Tensor]:
+    """The rows whose inputs are the request's own output: position -> logits (the row at prompt_len + i has
+    input token_ids[i])."""
+    out = {}
+    for (pos, inputs), logits in rows.items():
+        i = pos - prompt_len - len(inputs) + 1  # the first input's index in token_ids
+        if i >= 0 and list(inputs) == gen.token_ids[i:i + len(inputs)]:
+            out[pos] = logits
+    return out
+
+
+def solo(engine, seat, prompt, **sampling):
+    with Recorder(engine) as rec:
+        gen = start(engine, seat, prompt, **sampling)
+        run_all(engine, [gen])
+    return gen, true_rows(rec.rows.get(seat, {}), gen, len(prompt))
+
+
+def assert_same(alone, together, label: str) -> None:
+    (ga, ra), (gb, rb) = alone, together
+    assert ga.token_ids == gb.token_ids, label
+    common = set(ra) & set(rb)
+    assert len(common) >= len(ga.token_ids) - 2, f"{label}: rows compared {len(common)} of {len(ga.token_ids)}"
+    bad = sorted(p for p in common if not torch.equal(ra[p], rb[p]))
+    assert not bad, f"{label}: logits differ at positions {bad[:5]}"
+
+
+@pytest.mark.parametrize("spec", ["off", "adaptive", "always"])
+def test_four_users_each_bit_identical_to_alone(engines, spec):
+    kind, by_spec = engines
+    engine = by_spec[spec]
+    ps = prompts()
+    alone = [solo(engine, 0, p) for p in ps]
+    seats = [2, 0, 3, 1]  # other seats than alone, in another order
+    with Recorder(engine) as rec:
+        gens = [start(engine, s, p) for s, p in zip(seats, ps)]
+        run_all(engine, gens)
+    assert max(rec.steps) > 1  # the users did share forwards
+    for u, (s, p, g) in enumerate(zip(seats, ps, gens)):
+        assert_same(alone[u], (g, true_rows(rec.rows[s], g, len(p))), f"{kind} spec={spec} user {u}")
+    if spec == "always":
+        assert sum(g.spec.verify_steps for g in gens) > 0  # drafts were verified among the others' rows
+
+
+def test_neighbours_sampling_logprobs_penalties_do_not_touch_a_greedy_user(engines):
+    kind, by_spec = engines
+    engine = by_spec["always"]
+    ps = prompts(1)
+    alone = solo(engine, 3, ps[0])
+    with Recorder(engine) as rec:
+        me = start(engine, 0, ps[0])
+        start(engine, 1, ps[1], temperature=1.0, top_p=0.9, seed=3)
+        start(engine, 2, ps[2], logprobs=3, presence_penalty=0.5)
+        start(engine, 3, ps[3], temperature=0.7, top_k=5, seed=1, max_tokens=7)  # leaves early
+        run_all(engine, [])
+    assert_same(alone, (me, true_rows(rec.rows[0], me, len(ps[0]))), f"{kind} greedy beside samplers")
+
+
+def test_seeded_sampling_without_speculation_is_the_same_beside_others(engines):
+    _, by_spec = engines
+    engine = by_spec["always"]
+    ps = prompts(2)
+    sampled = dict(temperature=1.0, top_p=0.95, seed=11, repetition_penalty=1.1)  # penalties: no speculation
+    alone, _ = solo(engine, 1, ps[1], **sampled)
+    gens = [start(engine, s, p, **(sampled if s == 1 else {})) for s, p in enumerate(ps)]
+    run_all(engine, gens)
+    assert gens[1].token_ids == alone.token_ids
+
+
+def test_a_neighbour_cancelled_mid_way_and_one_joining_late(engines):
+    kind, by_spec = engines
+    engine = by_spec["adaptive"]
+    ps = prompts(3)
+    alone = [solo(engine, 0, p) for p in ps[:3]]
+    with Recorder(engine) as rec:
+        a = start(engine, 0, ps[0])
+        b = start(engine, 1, ps[1])
+        for _ in range(5):
+            engine.scheduler.step()
+        b.cancel()
+        engine.scheduler.step()
+        assert b.done and b.finish_reason == "abort" and len(b.token_ids) < 40
+        c = start(engine, 1, ps[2])  # joins the seat the cancelled one left, while `a` decodes
+        run_all(engine, [a, c])
+    assert_same(alone[0], (a, true_rows(rec.rows[0], a, len(ps[0]))), f"{kind} beside a cancel")
+    assert_same(alone[2], (c, true_rows(rec.rows[1], c, len(ps[2]))), f"{kind} joined late into a freed seat")
+
+
+def test_steps_are_bounded_by_max_step_rows(engines):
+    _, by_spec = engines
+    engine = by_spec["always"]
+    ps = prompts(4)
+    alone = [solo(engine, 0, p)[0].token_ids for p in ps]
+    engine.scheduler.max_step_rows = 6
+    try:
+        with Recorder(engine) as rec:
+            gens = [start(engine, s, p) for s, p in enumerate(ps)]
+            run_all(engine, gens)
+    finally:
+        engine.scheduler.max_step_rows = None
+    assert max(rec.steps) <= 6
+    assert [g.token_ids for g in gens] == alone
+
+
+def test_seats_are_checked(engines):
+    _, by_spec = engines
+    engine = by_spec["off"]
+    p = prompts()[0]
+    with pytest.raises(ValueError, match="name the request's seat"):
+        engine.generate(1, len(p), SamplingParams())
+    with pytest.raises(ValueError, match="outside"):
+        engine.prefill(p, seat=SEATS)
+    gen = start(engine, 2, p)
+    with pytest.raises(ValueError, match="seat 2 is decoding"):
+        engine.inject(engine.cache.k[:, :3], engine.cache.v[:, :3], 3, seat=2)
+    with pytest.raises(ValueError, match="cache holds"):
+        engine.generate(1, 500, SamplingParams(), seat=3)
+    run_all(engine, [gen])
+    assert gen.done and gen.finish_reason == "length"
+
+
+def test_a_step_that_fails_fails_its_requests_and_the_engine_goes_on(engines):
+    _, by_spec = engines
+    engine = by_spec["off"]
+    ps = prompts(5)
+    gens = [start(engine, s, p) for s, p in enumerate(ps[:2])]
+    orig = engine.runner.forward_rows
+
+    def broken(plan):
+        raise RuntimeError("device lost")
+    engine.runner.forward_rows = broken
+    try:
+        with pytest.raises(RuntimeError, match="device lost"):
+            engine.scheduler.step()
+    finally:
+        engine.runner.forward_rows = orig
+    assert all(g.done and g.finish_reason == "error" and "device lost" in str(g.error) for g in gens)
+    with pytest.raises(RuntimeError, match="device lost"):
+        list(gens[0])  # iterating a failed request raises its error
+    assert engine.scheduler.active == 0
+    again = start(engine, 0, ps[0])
+    run_all(engine, [again])
+    assert len(again.token_ids) == 40
