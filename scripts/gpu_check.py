@@ -16,7 +16,8 @@ the greedy chain, the first request of a fresh engine, the KV handoff and inject
 H100 (2026-12-06), stopped at --test-budget-s.
 
 `bench`: the decode bench (`python -m expresslane.engine.decode.bench`) on random bf16 checkpoints of the
-Llama-3.1-8B and Llama-3.2-1B shapes (decode/shapes.py), one user, greedy, 256 tokens, at contexts 1k / 8k / 32k.
+Llama-3.1-8B and Llama-3.2-1B shapes (decode/shapes.py), one user, greedy, 256 tokens, at contexts 1k / 8k / 32k,
+and the several-users bench (`python -m expresslane.engine.decode.bench_users`: 1 / 2 / 4 / 8 users on one engine).
 By default it measures the node as deployed (parts `node` and `plain`: about 4-5 min on an H100; the 2026-12-06
 check's bench took 235-265 s); `bench --help` lists every part (the registry PARTS).
 
@@ -29,8 +30,8 @@ gpu_stack.py writes them); a run of `stack` alone prints its table and writes no
 
 Deadlines: every phase ends by --deadline-s from the start (a phase that would run past it is interrupted, what it
 wrote stays, the table is still printed): 570 s, one command run of 600 s with time for the summary, for `tests`,
-`bench` and `stack`; 1,800 s for `all`. OUT gets pytest.txt, bench.log, bench.jsonl, phases.txt (each phase's
-wall time), summary.txt (the table and the targets).
+`bench` and `stack`; 1,800 s for `all`. OUT gets pytest.txt, bench.log, bench.jsonl, users.jsonl, phases.txt (each
+phase's wall time), summary.txt (the table and the targets).
 
 The GPU machine this was built for has python3 3.12 with torch, triton, transformers, pytest, httpx and aiohttp,
 and no network: `prepare` downloads what it lacks (images/gpu/check-wheels.lock, hash-checked) into
@@ -58,7 +59,8 @@ from pathlib import Path
 from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_check_targets import bench_table, stack_lines, start_lines, targets  # noqa: E402
+from gpu_check_targets import (bench_table, stack_lines, start_lines, targets, users_rows,  # noqa: E402
+                               users_table)
 
 REPO = Path(__file__).resolve().parent.parent
 CARRY = REPO / ".carry" / "gpu-check"
@@ -154,6 +156,19 @@ def _families(args: argparse.Namespace, shape: str) -> list[Step]:
                  decode_bench(args, shape, args.family_contexts, "--lean-gemv", gemv,
                               *_drafts(args, args.family_oracle_k)))
             for gemv in GEMV_FAMILIES if gemv != node_gemv(shape)]
+
+
+@bench_part("users", default=True, measures=(
+    "several users on one engine as the node builds it on a GPU (seats: the tensor-core GEMVs, one forward a step "
+    "for every user: decode/batch.py): --users at --users-contexts, speculation on (the node's default) and off; "
+    "per-user tok/s, aggregate, x solo, % of the step's bound, every user's tokens against its run alone; about "
+    "2.5 min at 8B, 1.5 min at 1B on an H100"))
+def _users(args: argparse.Namespace, shape: str) -> list[Step]:
+    return [Step(f"{shape} users ({args.users} at once)",
+                 (PYTHON, "-m", "expresslane.engine.decode.bench_users", "--random-shape", shape, "--device", "cuda",
+                  "--dtype", "bfloat16", "--contexts", args.users_contexts, "--users", args.users,
+                  "--tokens", str(args.users_tokens), "--speculation", "on,off", "--repeats", "1",
+                  "--max-seq-len", str(args.max_seq_len), "--json", str(args.out / "users.jsonl")))]
 
 
 def bench_steps(args: argparse.Namespace) -> list[Step]:
@@ -337,6 +352,9 @@ def summary(out: Path, commit: str | None = None) -> list[str]:
     rows = [json.loads(line) for line in bench.read_text().splitlines() if line.strip()] if bench.exists() else []
     if rows:
         lines += bench_table(rows) + start_lines(rows)
+    users = users_rows(out)
+    if users:
+        lines += ["several users on one engine (users.jsonl)"] + users_table(users)
     found = targets(out)
     if found:
         lines.append("targets (docs/performance.md)")
@@ -424,6 +442,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--tokens", type=int, default=256, help="greedy tokens a request")
     g.add_argument("--repeats", type=int, default=2, help="best of")
     g.add_argument("--max-seq-len", type=int, default=33100, help="as a deployment sets it (32k + 256 + margin)")
+    g.add_argument("--users", default="1,2,4,8", help="users at once of the users part")
+    g.add_argument("--users-contexts", default="1024,8192,32768", help="prompt lengths of the users part")
+    g.add_argument("--users-tokens", type=int, default=128, help="greedy tokens each user decodes (users part)")
 
     stack = argparse.ArgumentParser(add_help=False)
     g = stack.add_argument_group("stack")

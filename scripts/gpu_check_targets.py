@@ -146,11 +146,56 @@ def targets(out: Path) -> list[tuple[bool, str, str]]:
                           f"{shape} per-request: each request >= 0.97x the faster one-family engine (x auto)",
                           " ".join(f"{m}@{c}: {best:.2f}x ({auto:.2f}x)" for m, c, best, auto in pairs)))
 
+    found += users_targets(out)
+
     seconds = sum(int(s) for s in re.findall(r"^(?:tests|bench) (\d+) s$", phases_txt, re.M))
     if seconds:
         found.append((seconds < 540 and "interrupted" not in phases_txt and "not run" not in phases_txt,
                       "the check in one run under 9 minutes (tests + bench)", f"{seconds} s"))
     return found
+
+
+def users_rows(out: Path) -> list[dict]:
+    path = out / "users.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+#: Several users on one engine (the users part, issue "several users at once"): (shape, context, users, x solo of
+#: each user at least), with the node's default speculation; and at 8B the aggregate of 4 users at 1k.
+USERS_FLOORS = (("llama-8b", 1024, 2, 0.95), ("llama-8b", 1024, 4, 0.90), ("llama-8b", 8192, 4, 0.80),
+                ("llama-1b", 1024, 4, 0.90))
+
+
+def users_targets(out: Path) -> list[tuple[bool, str, str]]:
+    rows = [r for r in users_rows(out) if r.get("speculation")]
+    if not rows:
+        return []
+    found = []
+    at = {(_shape(r), r["context"], r["users"]): r for r in rows}
+    for shape, ctx, users, floor in USERS_FLOORS:
+        r = at.get((shape, ctx, users))
+        if r is not None:
+            found.append((r["x_solo"] >= floor, f"{shape}: per-user >= {floor:.2f}x solo with {users} users at "
+                          f"{ctx // 1024}k", f"{r['x_solo']:.3f}x ({r['per_user_tok_per_s']:.1f} tok/s each)"))
+    r = at.get(("llama-8b", 1024, 4))
+    if r is not None:
+        found.append((4 * r["x_solo"] >= 3.5, "llama-8b: aggregate of 4 users at 1k >= 3.5x solo",
+                      f"{4 * r['x_solo']:.2f}x ({r['aggregate_tok_per_s']:.1f} tok/s)"))
+    every = users_rows(out)
+    found.append((all(r.get("exact_vs_alone") for r in every), "several users: every user's tokens = alone",
+                  f"{sum(bool(r.get('exact_vs_alone')) for r in every)} of {len(every)} runs"))
+    return found
+
+
+def users_table(rows: list[dict]) -> list[str]:
+    """One line per several-users result."""
+    out = ["shape     ctx    users spec  per-user tok/s  aggregate  x solo  of bound  exact"]
+    for r in rows:
+        bound = f"{100 * r['of_bound']:7.1f} %" if r.get("of_bound") else "      - "
+        out.append(f"{_shape(r):9} {r['context']:6} {r['users']:5} {'on ' if r['speculation'] else 'off'}  "
+                   f"{r['per_user_tok_per_s']:14.1f}  {r['aggregate_tok_per_s']:9.1f}  {r['x_solo']:6.3f}  {bound}  "
+                   f"{r['exact_vs_alone']}")
+    return out
 
 
 # ------------------------------------------------------------------------------------------------ the table

@@ -8,7 +8,7 @@ from triton.backends.compiler import GPUTarget
 
 HOPPER = GPUTarget("cuda", 90, 32)
 # Pointer arguments are bf16 tensors unless named here; the other non-constexpr arguments are int32 (eps float).
-POINTERS = {"start_ptr": "*i64", "key_ptr": "*i64", "ticket_ptr": "*i32"}
+POINTERS = {"start_ptr": "*i64", "rows_ptr": "*i64", "key_ptr": "*i64", "ticket_ptr": "*i32"}
 
 
 def signature(kernel, float32_out: bool = False) -> dict[str, str]:

@@ -49,13 +49,23 @@ def test_bench_measures_the_node_as_deployed_by_default(tmp_path) -> None:
         return [*common[:2], "--random-shape", shape, *common[2:], *flags, "--repeats", "2", "--json", json_out]
 
     drafts = ("--oracle-k", "1,2,3,4", "--lookup", "--replay-text", TEXTS)
-    # shape by shape: the node's engine, then the engine without speculation it is judged against. The 1B node's
-    # and both plain engines' commands are the ones the shell check ran before (scripts/gpu_check.sh, 6410eda).
+
+    def users(shape: str) -> list[str]:  # the node's seats: several users on one engine
+        return ["-m", "expresslane.engine.decode.bench_users", "--random-shape", shape, "--device", "cuda",
+                "--dtype", "bfloat16", "--contexts", "1024,8192,32768", "--users", "1,2,4,8", "--tokens", "128",
+                "--speculation", "on,off", "--repeats", "1", "--max-seq-len", "33100",
+                "--json", str(tmp_path / "users.jsonl")]
+
+    # shape by shape: the one-user engine, the engine without speculation it is judged against, then several
+    # users on the engine the node builds on a GPU. The 1B node's and both plain engines' commands are the ones
+    # the shell check ran before (scripts/gpu_check.sh, 6410eda).
     assert [_argv(s) for s in steps] == [
         argv("llama-8b", "--lean-gemv", "per-request", *drafts),
         argv("llama-8b", "--speculation-k", "0"),
+        users("llama-8b"),
         argv("llama-1b", *drafts),
         argv("llama-1b", "--speculation-k", "0"),
+        users("llama-1b"),
     ]
     assert [s.label for s in steps][0] == "llama-8b node (per-request)"
 
@@ -95,7 +105,8 @@ def test_a_new_part_joins_the_plan_and_the_help(tmp_path, monkeypatch) -> None:
         return [gpu_check.Step(f"{shape} seats", gpu_check.decode_bench(args, shape, "1024", "--users", "4"))]
 
     labels = [s.label for s in _plan("bench", str(tmp_path), "--shapes", "llama-1b")]
-    assert labels == ["llama-1b node (cuda-core)", "llama-1b plain engine (no speculation)", "llama-1b seats"]
+    assert labels == ["llama-1b node (cuda-core)", "llama-1b plain engine (no speculation)",
+                      "llama-1b users (1,2,4,8 at once)", "llama-1b seats"]
     assert [s.label for s in _plan("bench", str(tmp_path), "--parts", "seats", "--shapes", "llama-8b")] == \
         ["llama-8b seats"]
 

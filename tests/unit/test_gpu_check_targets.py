@@ -10,6 +10,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "scripts"))
 
+import gpu_check_targets  # noqa: E402
 from gpu_check_targets import targets  # noqa: E402
 
 RUN = REPO / "docs" / "bench" / "2026-12-04-gpu-check"
@@ -142,3 +143,29 @@ def test_tests_that_never_reached_their_summary_are_not_green(tmp_path):
     (tmp_path / "pytest.txt").write_text("ERROR: usage: python -m pytest [options]\n"
                                          "python -m pytest: error: unrecognized arguments: -n\n")
     assert _by_target(tmp_path)["GPU tests all green"] == (False, "pytest printed no summary line (pytest.txt says why)")
+
+
+def _users_row(shape, ctx, users, x_solo, exact=True, speculation=True):
+    solo = 200.0
+    return {"model": shape, "context": ctx, "users": users, "speculation": speculation, "tokens": 128,
+            "per_user_tok_per_s": solo * x_solo, "aggregate_tok_per_s": users * solo * x_solo, "x_solo": x_solo,
+            "exact_vs_alone": exact}
+
+
+def test_several_users_targets_each_users_speed_and_exactness(tmp_path):
+    rows = [_users_row("llama-8b", 1024, 1, 1.0), _users_row("llama-8b", 1024, 2, 0.97),
+            _users_row("llama-8b", 1024, 4, 0.86), _users_row("llama-8b", 8192, 4, 0.81),
+            _users_row("llama-1b", 1024, 4, 0.93, exact=False),
+            _users_row("llama-8b", 1024, 4, 0.10, speculation=False)]  # not the node's default: not judged
+    import json
+
+    (tmp_path / "users.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    got = _by_target(tmp_path)
+    assert got["llama-8b: per-user >= 0.95x solo with 2 users at 1k"][0]
+    assert not got["llama-8b: per-user >= 0.90x solo with 4 users at 1k"][0]
+    assert got["llama-8b: per-user >= 0.80x solo with 4 users at 8k"][0]
+    assert got["llama-1b: per-user >= 0.90x solo with 4 users at 1k"][0]
+    assert got["llama-8b: aggregate of 4 users at 1k >= 3.5x solo"] == (False, "3.44x (688.0 tok/s)")
+    assert got["several users: every user's tokens = alone"] == (False, "5 of 6 runs")
+    assert gpu_check_targets.users_table(gpu_check_targets.users_rows(tmp_path))[1].startswith(
+        "llama-8b    1024     1 on ")

@@ -591,6 +591,56 @@ def test_each_verify_row_is_the_one_row_step_bit_for_bit(dtype, rows, pos, bias,
     assert torch.equal(k, k1) and torch.equal(v, v1)  # the same K/V rows start .. start + R - 1, nothing else
 
 
+# Several users' rows in one step (decode/batch.py on a GPU): the tensor-core family's forward_seats. Each row
+# of a sequence in its seat is the bits of that sequence's own one-row step (a lean step over that seat alone),
+# whatever the other rows: seats at other lengths, a verify's rows beside plain ones, rows in any order. On CPU
+# (the interpreter) one float32 case; on a GPU bf16 too, lengths on both sides of the attention's chunk bounds.
+SEAT_CASES = ([(torch.float32, (37, 9, 60))] if DEVICE == "cpu" else
+              [(dt, lens) for dt in DTYPES for lens in ((37, 9, 60), (63, 64, 126), (1, 127, 64))])
+
+
+@pytest.mark.parametrize("dtype,lens", SEAT_CASES)
+@pytest.mark.parametrize("bias,tied", [(True, True)] + ([(False, False)] if DEVICE == "cuda" else []))
+def test_rows_of_several_seats_are_each_seats_own_steps_bit_for_bit(dtype, lens, bias, tied):
+    seats, s = 3, 160
+    cfg, model, cos, sin, k, v = _lean_case(bias, tied, dtype, seed=13, s=seats * s)
+    k1, v1 = k.clone(), v.clone()
+    # (seat, first position, tokens): seat 2 a verify of three rows, seat 0 one row, seat 1 two rows
+    plan = [(2, lens[2], [5, 17, 80]), (0, lens[0], [11]), (1, lens[1], [3, 90])]
+    tokens = torch.tensor([t for _, _, toks in plan for t in toks], device=DEVICE)
+    rows = torch.zeros(2 * fused_dot.RP, dtype=torch.long, device=DEVICE)
+    i = 0
+    for seat, start, toks in plan:
+        for j in range(len(toks)):
+            rows[i] = start + j
+            rows[fused_dot.RP + i] = seat * s + start + j
+            i += 1
+    with torch.no_grad():
+        lean = LeanStep(model, cos, sin, list(k.unbind(0)), list(v.unbind(0)), max_rows=fused.MAX_ROWS,
+                        gemv="tensor-core", seat_rows=8)
+        together = lean.forward_seats(tokens, rows).clone()
+        alone = []
+        for seat, start, toks in plan:  # each seat's sequence alone: a lean step over its own rows of the cache
+            ks = [kk[seat * s:(seat + 1) * s] for kk in k1.unbind(0)]
+            vs = [vv[seat * s:(seat + 1) * s] for vv in v1.unbind(0)]
+            one = LeanStep(model, cos, sin, ks, vs, max_rows=fused.MAX_ROWS, gemv="tensor-core")
+            alone += [one.forward(torch.tensor([t], device=DEVICE), torch.tensor([start + j], device=DEVICE))[0]
+                      .clone() for j, t in enumerate(toks)]
+    _sync()
+    assert together.shape == (len(alone), cfg.vocab_size)
+    for r in range(len(alone)):
+        assert torch.equal(together[r], alone[r]), (r, _rel(together[r], alone[r]))
+    assert torch.equal(k, k1) and torch.equal(v, v1)  # the same K/V rows, each in its own seat, nothing else
+
+
+def test_seat_rows_need_the_tensor_core_family():
+    cfg, model, cos, sin, k, v = _lean_case(False, False, torch.float32, seed=1, s=8)
+    with pytest.raises(ValueError, match="tensor-core"):
+        LeanStep(model, cos, sin, list(k.unbind(0)), list(v.unbind(0)), gemv="cuda-core", seat_rows=4)
+    with pytest.raises(ValueError, match="1..16"):
+        LeanStep(model, cos, sin, list(k.unbind(0)), list(v.unbind(0)), gemv="tensor-core", seat_rows=17)
+
+
 def test_a_pick_is_kept_per_weight_dtype():
     """A float32 kernel's pipeline stages take twice the shared memory of a bf16 one's: a block shape picked for
     bf16 weights of one (kernel, N, K) must not serve float32 weights of the same shape (on the H100 a float32

@@ -52,11 +52,14 @@ pytestmark = pytest.mark.skipif(not (PTXAS and os.access(PTXAS, os.X_OK)), reaso
 CASES = {
     "rms_rows": (fused_dot._rms_rows_kernel, 4, dict(K_POW2=4096)),
     "qkv_rope": (fused_dot._qkv_rope_kernel, 4, dict(NH=32, NKV=8, D=128, HAS_BIAS=False, BJ=32, BLOCK_K=256,
-                                                     STAGES=5, L2_LINES=0)),
+                                                     STAGES=5, L2_LINES=0, PER_ROW=False)),
     "qkv_rope with bias": (fused_dot._qkv_rope_kernel, 4, dict(NH=32, NKV=8, D=128, HAS_BIAS=True, BJ=32,
-                                                              BLOCK_K=256, STAGES=5, L2_LINES=0)),
+                                                              BLOCK_K=256, STAGES=5, L2_LINES=0, PER_ROW=False)),
     "qkv_rope + L2 prefetch": (fused_dot._qkv_rope_kernel, 4, dict(NH=32, NKV=8, D=128, HAS_BIAS=False, BJ=32,
-                                                                  BLOCK_K=256, STAGES=5, L2_LINES=16)),
+                                                                  BLOCK_K=256, STAGES=5, L2_LINES=16, PER_ROW=False)),
+    # several users' rows (LeanStep.forward_seats): each row's position and cache row read from the device
+    "qkv_rope over several users' rows": (fused_dot._qkv_rope_kernel, 4, dict(
+        NH=32, NKV=8, D=128, HAS_BIAS=False, BJ=32, BLOCK_K=256, STAGES=5, L2_LINES=0, PER_ROW=True)),
     "gemv_residual": (fused_dot._gemv_residual_kernel, 4, dict(HAS_BIAS=False, BLOCK_N=32, BLOCK_K=256, STAGES=5,
                                                                NORM=False, N_POW2=4096, L2_LINES=0)),
     "gemv_residual + norm tail": (fused_dot._gemv_residual_kernel, 4, dict(HAS_BIAS=False, BLOCK_N=32, BLOCK_K=256,

@@ -46,7 +46,8 @@ class SeatScheduler:
 
     def __init__(self, forward_rows, seats: int, *, max_step_rows: int | None = None,
                  on_finished: Callable[["Generation"], None] | None = None) -> None:
-        self._forward_rows = forward_rows  # runner.forward_rows: [(seat, start, tokens)] -> logits [rows, vocab]
+        # runner.forward_rows: ([(seat, start, tokens)], want_argmax) -> (logits [rows, vocab], row argmaxes | None)
+        self._forward_rows = forward_rows
         self.seats = seats
         self.max_step_rows = max_step_rows
         self._on_finished = on_finished
@@ -106,8 +107,10 @@ class SeatScheduler:
             rows = run.plan(rows_before=planned + others, max_drafts=room)
             plan.append((seat, run.pos, rows))
             planned += len(rows)
+        # Plain greedy requests need only their rows' argmaxes: every row's, read with the step's one host sync.
+        want_argmax = any(self._runs[seat][1].argmax_only for seat, _, _ in plan)
         try:
-            logits = self._forward_rows(plan)
+            logits, argmax = self._forward_rows(plan, want_argmax)
         except BaseException as e:
             for seat in seats:
                 self._fail(seat, e)
@@ -118,11 +121,12 @@ class SeatScheduler:
         first = 0
         for seat, _, rows in plan:
             gen, run = self._runs[seat]
+            last = first + len(rows)
             try:
-                run.consume(logits[first:first + len(rows)])
+                run.consume(logits[first:last], argmax[first:last] if argmax and run.argmax_only else None)
             except Exception as e:  # noqa: BLE001 - this request's own failure (a grammar): it alone ends
                 self._fail(seat, e)
-            first += len(rows)
+            first = last
         return planned
 
     def _fail(self, seat: int, error: BaseException) -> None:

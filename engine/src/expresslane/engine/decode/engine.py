@@ -18,7 +18,7 @@ from ..models.rope import rope_tables
 from .cache import KVGeometry, StaticKVCache
 from .chain import ChainState, GreedyChain, greedy_accept
 from .family import FAMILIES, FamilyChoice, FamilyPolicy, choose_family
-from .runner import StepRunner
+from .runner import SEAT_RP, StepRunner
 from . import logprobs as lp
 from .batch import SeatScheduler
 from .sequence import SequenceRun, finish_reason
@@ -58,14 +58,26 @@ CUDA_GRAPH_CHOICES = {"auto": None, "on": True, "off": False}
 
 
 def multi_seat_unsupported(device_type: str, attention: str | AttentionKind, cuda_graph: bool | None,
-                           lean_gemv: str = "auto") -> str | None:
-    """Why an engine so built cannot step several users together (decode/batch.py), or None."""
+                           lean_gemv: str = "auto", lean: bool | None = None) -> str | None:
+    """Why an engine so built cannot step several users together (decode/batch.py), or None. A GPU runs them on
+    the lean step with the tensor-core GEMVs (each row's bits its own, up to 16 rows: models/fused_dot.py); a CPU
+    on the live-attention PyTorch step with the row-invariant linear (models/cpu_linear.py). The model's own
+    limits (the lean step's) are the runner's to say (StepRunner.multi_seat_unsupported)."""
     kind = parse_attention(attention)
-    if resolve_cuda_graph(cuda_graph, device_type, kind) or kind is not AttentionKind.LIVE:
-        return (f"several users a step run the live-attention step without CUDA graphs (a CPU node); this engine "
-                f"has attention {kind.value!r} on {device_type}")
+    graph = resolve_cuda_graph(cuda_graph, device_type, kind)
     if lean_gemv == PER_REQUEST:
         return "a per-request GEMV family runs one request at a time"
+    if device_type == "cuda":
+        if lean is False or not graph or kind is not AttentionKind.SPLIT_KV:
+            return ("several users a step on a GPU run the lean step (split attention, CUDA graphs, --lean not off); "
+                    f"this engine has attention {kind.value!r}, cuda_graph={graph}, lean={lean}")
+        if lean_gemv == "cuda-core":
+            return ("several users a step on a GPU run the tensor-core GEMVs (the CUDA-core kernels take 5 rows, "
+                    "each row a step's compute more)")
+        return None
+    if graph or kind is not AttentionKind.LIVE:
+        return (f"several users a step on a {device_type} run the live-attention step without CUDA graphs; this "
+                f"engine has attention {kind.value!r}")
     return None
 
 
@@ -231,9 +243,13 @@ class DecodeEngine:
         cuda_graph = resolve_cuda_graph(cuda_graph, device.type, kind)
         if seats < 1:
             raise ValueError(f"seats must be >= 1, got {seats}")
-        why = multi_seat_unsupported(device.type, kind, cuda_graph, lean_gemv) if seats > 1 else None
+        why = multi_seat_unsupported(device.type, kind, cuda_graph, lean_gemv, lean) if seats > 1 else None
         if why:
             raise ValueError(f"{seats} seats: {why}")
+        if seats > 1 and device.type == "cuda":
+            lean_gemv = "tensor-core"  # (auto or tensor-core: the family that takes several users' rows)
+        k = speculation.k if speculation else 0
+        seat_rows = min(SEAT_RP, seats * (1 + k)) if seats > 1 and device.type == "cuda" else 0
         self.seats = seats
         self.model = model
         self.config = config
@@ -261,7 +277,7 @@ class DecodeEngine:
         def runner(gemv: str) -> StepRunner:
             return StepRunner(model, self.cache, self.cos, self.sin, attention=kind, compile=compile,
                               cuda_graph=cuda_graph, max_rows=1 + (speculation.k if speculation else 0),
-                              compile_mode=compile_mode, lean=lean, lean_gemv=gemv)
+                              compile_mode=compile_mode, lean=lean, lean_gemv=gemv, seat_rows=seat_rows)
 
         # Plain greedy requests run as a GreedyChain (decode/chain.py): the device one step ahead of the host
         # on every step without drafts, speculating or not. False runs them through the per-token loop (A/B
@@ -295,7 +311,11 @@ class DecodeEngine:
         # Several seats: every active request's rows in one forward a step (decode/batch.py).
         self.scheduler: SeatScheduler | None = None
         if seats > 1:
-            self.scheduler = SeatScheduler(lambda plan: self.runner.forward_rows(plan), seats,
+            why = self.runner.multi_seat_unsupported()
+            if why:
+                raise ValueError(f"{seats} seats: {why}")
+            self.scheduler = SeatScheduler(lambda plan, argmax: self.runner.forward_rows(plan, argmax), seats,
+                                           max_step_rows=seat_rows or None,
                                            on_finished=lambda gen: self.spec_stats.add(gen.spec))
 
     @property
@@ -501,13 +521,17 @@ class DecodeEngine:
         clock.step_tuned = self.runner.tune()
         if clock.step_tuned:
             clock.mark("step_tune")
-        self.runner.capture()
-        clock.mark("capture")
-        with torch.inference_mode():
-            for t in range(1, self.runner.max_rows + 1):  # every T the speculative path can take
-                if n + t < self.max_seq_len:
-                    self.runner.forward(self._arange[:t], n)
-        clock.mark("verify_rows")
+        if self.scheduler is not None:  # every step runs over seats: the row counts' graphs, nothing else
+            self.runner.capture_seats()
+            clock.mark("capture")
+        else:
+            self.runner.capture()
+            clock.mark("capture")
+            with torch.inference_mode():
+                for t in range(1, self.runner.max_rows + 1):  # every T the speculative path can take
+                    if n + t < self.max_seq_len:
+                        self.runner.forward(self._arange[:t], n)
+            clock.mark("verify_rows")
         seat = 0 if self.scheduler is not None else None
         for _ in self.generate(0, n, SamplingParams(max_tokens=steps, ignore_eos=True), seat=seat):
             pass
@@ -742,7 +766,7 @@ class DecodeEngine:
     @torch.inference_mode()
     def _batch_rows(self, rows: list[int], pos: int) -> list[int]:
         """A multi-seat engine's forward of `rows` (seat 0 at pos ..) and the read of their argmaxes."""
-        return self.runner.forward_rows([(0, pos, rows)]).argmax(dim=-1).tolist()
+        return self.runner.forward_rows([(0, pos, rows)], want_argmax=True)[1]
 
     @torch.inference_mode()
     def _greedy_rows(self, rows: list[int], pos: int) -> list[int]:

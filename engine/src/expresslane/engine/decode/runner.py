@@ -51,6 +51,8 @@ from .cache import StaticKVCache
 
 
 GREEDY = "greedy"  # the chained T = 1 step's graph key
+SEATS_KEY = "seats"  # (SEATS_KEY, rows): a step over several users' rows (forward_rows on the lean graph)
+SEAT_RP = 16  # the most rows such a step takes: models/fused_dot.py's RP (checked where the lean step is built)
 
 
 class StepMode(str, enum.Enum):
@@ -67,7 +69,8 @@ class StepRunner:
 
     def __init__(self, model: Transformer, cache: StaticKVCache, cos: torch.Tensor, sin: torch.Tensor, *,
                  attention: AttentionKind, compile: bool, cuda_graph: bool, max_rows: int,
-                 compile_mode: str | None = None, lean: bool | None = None, lean_gemv: str = "auto") -> None:
+                 compile_mode: str | None = None, lean: bool | None = None, lean_gemv: str = "auto",
+                 seat_rows: int = 0) -> None:
         if cuda_graph and attention is AttentionKind.LIVE:
             raise ValueError("a CUDA graph needs fixed-shape attention (masked or split), not live")
         self.model, self.cache, self.cos, self.sin = model, cache, cos, sin
@@ -76,6 +79,9 @@ class StepRunner:
         self.compile_mode = compile_mode  # torch.compile mode, e.g. "max-autotune-no-cudagraphs" (Triton GEMVs)
         self.cuda_graph = cuda_graph
         self.max_rows = max_rows  # the largest T (1 + the most drafts a step verifies)
+        # A step over several users' rows (forward_rows) on the lean graph takes at most this many rows (0: the
+        # runner serves one sequence there); the PyTorch step takes any number.
+        self.seat_rows = seat_rows
         self.lean_gemv_choice = lean_gemv  # the lean step's GEMV family (models/lean.py: auto, cuda-core, ...)
         device = cache.geometry.device
         self.device = device
@@ -85,7 +91,9 @@ class StepRunner:
             # A forward's inputs in one buffer, [start, rows ...], so the host sets them with one copy (`_stage`).
             self._inputs = torch.zeros(1 + max_rows, dtype=torch.long, device=device)
             self._start, self._tokens = self._inputs[:1], self._inputs[1:]
-            self._rows_argmax = torch.zeros(max_rows, dtype=torch.long, device=device)
+            self._rows_argmax = torch.zeros(max(max_rows, seat_rows), dtype=torch.long, device=device)
+            # forward_rows on the lean graph: [tokens (seat_rows), positions (RP), cache rows (RP)] in one buffer
+            self._seat_inputs = torch.zeros(3 * SEAT_RP, dtype=torch.long, device=device) if seat_rows else None
         # On a GPU the host stages a forward's inputs in pinned slots (each reused once its copy ran) and a
         # verify's graph copies its rows' argmaxes into pinned memory (`greedy_rows`).
         self._staging = self._argmax_host = None
@@ -94,9 +102,12 @@ class StepRunner:
             self._staging = torch.zeros(self.STAGING_SLOTS, 1 + max_rows, dtype=torch.long, pin_memory=True)
             self._staging_np = self._staging.numpy()
             self._staging_done = [torch.cuda.Event() for _ in range(self.STAGING_SLOTS)]
-            self._argmax_host = torch.zeros(max_rows, dtype=torch.long, pin_memory=True)
+            self._argmax_host = torch.zeros(max(max_rows, seat_rows), dtype=torch.long, pin_memory=True)
             self._argmax_np = self._argmax_host.numpy()
             self._argmax_done = torch.cuda.Event()
+            if seat_rows:
+                self._seat_staging = torch.zeros(self.STAGING_SLOTS, 3 * SEAT_RP, dtype=torch.long, pin_memory=True)
+                self._seat_staging_np = self._seat_staging.numpy()
         # The PyTorch step's projections on a CPU: the row-invariant kernel (models/cpu_linear.py), so a verify's
         # row and a row of a step over several users are the bits of a one-row step.
         self.linear = row_linear if device.type == "cpu" else None
@@ -138,8 +149,7 @@ class StepRunner:
             from ..models.lean import LeanStep
 
             self._lean = LeanStep(self.model, self.cos, self.sin, self.cache.k_layers, self.cache.v_layers,
-                                  gemv=self.lean_gemv_choice,
-                                  max_rows=self.max_rows)
+                                  gemv=self.lean_gemv_choice, max_rows=self.max_rows, seat_rows=self.seat_rows)
         else:
             self._lean = None
         self._greedy_steps = 0  # a new lean step's greedy_seq starts at 0
@@ -280,15 +290,30 @@ class StepRunner:
         graph.replay()
         return logits
 
+    def multi_seat_unsupported(self) -> str | None:
+        """Why this runner cannot run a step over several sequences (forward_rows), or None."""
+        if self._lean is not None:
+            if not self.seat_rows:
+                return "the lean step was built for one sequence (seat_rows 0)"
+            return None
+        if self.cuda_graph or self.attention is not AttentionKind.LIVE:
+            return (f"several users a step run the lean step's tensor-core GEMVs on a GPU, or the live-attention "
+                    f"PyTorch step; this runner runs {self.mode.value} with {self.attention.value} attention")
+        return None
+
     @torch.inference_mode()
-    def forward_rows(self, plan: Sequence[tuple[int, int, Sequence[int]]]) -> torch.Tensor:
+    def forward_rows(self, plan: Sequence[tuple[int, int, Sequence[int]]],
+                     want_argmax: bool = False) -> tuple[torch.Tensor, list[int] | None]:
         """One forward over the rows of several sequences: plan holds (seat, start position, token ids) per
         sequence, its tokens at positions start .. in its seat of the cache (decode/cache.py). Returns float32
-        logits [rows, vocab] in plan order; each sequence's rows are the bits a step of it alone computes here
-        (the live attention per sequence, the row-invariant projections). The eager (or compiled) PyTorch step
-        with live attention: a node serving several users on a CPU (decode/batch.py)."""
-        if self.cuda_graph or self.attention is not AttentionKind.LIVE:
-            raise ValueError("a step over several sequences runs the live-attention PyTorch step (a CPU node)")
+        logits [rows, vocab] in plan order (on the graph path: the graph's buffer, until its next replay) and,
+        with want_argmax, every row's argmax (read with the step's one host sync). Each sequence's rows are the
+        bits a step of it alone computes here: a CPU runs the PyTorch step with the live attention per sequence
+        and the row-invariant projections (models/cpu_linear.py); a GPU the lean step's forward_seats (tensor-core
+        GEMVs, each row's attention over its own seat), one CUDA graph per row count."""
+        why = self.multi_seat_unsupported()
+        if why:
+            raise ValueError(why)
         tokens: list[int] = []
         positions: list[int] = []
         rows: list[int] = []
@@ -299,13 +324,73 @@ class StepRunner:
             tokens += toks
             positions += range(start, start + len(toks))
             rows += range(s0 + start, s0 + start + len(toks))
+        if self._lean is not None:
+            return self._seats_graph(tokens, positions, rows, want_argmax)
         device = self.device
         pos = torch.tensor(positions, dtype=torch.long, device=device)
         ctx = StepContext(AttentionKind.LIVE, pos[:1], groups=tuple(groups), linear=self.linear)
-        return self.model(torch.tensor(tokens, dtype=torch.long, device=device),
-                          torch.tensor(rows, dtype=torch.long, device=device), self.cos.index_select(0, pos),
-                          self.sin.index_select(0, pos), self.cache.k_layers, self.cache.v_layers, ctx,
-                          num_logits=len(tokens))
+        logits = self.model(torch.tensor(tokens, dtype=torch.long, device=device),
+                            torch.tensor(rows, dtype=torch.long, device=device), self.cos.index_select(0, pos),
+                            self.sin.index_select(0, pos), self.cache.k_layers, self.cache.v_layers, ctx,
+                            num_logits=len(tokens))
+        return logits, (logits.argmax(dim=-1).tolist() if want_argmax else None)
+
+    def _seats_graph(self, tokens: list[int], positions: list[int], rows: list[int],
+                     want_argmax: bool) -> tuple[torch.Tensor, list[int] | None]:
+        """forward_rows on the lean graph: the inputs staged in a pinned slot and copied with one asynchronous
+        copy, the row count's graph replayed (captured on first use), the rows' argmaxes read from pinned memory
+        after an event (the graph copies them there)."""
+        r = len(tokens)
+        if r > self.seat_rows:
+            raise ValueError(f"a step of {r} rows: this runner's step over several users takes {self.seat_rows}")
+        slot = self._staged % self.STAGING_SLOTS
+        self._staged += 1
+        done = self._staging_done[slot]
+        done.synchronize()
+        host = self._seat_staging_np[slot]
+        host[:r] = tokens
+        host[SEAT_RP:SEAT_RP + r] = positions
+        host[2 * SEAT_RP:2 * SEAT_RP + r] = rows
+        self._seat_inputs.copy_(self._seat_staging[slot], non_blocking=True)
+        done.record()
+        key = (SEATS_KEY, r)
+        if key not in self._graphs:
+            self._capture_seats(r)
+        graph, logits = self._graphs[key]
+        graph.replay()
+        if not want_argmax:
+            return logits, None
+        self._argmax_done.record()
+        self._argmax_done.synchronize()
+        return logits, self._argmax_np[:r].tolist()
+
+    def _capture_seats(self, r: int) -> None:
+        """The graph of a step over r rows of several sequences. Its warm-up runs compute the step at the inputs
+        staged for the step about to run, so the cache rows they write are that step's own (as _capture's)."""
+        lean, tokens, seat_rows = self._lean, self._seat_inputs[:r], self._seat_inputs[SEAT_RP:]
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(3):
+                lean.forward_seats(tokens, seat_rows)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            logits = lean.forward_seats(tokens, seat_rows)
+            torch.argmax(logits, dim=-1, out=self._rows_argmax[:r])
+            self._argmax_host[:r].copy_(self._rows_argmax[:r], non_blocking=True)
+        self._graphs[(SEATS_KEY, r)] = (graph, logits)
+
+    def capture_seats(self) -> None:
+        """Capture every row count's graph of a step over several users now (no-op without the lean step's
+        seats). Writes cache rows at the staged inputs' rows, which the caller treats as scratch."""
+        if self._lean is None or not self.seat_rows:
+            return
+        with torch.inference_mode():
+            for r in range(1, self.seat_rows + 1):
+                if (SEATS_KEY, r) not in self._graphs:
+                    self._seat_inputs.zero_()
+                    self._capture_seats(r)
 
     @torch.inference_mode()
     def greedy_rows(self, rows: Sequence[int], start_pos: int) -> list[int]:

@@ -26,6 +26,7 @@ from collections.abc import Iterator
 import torch
 
 from . import logprobs as lp
+from .chain import greedy_accept
 from .grammar import GrammarError
 from .sampling import Sampler
 from .speculative import Drafter
@@ -102,15 +103,26 @@ class SequenceRun:
             self.drafts = self.drafter.propose(min(self.k, room))
         return [out[-1], *self.drafts]
 
+    @property
+    def argmax_only(self) -> bool:
+        """Its next tokens are its rows' argmaxes alone (plain greedy, no logprobs): a step over several users
+        reads every such row's argmax with one host sync (decode/batch.py) and hands them to `consume`."""
+        return self.sampler.plain_greedy and self.gen.params.logprobs is None
+
     @torch.inference_mode()
-    def consume(self, logits: torch.Tensor) -> None:
+    def consume(self, logits: torch.Tensor, argmax: list[int] | None = None) -> None:
         """The step's logits for this request's rows ([1 + len(drafts), vocab] float32): the tokens it emits
-        next, the position and the counters advanced. Raises GrammarError if the matcher refuses a token its own
-        mask allowed."""
+        next, the position and the counters advanced. `argmax`: the rows' argmaxes, read already (only where
+        `argmax_only`: the same tokens Sampler.sample / verify take for greedy). Raises GrammarError if the matcher
+        refuses a token its own mask allowed."""
         gen, sampler, drafts = self.gen, self.sampler, self.drafts
         k_lp = gen.params.logprobs
         n_out = len(gen.token_ids)
-        if drafts:
+        if argmax is not None:
+            if not self.argmax_only:
+                raise ValueError("argmax rows are for plain greedy requests without logprobs")
+            pending = greedy_accept(drafts, argmax)
+        elif drafts:
             logits = sampler.constrain(logits, drafts)
             pending = sampler.verify(logits, drafts, n_out)  # (no penalties here: they never speculate)
             if k_lp is not None:

@@ -34,12 +34,22 @@ import torch
 import triton
 import triton.language as tl
 
-from .fused import MAX_ROWS, _argmax_key, _launch, _rounded, _rows, pick_config, picked_config, spilled_bytes
+from .fused import MAX_ROWS, _argmax_key, _launch, _rounded, pick_config, picked_config, spilled_bytes
 from .pdl import pdl_wait, use_pdl
 from .precompile import precompile
 
 RP = 16  # input rows a launch computes: tl.dot's smallest N; the first R of them are real
 assert MAX_ROWS <= RP
+
+
+def _rows(x: torch.Tensor) -> tuple[int, int]:
+    """(rows, row stride) of a kernel input: [K] is one row, [R, K] (contiguous rows) R <= RP rows (a verify's,
+    or a step over several users' rows: LeanStep.forward_seats)."""
+    if x.dim() == 1:
+        return 1, 0
+    if not 1 <= x.shape[0] <= RP or x.stride(-1) != 1:
+        raise ValueError(f"the tensor-core kernels take 1..{RP} contiguous rows, got shape {tuple(x.shape)}")
+    return x.shape[0], x.stride(0)
 
 # (rows per program, K per iteration, pipeline stages, warps): the shapes the H200 probe found fastest for the
 # 8B and 1B projections (docs/bench/2026-12-04-tensor-core-verify/), deeper pipelines of those (added after that
@@ -157,13 +167,15 @@ def _dot_rows2(w_ptr, rows_a, rows_b, rmask, x_ptr, R, K, sx, acc_a, acc_b, BLOC
 
 
 @triton.jit(do_not_specialize=["R"])
-def _qkv_rope_kernel(x_ptr, w_ptr, b_ptr, cos_ptr, sin_ptr, start_ptr, q_ptr, kc_ptr, vc_ptr, R, K, sx, sq,
-                     stride_kc_s, stride_kc_h, stride_vc_s, stride_vc_h, NH: tl.constexpr, NKV: tl.constexpr,
+def _qkv_rope_kernel(x_ptr, w_ptr, b_ptr, cos_ptr, sin_ptr, start_ptr, rows_ptr, q_ptr, kc_ptr, vc_ptr, R, K, sx,
+                     sq, stride_kc_s, stride_kc_h, stride_vc_s, stride_vc_h, NH: tl.constexpr, NKV: tl.constexpr,
                      D: tl.constexpr, HAS_BIAS: tl.constexpr, BJ: tl.constexpr, BLOCK_K: tl.constexpr,
                      RP: tl.constexpr, STAGES: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
-                     L2_LINES: tl.constexpr):
+                     L2_LINES: tl.constexpr, PER_ROW: tl.constexpr):
     """BJ row pairs (j, j + D/2) of the QKV projection (pairs numbered over all heads, so a program may span
-    heads), their RoPE at start + r for each input row r, q out or the K/V cache rows start + r."""
+    heads), their RoPE at start + r for each input row r, q out or the K/V cache rows start + r. PER_ROW (a step
+    over several users' rows): row r's position is rows_ptr[r] and its cache row rows_ptr[RP + r] (its seat's
+    first row plus the position); the arithmetic is the same."""
     HALF: tl.constexpr = D // 2
     PAIRS: tl.constexpr = (NH + 2 * NKV) * HALF
     p = tl.program_id(0) * BJ + tl.arange(0, BJ)
@@ -186,7 +198,12 @@ def _qkv_rope_kernel(x_ptr, w_ptr, b_ptr, cos_ptr, sin_ptr, start_ptr, q_ptr, kc
     a = a.to(dt).to(tl.float32)
     b = b.to(dt).to(tl.float32)
     m = tl.arange(0, RP)
-    pos = tl.load(start_ptr) + m  # input row r is the token at start + r
+    if PER_ROW:
+        pos = tl.load(rows_ptr + m, mask=m < R, other=0)
+        crow = tl.load(rows_ptr + RP + m, mask=m < R, other=0)
+    else:
+        pos = tl.load(start_ptr) + m  # input row r is the token at start + r
+        crow = pos
     live = ok[:, None] & (m < R)[None, :]
     rot = live & (head < NH + NKV)[:, None]
     cpos = pos[None, :] * D + j[:, None]
@@ -200,11 +217,11 @@ def _qkv_rope_kernel(x_ptr, w_ptr, b_ptr, cos_ptr, sin_ptr, start_ptr, q_ptr, kc
     tl.store(q_ptr + m[None, :] * sq + rows_a[:, None], ra, mask=is_q)
     tl.store(q_ptr + m[None, :] * sq + rows_b[:, None], rb, mask=is_q)
     is_k = live & ((head >= NH) & (head < NH + NKV))[:, None]
-    kp = kc_ptr + pos[None, :] * stride_kc_s + (head - NH)[:, None] * stride_kc_h + j[:, None]
+    kp = kc_ptr + crow[None, :] * stride_kc_s + (head - NH)[:, None] * stride_kc_h + j[:, None]
     tl.store(kp, ra, mask=is_k)
     tl.store(kp + HALF, rb, mask=is_k)
     is_v = live & (head >= NH + NKV)[:, None]
-    vp = vc_ptr + pos[None, :] * stride_vc_s + (head - NH - NKV)[:, None] * stride_vc_h + j[:, None]
+    vp = vc_ptr + crow[None, :] * stride_vc_s + (head - NH - NKV)[:, None] * stride_vc_h + j[:, None]
     tl.store(vp, a.to(dt), mask=is_v)
     tl.store(vp + HALF, b.to(dt), mask=is_v)
 
@@ -347,10 +364,15 @@ def rms_rows(x, norm_w, eps, out):
 
 
 def qkv_rope(xn, w, b, cos, sin, start, q_out, k_cache, v_cache, num_heads, num_kv_heads, head_dim, config=None,
-             l2=False):
+             l2=False, rows=None):
     """fused.norm_qkv_rope over an input normalised by rms_rows (xn [R, K] or [K]). l2: the first tiles'
-    weights are prefetched into the L2 before the PDL wait (`_weights_to_l2`; only where PDL is on)."""
+    weights are prefetched into the L2 before the PDL wait (`_weights_to_l2`; only where PDL is on). rows: a step
+    over several users' rows: a [2 * RP] long device tensor, each row's position then its cache row (`start` is
+    not read)."""
     k = xn.shape[-1]
+    per_row = rows
+    if per_row is not None and (per_row.numel() != 2 * RP or per_row.dtype != torch.long):
+        raise ValueError(f"rows: a [2 * {RP}] long tensor (positions, then cache rows), got {tuple(per_row.shape)}")
     rows, sx = _rows(xn)
     sq = q_out.stride(0) if q_out.dim() > 1 else 0
     pairs = (num_heads + 2 * num_kv_heads) * (head_dim // 2)
@@ -359,11 +381,12 @@ def qkv_rope(xn, w, b, cos, sin, start, q_out, k_cache, v_cache, num_heads, num_
     def launch(cfg, rows=rows, compile_only=False):
         bj, bk, stages, warps = cfg
         grid = (triton.cdiv(pairs, bj),)
-        args = (xn, w, b if b is not None else w, cos, sin, start, q_out, k_cache, v_cache, rows, k, sx, sq,
-                k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1))
+        args = (xn, w, b if b is not None else w, cos, sin, start, start if per_row is None else per_row, q_out,
+                k_cache, v_cache, rows, k, sx, sq, k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
+                v_cache.stride(1))
         kw = dict(NH=num_heads, NKV=num_kv_heads, D=head_dim, HAS_BIAS=b is not None, BJ=bj, BLOCK_K=bk, RP=RP,
-                  STAGES=stages, IEEE=_ieee(xn), PDL=pdl, L2_LINES=l2_lines(cfg, l2), num_warps=warps,
-                  launch_pdl=pdl)
+                  STAGES=stages, IEEE=_ieee(xn), PDL=pdl, L2_LINES=l2_lines(cfg, l2), PER_ROW=per_row is not None,
+                  num_warps=warps, launch_pdl=pdl)
         return _launch(_qkv_rope_kernel, grid, compile_only, *args, **kw)
 
     launch(_pick(_name("qkv_rope", l2), pairs * 2, k, DOT_PAIR_CONFIGS, launch, xn.device, config, w.dtype))

@@ -49,7 +49,7 @@ import torch
 
 from . import fused, fused_dot
 from .transformer import Transformer
-from .triton_decode import split_kv_attention_rows
+from .triton_decode import split_kv_attention_rows, split_kv_attention_seats
 
 
 GEMV_FAMILIES = ("auto", "cuda-core", "tensor-core")
@@ -78,18 +78,23 @@ class LeanStep:
 
     def __init__(self, model: Transformer, cos: torch.Tensor, sin: torch.Tensor,
                  k_layers: list[torch.Tensor], v_layers: list[torch.Tensor], max_rows: int = 1,
-                 gemv: str = "auto") -> None:
+                 gemv: str = "auto", seat_rows: int = 0) -> None:
         why = self.unsupported_reason(model)
         if why:
             raise ValueError(f"the lean step does not cover this model: {why}")
         if not 1 <= max_rows <= fused.MAX_ROWS:
             raise ValueError(f"the lean step takes 1..{fused.MAX_ROWS} rows, not {max_rows}")
+        self.gemv = gemv_family(gemv)
+        if seat_rows and (self.gemv != "tensor-core" or not 1 <= seat_rows <= fused_dot.RP):
+            raise ValueError(f"a step over several users' rows runs the tensor-core GEMVs (their row count is a "
+                             f"runtime argument, each row's bits its own) on 1..{fused_dot.RP} rows; got "
+                             f"{seat_rows} rows with {self.gemv}")
         cfg = model.config
         self.model, self.cfg = model, cfg
         self.cos, self.sin = cos, sin
         self.k_layers, self.v_layers = k_layers, v_layers
         self.max_rows = max_rows
-        self.gemv = gemv_family(gemv)
+        self.seat_rows = seat_rows  # forward_seats takes up to this many rows (0: not built for it)
         self.verify_attention = "per-row"
         self.norm = "kernel"
         self.l2_prefetch = False
@@ -101,11 +106,11 @@ class LeanStep:
                           torch.empty(r, cfg.q_size, dtype=dtype, device=device),
                           torch.empty(r, cfg.intermediate_size, dtype=dtype, device=device),
                           torch.empty(r, cfg.vocab_size, dtype=torch.float32, device=device))
-                      for r in range(1, max_rows + 1)}
+                      for r in range(1, max(max_rows, seat_rows) + 1)}
         self.x, self.q, self.h, self.logits = self._bufs[1]
         # tensor-core: each row count's normalised input (fused_dot.rms_rows's output, the projections' input)
         self._normed = {r: torch.empty(r, cfg.hidden_size, dtype=dtype, device=device)
-                        for r in range(1, max_rows + 1)} if self.gemv == "tensor-core" else {}
+                        for r in range(1, max(max_rows, seat_rows) + 1)} if self.gemv == "tensor-core" else {}
         self._ticket = fused_dot.new_ticket(device) if self.gemv == "tensor-core" else None  # the norm tail's
         self.argmax_keys = fused.new_argmax_keys(cfg.vocab_size, device)
         # The greedy step's (step number, token) ring (fused.greedy_advance): pinned host memory on a GPU, which
@@ -187,8 +192,22 @@ class LeanStep:
             fused.greedy_advance(self.argmax_keys, keys, tokens, start, self.token_ring, self.greedy_seq)
         return logits
 
-    def _forward_dot(self, tokens, start, greedy, x, q, h, logits, xn, shared) -> torch.Tensor:
-        """forward's layers with the tensor-core family (models/fused_dot.py)."""
+    def forward_seats(self, tokens: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """One forward over several users' rows (decode/batch.py): tokens [R] long (R <= seat_rows), rows
+        [2 * fused_dot.RP] long, row r's position at rows[r] and its cache row (its seat's first row plus the
+        position) at rows[RP + r], all on the device. Returns float32 logits [R, vocab] (the step's own buffer for
+        R rows). Each row's logits and K/V are the bits of a one-row step of its sequence alone: the tensor-core
+        GEMVs compute each row from its own input (the row count is a runtime argument) and each row's attention
+        is a one-row step over its own seat (split_kv_attention_seats)."""
+        r = tokens.shape[0]
+        if not 1 <= r <= self.seat_rows:
+            raise ValueError(f"this lean step takes 1..{self.seat_rows} rows of several users, got {r}")
+        x, q, h, logits = self._bufs[r]
+        torch.index_select(self.model.embed_tokens.weight, 0, tokens, out=x)
+        return self._forward_dot(tokens, None, False, x, q, h, logits, self._normed[r], False, seat_rows=rows)
+
+    def _forward_dot(self, tokens, start, greedy, x, q, h, logits, xn, shared, seat_rows=None) -> torch.Tensor:
+        """forward's layers with the tensor-core family (models/fused_dot.py); seat_rows: forward_seats's rows."""
         m, cfg = self.model, self.cfg
         r = tokens.shape[0]
         q3 = q.view(r, cfg.num_heads, cfg.head_dim)
@@ -205,9 +224,13 @@ class LeanStep:
         fused_dot.rms_rows(x, ln0.weight, ln0.eps, xn)
         for layer, kc, vc, next_ln in zip(m.layers, self.k_layers, self.v_layers, after_mlp):
             att, mlp, ln = layer.self_attn, layer.mlp, layer.post_attention_layernorm
-            fused_dot.qkv_rope(xn, att.qkv_proj.weight, att.qkv_proj.bias, self.cos, self.sin, start, q, kc, vc,
-                               cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, l2=l2)
-            out = split_kv_attention_rows(q3, kc, vc, start, att.scale, shared=shared)
+            fused_dot.qkv_rope(xn, att.qkv_proj.weight, att.qkv_proj.bias, self.cos, self.sin,
+                               start if seat_rows is None else seat_rows, q, kc, vc, cfg.num_heads, cfg.num_kv_heads,
+                               cfg.head_dim, l2=l2, rows=seat_rows)
+            if seat_rows is None:
+                out = split_kv_attention_rows(q3, kc, vc, start, att.scale, shared=shared)
+            else:
+                out = split_kv_attention_seats(q3, kc, vc, seat_rows, att.scale)
             residual(out.view(r, -1), att.o_proj.weight, att.o_proj.bias, ln)
             fused_dot.gate_up_silu(xn, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, h, l2=l2)
             residual(h, mlp.down_proj.weight, mlp.down_proj.bias, next_ln)

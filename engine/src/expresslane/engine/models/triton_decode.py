@@ -55,14 +55,21 @@ def _store_partial(acc_ptr, ml_ptr, step, hkv, num_kv, split, m_i, l_i, acc, row
 def _split_kv_partial(q_ptr, k_ptr, v_ptr, start_ptr, acc_ptr, ml_ptr, scale,
                       stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh,
                       T: tl.constexpr, G: tl.constexpr, D: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
+                      PER_ROW: tl.constexpr = 0):
     pdl_wait(PDL)  # q and the cache row at start come from the kernel before (models/pdl.py)
     # The step varies fastest in the grid, so the R programs of one (KV head, split) of a rows launch run side by
     # side and read the same cache tiles at about the same time: R - 1 of each tile's reads hit L2 instead of HBM.
     step = tl.program_id(0)  # the step of a rows launch (T = 1 each, at start_pos + step); 0 otherwise
     hkv = tl.program_id(1)
     split = tl.program_id(2)
-    start = tl.load(start_ptr) + step
+    if PER_ROW > 0:  # several users' rows: start_ptr holds each row's position, then (PER_ROW on) its cache row
+        start = tl.load(start_ptr + step)
+        seat0 = tl.load(start_ptr + PER_ROW + step) - start  # the first cache row of the row's seat
+        k_ptr += seat0 * stride_ks
+        v_ptr += seat0 * stride_vs
+    else:
+        start = tl.load(start_ptr) + step
     q_ptr += step * stride_qt
     kv_len = start + T
     chunk = tl.cdiv(tl.cdiv(kv_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
@@ -254,9 +261,10 @@ def num_splits_for(num_kv_heads: int, device: torch.device) -> int:
 
 
 def _split_kv(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start_pos: torch.Tensor,
-              scale: float, t: int, steps: int, shared: bool = False) -> torch.Tensor:
+              scale: float, t: int, steps: int, shared: bool = False, per_row: int = 0) -> torch.Tensor:
     """q [t * steps, H, D]: `steps` launches' worth of T = t query rows (steps > 1 only with t = 1). shared:
-    the steps in one program per (KV head, split) (_split_kv_partial_shared) instead of one each."""
+    the steps in one program per (KV head, split) (_split_kv_partial_shared) instead of one each. per_row > 0:
+    start_pos holds each step's position, then from index per_row its cache row (split_kv_attention_seats)."""
     h, d = q.shape[1], q.shape[2]
     hkv = k_cache.shape[1]
     g = h // hkv
@@ -279,7 +287,7 @@ def _split_kv(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, sta
         _split_kv_partial[(steps, hkv, splits)](
             q, k_cache, v_cache, start_pos, acc, ml, scale, *strides,
             T=t, G=g, D=d, NUM_SPLITS=splits, BLOCK_M=block_m, BLOCK_N=32 if ieee else 64, IEEE=ieee, PDL=pdl,
-            num_warps=4, launch_pdl=pdl)
+            PER_ROW=per_row, num_warps=4, launch_pdl=pdl)
     _split_kv_merge[(hkv, g * t, steps)](acc, ml, out, out.stride(0), out.stride(1), T=t, G=g, D=d,
                                          NUM_SPLITS=splits, BLOCK_M=block_m, PDL=pdl_merge, num_warps=1,
                                          launch_pdl=pdl_merge)
@@ -304,6 +312,18 @@ def split_kv_attention_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     if shared and r > SHARED_MAX_ROWS:
         raise ValueError(f"the shared rows kernel takes at most {SHARED_MAX_ROWS} rows, got {r}")
     return _split_kv(q, k_cache, v_cache, start_pos, scale, 1, r, shared=shared)
+
+
+def split_kv_attention_seats(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor,
+                             scale: float) -> torch.Tensor:
+    """q [R, H, D]: R one-row steps of several sequences in one launch (a step over several users' rows, decode/
+    batch.py). rows: [2 * P] long on q's device, P >= R: row r's position at rows[r], its cache row at rows[P + r]
+    (its seat's first row plus the position). Row r attends over its own seat's rows up to its position, exactly
+    as `split_kv_attention_rows` runs a one-row step there (the same splits of its own length): its bits are
+    that step's whatever the other rows are."""
+    if rows.dim() != 1 or rows.numel() % 2 or rows.numel() // 2 < q.shape[0]:
+        raise ValueError(f"rows: [2 * P] positions then cache rows for {q.shape[0]} rows, got {tuple(rows.shape)}")
+    return _split_kv(q, k_cache, v_cache, rows, scale, 1, q.shape[0], per_row=rows.numel() // 2)
 
 
 @split_kv_attention.register_fake

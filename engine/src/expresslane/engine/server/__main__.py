@@ -59,14 +59,28 @@ def weight_bytes(mc: ModelConfig, dtype: torch.dtype) -> int:
     return (layers * per_layer + embed + h) * torch.empty((), dtype=dtype).element_size()
 
 
+def node_engine_options(config: ServerConfig) -> tuple[str, int]:
+    """The engine's GEMV family choice and seats. Several seats are the default wherever the engine can step
+    several users together (their GEMVs on a GPU: the tensor-core family); where it cannot, or the node is asked
+    for one seat, the family as a one-seat node resolves it (node_lean_gemv: per-request at 8B)."""
+    device = torch.device(config.device)
+    if config.seats == 1:
+        return node_lean_gemv(config), 1
+    gemv = "tensor-core" if device.type == "cuda" and config.lean_gemv == "auto" else config.lean_gemv
+    seats = node_seats(config, gemv)
+    return (gemv, seats) if seats > 1 else (node_lean_gemv(config), 1)
+
+
 def node_seats(config: ServerConfig, lean_gemv: str) -> int:
     """The node's seats (config.resolve_seats), logged with why and what a seat costs at start."""
     device = torch.device(config.device)
     attention = config.attention or default_attention(device.type)
-    why = multi_seat_unsupported(device.type, attention, config.cuda_graph, lean_gemv)
+    why = multi_seat_unsupported(device.type, attention, config.cuda_graph, lean_gemv, config.lean)
+    mc = ModelConfig.from_model_dir(config.model)
     if why is None and config.compile:
         why = "--compile: the compiled step serves one sequence"
-    mc = ModelConfig.from_model_dir(config.model)
+    if why is None and device.type == "cuda" and (mc.qk_norm or mc.head_dim % 2):
+        why = "the lean step does not cover this model (per-head q/k norms or an odd head_dim)"
     dtype = parse_dtype(config.dtype)
     seat_bytes = KVGeometry(mc.num_layers, mc.num_kv_heads, mc.head_dim, config.max_seq_len, dtype,
                             device).seat_bytes()
@@ -85,11 +99,11 @@ def node_seats(config: ServerConfig, lean_gemv: str) -> int:
 
 def build_engine(config: ServerConfig) -> DecodeEngine:
     t0 = time.perf_counter()
-    lean_gemv = node_lean_gemv(config)
+    lean_gemv, seats = node_engine_options(config)
     engine = DecodeEngine.from_pretrained(config.model, dtype=config.dtype, device=config.device,
                                           max_seq_len=config.max_seq_len, attention=config.attention,
                                           compile=config.compile, cuda_graph=config.cuda_graph, lean=config.lean,
-                                          lean_gemv=lean_gemv, seats=node_seats(config, lean_gemv),
+                                          lean_gemv=lean_gemv, seats=seats,
                                           speculation=SpeculationConfig(k=config.spec_k) if config.speculation
                                           else None)
     if config.warmup:

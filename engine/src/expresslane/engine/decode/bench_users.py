@@ -1,0 +1,191 @@
+"""Several users on one engine (decode/batch.py): per-user tok/s, aggregate, x solo, % of the whole step's bound.
+
+    python -m expresslane.engine.decode.bench_users {--model DIR | --random-shape llama-8b} [--device cuda]
+        [--dtype bfloat16] [--contexts 1024,8192] [--users 1,2,4,8] [--tokens 128] [--speculation on,off]
+        [--text TEXTS.json] [--repeats 2] [--threads N] [--json F]
+
+For each context, speculation setting and user count U it runs U requests at once on an engine of max(--users)
+seats (each on its own seat, a prompt of `context` tokens: random ids, or with --text a recorded request's prompt
+repeated to that length), greedy, `tokens` tokens each, and reports:
+- per-user tok/s: each user's tokens over the wall time of the whole run (every user decodes the same number);
+- aggregate tok/s: U times that; x solo: per-user over the U = 1 run's (same engine, same prompt length);
+- of_bound: the run's bytes (the weights once a step plus each user's live K/V) at the device's copy bandwidth,
+  over the time it took (a step of U users reads the weights once and U caches: that is the bound of the step);
+- exact: every user's tokens equal its U = 1 run's (the same request alone on the same engine).
+Users' prompts differ (each its own random ids, or the recorded text at another offset), so no two share a
+token stream. The first token of each is the prefill's; only decode steps are timed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+
+import torch
+
+from .bench import _sync, copy_bandwidth, load_texts
+from .engine import ATTENTION_MODES, CUDA_GRAPH_CHOICES, DecodeEngine
+from .sampling import SamplingParams
+from .shapes import SHAPES, random_checkpoint
+from .speculative import SpeculationConfig
+
+
+def user_prompts(users: int, context: int, vocab: int, text: list[int] | None, seed: int = 0) -> list[list[int]]:
+    """One prompt of `context` tokens per user: random ids, or `text` repeated to that length and rotated by a
+    user's offset (recorded text: the drafter finds what a real request would)."""
+    rng = random.Random(seed)
+    if text is None:
+        return [[rng.randrange(vocab) for _ in range(context)] for _ in range(users)]
+    out = []
+    for u in range(users):
+        shift = (u * 97) % len(text)
+        rotated = text[shift:] + text[:shift]
+        out.append((rotated * (context // len(rotated) + 1))[:context])
+    return out
+
+
+def prefill_seats(engine: DecodeEngine, prompts: list[list[int]]) -> list[int]:
+    """Each prompt's KV into its user's seat (seat u for user u), once per context: a decode writes only rows past
+    the prompt, so every run after reuses them. Returns each prompt's first token (the prefill's)."""
+    firsts = []
+    for seat, prompt in enumerate(prompts):
+        firsts.append(int(engine.prefill(prompt, seat=seat).argmax()))
+        _sync(engine)
+    return firsts
+
+
+def run_users(engine: DecodeEngine, prompts: list[list[int]], firsts: list[int], tokens: int,
+              speculative: bool) -> dict:
+    """All prompts decoded at once (seat u for user u, prefilled): wall time of the decode steps and each user's
+    tokens."""
+    gens = []
+    for seat, (prompt, first) in enumerate(zip(prompts, firsts)):
+        gens.append(engine.generate(first, len(prompt), SamplingParams(
+            max_tokens=tokens + 1, ignore_eos=True, speculative=speculative, prompt_token_ids=prompt), seat=seat))
+    sched = engine.scheduler
+    sched.step()  # emits every first token (the prefill's): not timed
+    _sync(engine)
+    steps0, rows0 = sched.steps, dict(sched.rows_histogram)
+    t0 = time.perf_counter()
+    while sched.active:
+        sched.step()
+    _sync(engine)
+    dt = time.perf_counter() - t0
+    rows = {r: n - rows0.get(r, 0) for r, n in sched.rows_histogram.items() if n - rows0.get(r, 0)}
+    spec = [g.spec.as_dict() for g in gens]
+    return {"seconds": dt, "steps": sched.steps - steps0, "rows_histogram": rows,
+            "token_ids": [g.token_ids for g in gens],
+            "tokens_per_forward": [s["tokens_per_forward"] for s in spec],
+            "mean_acceptance": [s["mean_acceptance"] for s in spec]}
+
+
+def bench(engine: DecodeEngine, contexts: list[int], users_list: list[int], tokens: int, spec_modes: list[bool],
+          repeats: int, bw: float | None, text: list[int] | None) -> list[dict]:
+    kv_token = engine.geometry.token_bytes()
+    weights = engine.weight_bytes()
+    out = []
+    for ctx in contexts:
+        prompts = user_prompts(max(users_list), ctx, engine.vocab_size, text)
+        firsts = prefill_seats(engine, prompts)
+        for speculative in spec_modes:
+            solo_tok_s, solo_tokens = None, {}
+            for users in sorted(users_list):
+                best = None
+                for _ in range(repeats):
+                    r = run_users(engine, prompts[:users], firsts, tokens, speculative)
+                    if best is None or r["seconds"] < best["seconds"]:
+                        best = r
+                per_user = tokens / best["seconds"]
+                if users == 1 or solo_tok_s is None:
+                    solo_tok_s = per_user if users == 1 else None
+                for u, toks in enumerate(best["token_ids"]):
+                    solo_tokens.setdefault(u, toks)  # the first run a user appears in is its smallest U
+                exact = all(best["token_ids"][u] == solo_tokens[u] for u in range(users))
+                # bytes: every step reads the weights once and each user's live K/V (mean context of the run)
+                kv = users * (ctx + tokens / 2) * kv_token
+                row = {"context": ctx, "users": users, "speculation": speculative, "tokens": tokens,
+                       "per_user_tok_per_s": per_user, "aggregate_tok_per_s": users * per_user,
+                       "x_solo": per_user / solo_tok_s if solo_tok_s else None, "exact_vs_alone": exact,
+                       "steps": best["steps"], "rows_histogram": best["rows_histogram"],
+                       "tokens_per_forward": best["tokens_per_forward"],
+                       "mean_acceptance": best["mean_acceptance"], "kv_gb": kv / 1e9}
+                if bw:
+                    step_bytes = weights + kv
+                    row["of_bound"] = step_bytes * best["steps"] / best["seconds"] / bw
+                out.append(row)
+                print(f"context={ctx} users={users} speculation={'on' if speculative else 'off'}: "
+                      f"per-user {per_user:.1f} tok/s, aggregate {users * per_user:.1f} tok/s"
+                      + (f", x solo {row['x_solo']:.3f}" if row["x_solo"] else "")
+                      + (f", {100 * row['of_bound']:.1f} % of the step bound" if bw else "")
+                      + f", tok/fwd {sum(best['tokens_per_forward']) / users:.2f}, exact={exact}", flush=True)
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m expresslane.engine.decode.bench_users", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    source = ap.add_mutually_exclusive_group(required=True)
+    source.add_argument("--model", help="a Hugging Face checkpoint directory")
+    source.add_argument("--random-shape", choices=sorted(SHAPES), help="random weights of a real model's shape")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--contexts", default="128", help="comma-separated prompt lengths")
+    ap.add_argument("--users", default="1,2,4", help="comma-separated user counts (1 is always run: x solo)")
+    ap.add_argument("--tokens", type=int, default=128, help="tokens each user decodes")
+    ap.add_argument("--speculation", default="on,off", help="on, off or both (the node's default is on)")
+    ap.add_argument("--speculation-k", type=int, default=4)
+    ap.add_argument("--text", default=None, help="recorded texts (bench --replay-text's file): users' prompts "
+                                                 "are its first request's prompt and output")
+    ap.add_argument("--attention", choices=ATTENTION_MODES, default=None)
+    ap.add_argument("--cuda-graph", choices=["auto", "on", "off"], default="auto")
+    ap.add_argument("--max-seq-len", type=int, default=None)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--no-bound", action="store_true", help="skip the copy-bandwidth calibration")
+    ap.add_argument("--json", default=None, help="append one JSON line per result to this file")
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    contexts = [int(c) for c in args.contexts.split(",")]
+    users_list = sorted({1, *(int(u) for u in args.users.split(","))})
+    modes = [m == "on" for m in args.speculation.split(",")]
+    max_seq_len = args.max_seq_len or max(contexts) + args.tokens + 64
+    text = None
+    if args.text:
+        try:
+            prompt, output = next(iter(load_texts(args.text).values()))
+        except (OSError, ValueError, StopIteration) as e:
+            ap.error(f"--text: {e}")
+        text = [*prompt, *output]
+    options = dict(dtype=args.dtype, device=args.device, max_seq_len=max_seq_len, attention=args.attention,
+                   cuda_graph=CUDA_GRAPH_CHOICES[args.cuda_graph], seats=max(users_list),
+                   speculation=SpeculationConfig(k=args.speculation_k) if args.speculation_k else None)
+    t0 = time.perf_counter()
+    try:
+        if args.random_shape:
+            config, tensors = random_checkpoint(args.random_shape, args.device)
+            engine = DecodeEngine.from_checkpoint_tensors(config, tensors, **options)
+            del tensors
+        else:
+            engine = DecodeEngine.from_pretrained(args.model, **options)
+        engine.warmup()
+    except (OSError, ValueError) as e:
+        ap.error(str(e))
+    bw = None if args.no_bound else copy_bandwidth(engine.device)
+    name = args.model or args.random_shape
+    print(f"model={name} dtype={args.dtype} device={args.device} seats={engine.seats} step={engine.runner.mode.value} "
+          f"threads={torch.get_num_threads()} max_seq_len={max_seq_len} load+warmup_s={time.perf_counter() - t0:.1f} "
+          f"weights={engine.weight_bytes() / 1e9:.3f}GB" + (f" copy_bandwidth={bw / 1e9:.0f}GB/s" if bw else ""),
+          flush=True)
+    rows = bench(engine, contexts, users_list, args.tokens, modes, args.repeats, bw, text)
+    if args.json:
+        with open(args.json, "a") as f:
+            for r in rows:
+                f.write(json.dumps({"model": name, "dtype": args.dtype, "device": args.device,
+                                    "step": engine.runner.mode.value, **r}) + "\n")
+
+
+if __name__ == "__main__":
+    main()
