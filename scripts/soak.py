@@ -352,10 +352,12 @@ def _stuck(ep: Endpoints) -> dict[str, float]:
             out["staging_slots_in_use"] = in_use
     if ep.express_status:
         try:
-            out["express_node_busy"] = 0.0 if httpx.get(ep.express_status, timeout=2, trust_env=False,
-                                                                 headers=ep.node_headers).json().get(
-                "state") == "idle" else 1.0
-        except (httpx.HTTPError, ValueError):
+            status = httpx.get(ep.express_status, timeout=2, trust_env=False, headers=ep.node_headers).json()
+            # a node of several seats says how many are held (its "state" is "busy" only when all are)
+            busy = status.get("seats_busy")
+            out["express_node_busy"] = float(busy) if isinstance(busy, int) else (
+                0.0 if status.get("state") == "idle" else 1.0)
+        except (httpx.HTTPError, ValueError, AttributeError):
             out["express_node_busy"] = 1.0
     return out
 
