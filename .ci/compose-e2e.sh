@@ -306,6 +306,25 @@ PY
   return $bad
 }
 
+hostile_peer() {  # the hostile-peer suite's control-port attacks against this default stack, from the host
+  [[ "$SOAK" == "1" ]] || return 0
+  if ! "$SOAK_PYTHON" -c 'import pytest, expresslane.engine.protocol' >/dev/null 2>&1; then
+    echo "hostile peer: skipped ($SOAK_PYTHON has no pytest / expresslane-engine: scripts/install-dev.sh makes .venv)"
+    return 0
+  fi
+  local keyfile node rc
+  keyfile="$(mktemp)"
+  secret vllm_api_key > "$keyfile" || { rm -f "$keyfile"; return 1; }
+  node="$(internal_url decode-express 5556)" || { rm -f "$keyfile"; return 1; }
+  EXPRESSLANE_HOSTILE_TARGET="$(printf '{"ctrl": "%s", "router": "%s", "prefill": "%s", "vllm_key_file": "%s", "model": "%s", "express_alias": "%s-express"}' \
+      "${node#http://}" "http://127.0.0.1:${ROUTER_PUBLISH_PORT:-8080}" "$(internal_url prefill 8000)" "$keyfile" \
+      "$served" "$served")" \
+    "$SOAK_PYTHON" -m pytest -q -p no:cacheprovider tests/integration/test_hostile_peer.py
+  rc=$?
+  rm -f "$keyfile"
+  return $rc
+}
+
 burst() {  # bursts of 256 mixed requests x BURST_ROUNDS, exactness, then 10 s open loop over capacity (scripts/burst.py)
   [[ "$SOAK" == "1" ]] || return 0
   local keyfile
@@ -335,7 +354,7 @@ step "offline base images" base_images || rc=1
 if [[ $rc == 0 ]]; then
   if step "build + up --wait" up && step "smoke (bare venv)" smoke && step "smoke (compose run)" compose_smoke \
      && step "images: code, non-root" images && step "closed by default" closed \
-     && step "least privilege" least_privilege && step "bursts" burst \
+     && step "least privilege" least_privilege && step "hostile peer" hostile_peer && step "bursts" burst \
      && step "chaos soak" soak; then
     :
   else
