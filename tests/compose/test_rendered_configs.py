@@ -225,22 +225,57 @@ def test_grafana_starts_with_a_password_file_or_makes_a_random_one(tmp_path):
 
 
 def test_the_default_stack_is_closed_by_generated_secrets():
-    """secrets-init writes the internal secrets into a volume mounted read-only in exactly the services that read
-    them, which name the files (never a value); production leaves secrets-init out (its own secret files)."""
+    """secrets-init writes the internal secrets, each into a volume of its own, and each volume is mounted read-only in
+    exactly the services that read that secret, which name the file (never a value); production leaves secrets-init
+    out (its own secret files)."""
     services = render([BASE])["services"]
-    readers = {name for name, svc in services.items()
-               if any(v.get("source") == "internal-secrets" for v in svc.get("volumes", []))}
-    assert readers == {"secrets-init", "prefill", "decode-native", "decode-express", "router"}
-    for name in readers - {"secrets-init"}:
-        mount = next(v for v in services[name]["volumes"] if v.get("source") == "internal-secrets")
-        assert mount["read_only"] is True, name
-        assert services[name]["depends_on"].get("secrets-init", {}).get("condition") in (
-            None, "service_completed_successfully"), name
     want = {"prefill": {"VLLM_API_KEY_FILE", "EXPRESSLANE_PEER_SECRET_FILE"}, "decode-native": {"VLLM_API_KEY_FILE"},
             "decode-express": {"EXPRESS_NODE_TOKEN_FILE", "EXPRESSLANE_PEER_SECRET_FILE"},
             "router": {"VLLM_API_KEY_FILE", "EXPRESS_NODE_TOKEN_FILE"}}
-    for name, names in want.items():
-        env = services[name]["environment"]
-        assert all(env[n].startswith("/run/expresslane/secrets/") for n in names), (name, env)
-        assert not any(env.get(n[:-5]) for n in names), name
+    volume_of = {"VLLM_API_KEY_FILE": "secret-vllm-api-key", "EXPRESS_NODE_TOKEN_FILE": "secret-express-node-token",
+                 "EXPRESSLANE_PEER_SECRET_FILE": "secret-peer-secret"}
+    secret_volumes = set(volume_of.values()) | {"internal-secrets"}
+    for name, svc in services.items():
+        mounted = {v["source"]: v for v in svc.get("volumes", []) if v.get("source") in secret_volumes}
+        if name == "secrets-init":
+            assert set(mounted) == secret_volumes
+            continue
+        assert set(mounted) == {volume_of[n] for n in want.get(name, ())}, (name, sorted(mounted))
+        env = svc.get("environment", {})
+        for n in want.get(name, ()):
+            v = mounted[volume_of[n]]
+            assert v["read_only"] is True and env[n].startswith(v["target"] + "/"), (name, n, env[n], v["target"])
+            assert not env.get(n[:-5]), name
+        if mounted:  # (the router waits for the others, which wait for secrets-init)
+            assert svc["depends_on"].get("secrets-init", {}).get("condition") in (
+                None, "service_completed_successfully"), name
     assert "secrets-init" not in render([BASE, PROD], NODES)["services"]
+
+
+# ---- least privilege on the default stack (issue 42): who can reach what --------------------------------------------
+
+INTERNAL = ("prefill", "decode-native", "decode-express")
+
+
+def test_the_default_stack_publishes_only_the_router_prometheus_and_grafana():
+    """vLLM's --api-key guards only /v1 (/invocations, /tokenize, /pooling, /metrics answer without it): its servers,
+    and the express node, are published nowhere; they sit on an internal network the router and Prometheus join."""
+    config = render([BASE], profiles=("tools",))
+    services = config["services"]
+    published = {name for name, svc in services.items() if svc.get("ports")}
+    assert published == {"router", "prometheus", "grafana"}, published
+    assert config["networks"]["internal"].get("internal") is True
+    for name in INTERNAL:
+        assert set(services[name]["networks"]) == {"internal"}, (name, services[name].get("networks"))
+    assert set(services["router"]["networks"]) == {"default", "internal"}
+    assert set(services["prometheus"]["networks"]) == {"default", "internal"}
+    assert "internal" not in services["grafana"].get("networks", {"default": None})
+
+
+def test_the_dev_overlay_publishes_the_internal_services_on_localhost():
+    services = render([BASE, "compose/overlays/dev.yaml"])["services"]
+    want = {"prefill": {8000}, "decode-native": {8100}, "decode-express": {5556, 5557}}
+    for name, ports in want.items():
+        got = {int(p["target"]) for p in services[name]["ports"]}
+        assert got == ports and all(p["host_ip"] == "127.0.0.1" for p in services[name]["ports"]), name
+        assert set(services[name]["networks"]) == {"default", "internal"}, name

@@ -9,6 +9,7 @@ Nothing here fakes a component: requests go over real sockets to real processes,
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
 import socket
@@ -87,18 +88,20 @@ def _error_of(obj: Any) -> tuple[str | None, str | None]:
 
 async def request(base: str, path: str, body: dict, *, bound_s: float, stream: bool | None = None,
                   disconnect_after_s: float | None = None, on_chunk: Callable[[int], None] | None = None,
-                  headers: dict[str, str] | None = None) -> Outcome:
+                  headers: dict[str, str] | None = None, client: httpx.AsyncClient | None = None) -> Outcome:
     """POST `body` and record the outcome. The request is abandoned (the connection closed, as a client
     with a timeout does) after `bound_s` -> lost, or on purpose after `disconnect_after_s` -> disconnected.
-    `on_chunk(n)` runs after the n-th text chunk of a stream (a place to inject a fault)."""
+    `on_chunk(n)` runs after the n-th text chunk of a stream (a place to inject a fault). `client`: a pooled client
+    to send it on (its idle connections reused, as an SDK's are); default: a client of its own."""
     stream = bool(body.get("stream")) if stream is None else stream
     body = dict(body, stream=stream)
     out = Outcome()
     t0 = time.monotonic()
 
     async def run() -> None:
-        async with httpx.AsyncClient(timeout=httpx.Timeout(bound_s + 5, connect=5.0), trust_env=False,
-                                     verify=_TLS) as c:
+        async with contextlib.AsyncExitStack() as stack:
+            c = client if client is not None else await stack.enter_async_context(httpx.AsyncClient(
+                timeout=httpx.Timeout(bound_s + 5, connect=5.0), trust_env=False, verify=_TLS))
             async with c.stream("POST", base + path, json=body, headers=headers) as r:
                 out.status = r.status_code
                 out.retry_after = r.headers.get("retry-after")

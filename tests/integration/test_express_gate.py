@@ -1,5 +1,6 @@
-"""Express-lane gating with real processes: one request per node; a second request waits, spills to the
-native lane, or gets 429 + Retry-After, as its alias is configured; a client disconnect frees the node.
+"""Express-lane gating with real processes: as many requests per node as it has seats (its /decode_status `seats`; 1
+for a node that does not say); one more waits, spills to the native lane, or gets 429 + Retry-After, as its alias is
+configured; a client disconnect frees its seat.
 
 A second router process is started here with aliases for each policy, pointing at the live stack's
 prefill, native decode and express decode servers (the shipped router keeps its own config).
@@ -73,6 +74,14 @@ def _status(live_stack) -> str:
     return httpx.get(f"{live_stack.express_url}/decode_status", timeout=5).json()["state"]
 
 
+def _seats(live_stack) -> tuple[int, int]:
+    """(seats, busy seats) of the node: its /decode_status `seats` / `seats_busy`, or one seat busy or idle."""
+    st = httpx.get(f"{live_stack.express_url}/decode_status", timeout=5).json()
+    seats = st.get("seats") if isinstance(st.get("seats"), int) else 1
+    busy = st.get("seats_busy") if isinstance(st.get("seats_busy"), int) else int(st.get("state") == "busy")
+    return seats, busy
+
+
 def _wait_state(live_stack, state: str, timeout: float) -> float:
     t0 = time.monotonic()
     while _status(live_stack) != state:
@@ -84,13 +93,13 @@ def _wait_state(live_stack, state: str, timeout: float) -> float:
 class Holder(threading.Thread):
     """Keeps the express node busy with one long streaming request through the gate router."""
 
-    def __init__(self, url: str):
+    def __init__(self, url: str, salt: int = 77):
         super().__init__(daemon=True)
-        self.url, self.status, self.text = url, None, ""
+        self.url, self.status, self.text, self.salt = url, None, "", salt
         self.client = httpx.Client(timeout=300)
 
     def run(self):
-        body = {"model": "x-wait", "prompt": token_prompt(8, salt=77), "max_tokens": HOLD_TOKENS,
+        body = {"model": "x-wait", "prompt": token_prompt(8, salt=self.salt), "max_tokens": HOLD_TOKENS,
                 "temperature": 0, "ignore_eos": True, "stream": True}
         try:
             with self.client.stream("POST", f"{self.url}/v1/completions", json=body) as r:
@@ -117,17 +126,20 @@ def _metric(url: str, name: str, **labels) -> float:
 
 def test_busy_node_waits_spills_or_rejects_as_configured(live_stack, gate_router):
     _wait_state(live_stack, "idle", 30)
-    holder = Holder(gate_router)
-    holder.start()
+    seats, _ = _seats(live_stack)
+    holders = [Holder(gate_router, salt=77 + i) for i in range(seats)]  # every seat held
+    for h in holders:
+        h.start()
     try:
-        _check_policies(live_stack, gate_router, holder)
+        _check_policies(live_stack, gate_router, holders)
     finally:
-        if holder.is_alive():
-            holder.stop()
+        for h in holders:
+            if h.is_alive():
+                h.stop()
 
 
-def _check_policies(live_stack, gate_router, holder: Holder) -> None:
-    _wait_state(live_stack, "busy", 60)
+def _check_policies(live_stack, gate_router, holders: list[Holder]) -> None:
+    _wait_state(live_stack, "busy", 60)  # ("busy": every seat held)
     small = {"prompt": token_prompt(20, salt=78), "max_tokens": 6, "temperature": 0}
 
     # reject: 429 with Retry-After and an OpenAI-style body, after the alias's short wait.
@@ -141,14 +153,15 @@ def _check_policies(live_stack, gate_router, holder: Holder) -> None:
     r = httpx.post(f"{gate_router}/v1/completions", json=dict(small, model="x-spill"), timeout=120)
     assert r.status_code == 200, r.text
     assert _metric(gate_router, "expresslane_router_spillover_total") == spills + 1
-    assert _status(live_stack) == "busy", "the holder should still own the node"
+    assert _status(live_stack) == "busy", "the holders should still own every seat"
 
-    # wait: queued until the node is free, then served by the express node.
+    # wait: queued until a seat is free, then served by the express node.
     t0 = time.monotonic()
     r = httpx.post(f"{gate_router}/v1/completions", json=dict(small, model="x-wait"), timeout=300)
     assert r.status_code == 200, r.text
-    holder.join(timeout=300)
-    assert holder.status == 200
+    for h in holders:
+        h.join(timeout=300)
+        assert h.status == 200
     assert time.monotonic() - t0 > 0.2
 
 
@@ -162,7 +175,7 @@ def test_client_disconnect_frees_the_node_within_a_second(live_stack, gate_route
             lines = r.iter_lines()
             for _ in range(5):
                 next(lines)
-            assert _status(live_stack) == "busy"
+            assert _seats(live_stack)[1] == 1  # its seat
         # leaving the block closes the connection mid-stream
         freed_after = _wait_state(live_stack, "idle", 5)
     assert freed_after < 1.0, f"node freed {freed_after:.2f}s after the client left"

@@ -28,8 +28,10 @@ from exactness import token_prompt
 from fault_support import BlackHolePeer, Outcome, RouterProcess, metric, request, run, scrape, wait_until
 
 SPILL, REJECT, NATIVE = "x-spill", "x-reject", "tiny-llama"
-# Bounds (seconds). The router's defaults: probes every 2 s, 2 failures eject; a stream silent for 10 s is dead.
-DETECT_S = 10.0       # node ejected (upstream_healthy 0) after its process dies or stops
+# Bounds (seconds). The router's defaults: probes every 2 s within 2 s, 3 failing probes in a row mark a node
+# unhealthy (a probe that times out counts only once the node showed no other life for interval + timeout: one
+# more round after a SIGSTOP); a stream silent for 10 s from a node that shows no life is dead.
+DETECT_S = 16.0       # node ejected (upstream_healthy 0) after its process dies or stops
 READMIT_S = 15.0      # node re-admitted (upstream_healthy 1) after it answers /health again
 FAST_S = 2.0          # a typed error for a request that cannot be served
 SERVE_S = 20.0        # a short request (24 tokens) served, spilled or not, on this loaded 2-CPU box

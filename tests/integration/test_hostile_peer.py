@@ -6,10 +6,17 @@ Acceptance of issue 12: garbage bytes, a huge length prefix, an unauthenticated 
 replayed frames and 1,000 idle connections are each refused without the node's NIXL metadata leaking; an
 express request sent during the attack still equals the single-server reference; a prefill request whose
 marker names a destination outside the allow-list is not sent anywhere, is counted, and its outcome says so.
+
+Against the default compose stack too (issue 42): with EXPRESSLANE_HOSTILE_TARGET set to a JSON object (`ctrl`:
+the express node's control plane "host:port", `router`, `prefill`: URLs, `vllm_key_file`, `model`, `express_alias`)
+the control-port attacks run against that running stack instead, from this host, which reaches the containers'
+addresses (.ci/compose-e2e.sh's "hostile peer" step sets it); the allow-list test needs a stack started with an
+allow-list and stays on the dev stack.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import socket
@@ -25,8 +32,36 @@ from expresslane.engine.protocol import auth as a
 from expresslane.engine.protocol import messages as m
 from expresslane.engine.protocol.layout import KVLayoutSpec
 
+TARGET = json.loads(os.environ["EXPRESSLANE_HOSTILE_TARGET"]) if os.environ.get("EXPRESSLANE_HOSTILE_TARGET") else None
+
+
+class _Running:
+    """A running stack described by EXPRESSLANE_HOSTILE_TARGET (the default compose stack)."""
+
+    def __init__(self, t: dict) -> None:
+        host, port = t["ctrl"].rsplit(":", 1)
+        self.ctrl = (host, int(port))
+        self.router_url, self.prefill_url = t["router"], t["prefill"]
+        self.model, self.express_alias = t.get("model", "tiny-llama"), t.get("express_alias", EXPRESS_ALIAS)
+        with open(t["vllm_key_file"]) as f:
+            self._key = f.read().strip()
+
+    def auth_headers(self, name: str) -> dict[str, str]:
+        assert name == "VLLM_API_KEY"
+        return {"Authorization": f"Bearer {self._key}"}
+
+
 @pytest.fixture(scope="module")
-def secured_stack(tiny_model_dir, tmp_path_factory):
+def secured_stack(request):
+    if TARGET is not None:
+        yield _Running(TARGET)
+        return
+    stack = request.getfixturevalue("_dev_secured_stack")
+    yield stack
+
+
+@pytest.fixture(scope="module")
+def _dev_secured_stack(tiny_model_dir, tmp_path_factory):
     base = int(os.environ.get("EXPRESSLANE_TEST_PORT_BASE", "20000")) + 300
     ctrl = 5556 + base
     stack = DevStack(model_dir=tiny_model_dir, state_dir=tmp_path_factory.mktemp("secured-stack"), port_base=base,
@@ -48,8 +83,11 @@ def http(secured_stack):
         yield c
 
 
-def _ctrl(stack) -> int:
-    return stack.ports["EXPRESS_CTRL_PORT"]
+def _ctrl(stack) -> tuple[str, int]:
+    """(host, port) of the express node's control plane."""
+    if isinstance(stack, _Running):
+        return stack.ctrl
+    return "127.0.0.1", stack.ports["EXPRESS_CTRL_PORT"]
 
 
 def _drain(s: socket.socket, limit_s: float = 10.0) -> bytes:
@@ -72,21 +110,22 @@ def _assert_only_challenge(data: bytes) -> None:
 
 
 def _reference(http, stack, prompt):
-    body = {"model": "tiny-llama", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0}
+    body = {"model": getattr(stack, "model", "tiny-llama"), "prompt": prompt, "max_tokens": MAX_TOKENS,
+            "temperature": 0}
     return completion(http, stack.prefill_url, body)["choices"][0]["text"]
 
 
 def test_attacks_on_the_control_port_are_refused_while_an_exact_request_is_served(secured_stack, http):
-    port = _ctrl(secured_stack)
+    addr = _ctrl(secured_stack)
     attacks = []
     unauth_admit = m.encode(m.admit(rid="victim", rank=0, world_size=1, head_start=0, num_heads=4, num_tokens=4,
                                     nbytes=1, layout=KVLayoutSpec(4, 4, 32, "float32", 64)))
     for payload in (b"\x00garbage\xff" * 10, struct.pack(">I", 0xFFFFFF00) + b"{", unauth_admit):
-        s = socket.create_connection(("127.0.0.1", port), timeout=5)
+        s = socket.create_connection(addr, timeout=5)
         s.sendall(payload)
         attacks.append(s)
     # wrong secret
-    s = socket.create_connection(("127.0.0.1", port), timeout=5)
+    s = socket.create_connection(addr, timeout=5)
     first = s.recv(4096)
     (n,) = struct.unpack(">I", first[:4])
     challenge = m.decode_frame(first[: 4 + n])
@@ -97,14 +136,15 @@ def test_attacks_on_the_control_port_are_refused_while_an_exact_request_is_serve
     idle = []
     for _ in range(1000):
         try:
-            idle.append(socket.create_connection(("127.0.0.1", port), timeout=5))
+            idle.append(socket.create_connection(addr, timeout=5))
         except OSError:
             break
     prompt = token_prompt(40, salt=11)
     ref = _reference(http, secured_stack, prompt)
     time.sleep(6)  # the idle ones hit the node's handshake deadline (5 s) and free their places
     got = completion(http, secured_stack.router_url,
-                     {"model": EXPRESS_ALIAS, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0})
+                     {"model": getattr(secured_stack, "express_alias", EXPRESS_ALIAS), "prompt": prompt,
+                      "max_tokens": MAX_TOKENS, "temperature": 0})
     assert got["choices"][0]["text"] == ref
     for s in attacks:
         _assert_only_challenge(_drain(s))
@@ -113,6 +153,8 @@ def test_attacks_on_the_control_port_are_refused_while_an_exact_request_is_serve
 
 
 def test_marker_outside_the_allow_list_is_not_sent_anywhere(secured_stack, http):
+    if isinstance(secured_stack, _Running):
+        pytest.skip("needs a stack started with a destination allow-list (the dev stack's fixture)")
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
     listener.listen(1)

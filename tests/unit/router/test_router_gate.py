@@ -1,4 +1,5 @@
-"""Express node gate: one request per node, FIFO hand-over, bounded queue, timeouts, no lost nodes."""
+"""Express gate: seats per node (one until known), least-loaded hand-out, FIFO hand-over, bounded queue, timeouts,
+no lost seat, never a double-booked one (a property test over any sequence of events)."""
 
 from __future__ import annotations
 
@@ -106,7 +107,7 @@ async def test_release_is_idempotent_and_context_manager_releases_on_error():
     lease = await gate.acquire(max_waiting=1, max_wait_s=1)
     lease.release()
     lease.release()
-    assert gate.busy_count == 0 and len(gate._free) == 1
+    assert gate.busy_count == 0 and gate.busy_seats("a") == 0
     with pytest.raises(RuntimeError):
         with await gate.acquire(max_waiting=1, max_wait_s=1):
             raise RuntimeError("boom")
@@ -179,3 +180,155 @@ async def test_a_draining_node_that_comes_back_stays_held_by_its_request():
     assert gate.nodes == ["a"] and gate.draining == [] and gate.is_busy("a") and gate.try_acquire() is None
     lease.release()
     assert gate.try_acquire() is not None
+
+
+# ---- seats: a node of S seats holds up to S leases, never more ---------------------------------------------------
+
+async def test_a_node_of_several_seats_holds_that_many_leases_and_the_least_loaded_goes_first():
+    gate = NodeGate(["a", "b"])
+    gate.set_seats("a", 3)  # b's seats are not known: it counts as one
+    got = [(await gate.acquire(max_waiting=4, max_wait_s=1)) for _ in range(4)]
+    # least loaded first, ties to the one granted least recently: a, b, a (b full), a
+    assert [g.node for g in got] == ["a", "b", "a", "a"]
+    assert gate.busy_seats("a") == 3 and gate.busy_seats("b") == 1 and gate.busy_count == 4 and gate.seats_total == 4
+    waiter = asyncio.ensure_future(gate.acquire(max_waiting=4, max_wait_s=1))
+    await asyncio.sleep(0.01)
+    assert not waiter.done()  # every seat of every node is busy: it queues
+    got[1].release()  # b's seat
+    assert (await waiter).node == "b"
+    gate.set_seats("b", 2)  # b turns out to have two: a new request goes there (a is full)
+    assert gate.try_acquire().node == "b"
+    assert gate.busy_seats("b") == 2
+
+
+async def test_more_seats_serve_waiters_at_once_and_fewer_let_the_busy_ones_finish():
+    gate = NodeGate(["a"])
+    held = await gate.acquire(max_waiting=4, max_wait_s=1)
+    waiters = [asyncio.ensure_future(gate.acquire(max_waiting=4, max_wait_s=1)) for _ in range(2)]
+    await asyncio.sleep(0.01)
+    gate.set_seats("a", 3)  # the node's /capabilities said 3: both waiters get a seat now
+    leases = [await asyncio.wait_for(w, 1) for w in waiters]
+    assert gate.busy_seats("a") == 3
+    gate.set_seats("a", 1)  # it restarted with one seat: nothing new until two of the three are released
+    held.release()
+    assert gate.try_acquire() is None
+    leases[0].release()
+    assert gate.try_acquire() is None
+    leases[1].release()
+    assert gate.try_acquire() is not None
+
+
+async def test_a_draining_node_keeps_its_busy_seats_and_goes_when_the_last_is_released():
+    gone: list[str] = []
+    gate = NodeGate(["a"], on_gone=gone.append)
+    gate.set_seats("a", 2)
+    l1 = await gate.acquire(max_waiting=1, max_wait_s=1)
+    l2 = await gate.acquire(max_waiting=1, max_wait_s=1)
+    gate.remove("a")
+    l1.release()
+    assert gone == [] and gate.draining == ["a"]
+    l2.release()
+    assert gone == ["a"] and gate.draining == [] and gate.busy_count == 0
+
+
+def test_seats_are_never_double_booked_property():
+    """Any sequence of acquires, releases, cancels, seat changes, health changes and membership changes: a node
+    never holds more leases than the seats it had at each grant, every lease is counted on its node exactly once,
+    a waiter never waits while an available member has a free seat, waiters are served in arrival order, and
+    releasing everything leaves no busy seat."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    nodes = ["a", "b", "c"]
+    op = st.one_of(
+        st.tuples(st.just("acquire"), st.integers(0, 3)),
+        st.tuples(st.just("release"), st.integers(0, 30)),
+        st.tuples(st.just("cancel"), st.integers(0, 30)),
+        st.tuples(st.just("seats"), st.sampled_from(nodes), st.integers(1, 4)),
+        st.tuples(st.just("health"), st.sampled_from(nodes), st.booleans()),
+        st.tuples(st.just("remove"), st.sampled_from(nodes)),
+        st.tuples(st.just("add"), st.sampled_from(nodes)),
+    )
+
+    async def run(ops) -> None:
+        up = dict.fromkeys(nodes, True)
+        gate = NodeGate(list(nodes), available=lambda n: up[n])
+        grant = gate._grant
+
+        def checked_grant(state):  # every grant, seen from outside: a free seat, on a member that takes traffic
+            assert gate.busy_seats(state.node) < gate.seats(state.node), ("double-booked", state.node)
+            assert up[state.node] and any(n == state.node for n in gate.nodes), ("granted off the rules", state.node)
+            return grant(state)
+
+        gate._grant = checked_grant
+        held: list = []
+        waiting: list[tuple[int, asyncio.Future]] = []
+        served: list[int] = []
+        arrivals = 0
+
+        def check() -> None:
+            live: dict[str, int] = {}
+            for lease in held:
+                if not lease.released:
+                    live[lease.node] = live.get(lease.node, 0) + 1
+            for _, w in waiting:  # handed over, not resumed yet: counted on the node already
+                if w.done() and not w.cancelled() and w.exception() is None:
+                    n = w.result().node
+                    live[n] = live.get(n, 0) + 1
+            for n in nodes:
+                assert gate.busy_seats(n) == live.get(n, 0), (n, gate.busy_seats(n), live)
+            if any(not w.done() for _, w in waiting):
+                for n in gate.nodes:
+                    if up[n]:
+                        assert gate.busy_seats(n) >= gate.seats(n), ("a waiter waits beside a free seat", n)
+
+        for o in ops:
+            kind = o[0]
+            if kind == "acquire":
+                arrivals += 1
+                i = arrivals
+                task = asyncio.ensure_future(gate.acquire(max_waiting=o[1], max_wait_s=30))
+                await asyncio.sleep(0)
+                waiting.append((i, task))
+            elif kind == "release" and held:
+                held[o[1] % len(held)].release()
+            elif kind == "cancel" and waiting:
+                waiting[o[1] % len(waiting)][1].cancel()
+            elif kind == "seats":
+                gate.set_seats(o[1], o[2])
+            elif kind == "health":
+                up[o[1]] = o[2]
+                gate.poke()
+            elif kind == "remove":
+                gate.remove(o[1])
+            elif kind == "add":
+                gate.add(o[1])
+            for _ in range(3):
+                await asyncio.sleep(0)
+            still = []
+            for i, w in waiting:
+                if w.done():
+                    if not w.cancelled():
+                        if w.exception() is None:
+                            held.append(w.result())
+                            served.append(i)
+                        elif not isinstance(w.exception(), (QueueFull, NoHealthyNode)):
+                            raise w.exception()  # (a refusal is an answer; anything else is a bug)
+                else:
+                    still.append((i, w))
+            waiting = still
+            check()
+        assert served == sorted(served)  # FIFO: a later arrival never overtakes a waiter
+        for _, w in waiting:
+            w.cancel()
+        await asyncio.sleep(0)
+        for lease in held:
+            lease.release()
+        assert gate.busy_count == 0 and gate.waiting == 0
+
+    @settings(max_examples=300, deadline=None)
+    @given(st.lists(op, max_size=40))
+    def prop(ops):
+        asyncio.run(run(ops))
+
+    prop()

@@ -222,10 +222,12 @@ def create_app(config: RouterConfig, *, secrets: RouterSecrets | None = None,
                 pool_nodes=lambda pool: express.gates[pool].nodes)
             caps = app.state.capabilities
             membership.on_change(lambda pool, added, removed: [caps.forget(url) for url in removed])
+            caps.on_seats(express.seats_changed)  # each node's seats: its gate's capacity
+            express.node_busy = caps.expire
             app.state.endpoints = Endpoints(config, client, secrets, prefills, clock,
                                             report_failure=monitor.report_failure,
                                             report_success=monitor.report_success)
-            async with membership.running(), monitor.running(probes or HttpxOneShot(client)):
+            async with membership.running(), monitor.running(probes or HttpxOneShot(client)), caps.running():
                 yield
             await ctx.drain(t.cancel_s + t.connect_s)  # cancels still in flight reach their nodes
             app.state.lanes = None
@@ -302,7 +304,8 @@ def create_app(config: RouterConfig, *, secrets: RouterSecrets | None = None,
         pools = {}
         if lanes is not None:
             for name, gate in lanes.express.gates.items():
-                pools[name] = {"busy_nodes": gate.busy_count, "nodes": len(gate.nodes), "waiting": gate.waiting}
+                pools[name] = {"nodes": len(gate.nodes), "busy_nodes": gate.busy_nodes, "seats": gate.seats_total,
+                               "busy_seats": gate.busy_count, "waiting": gate.waiting}
         return {"status": "ok", "express_pools": pools}
 
     def may_see_details(request: Request) -> bool:

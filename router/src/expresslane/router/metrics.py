@@ -49,9 +49,12 @@ class RouterMetrics:
                                   ["lane"], buckets=_TPS_BUCKETS, registry=r)
         self.queue_wait = Histogram(P + "queue_wait_seconds", "Time an express request waited for a node",
                                     ["lane"], buckets=_QUEUE_BUCKETS, registry=r)
-        self.queue_depth = Gauge(P + "queue_depth", "Requests waiting for an express node", ["pool"], registry=r)
-        self.inflight = Gauge(P + "inflight_requests", "Requests in flight per decode node", ["pool", "node"],
-                              registry=r)
+        self.queue_depth = Gauge(P + "queue_depth", "Requests waiting for an express seat", ["pool"], registry=r)
+        self.inflight = Gauge(P + "inflight_requests", "Requests in flight per decode node (an express node: its "
+                              "busy seats)", ["pool", "node"], registry=r)
+        self.seats_total = Gauge(P + "express_seats", "Seats of an express pool's nodes (each node's /capabilities "
+                                 "`seats`; 1 until known)", ["pool"], registry=r)
+        self.seats_busy = Gauge(P + "express_seats_busy", "Express seats held by a request", ["pool"], registry=r)
         self.rejected = Counter(P + "rejected_total", "Express requests refused with 429", ["pool", "reason"],
                                 registry=r)
         self.spillover = Counter(P + "spillover_total", "Express requests served by their spill pool",
@@ -155,6 +158,8 @@ class RouterMetrics:
                 self.inflight.labels(name, node_label(node if isinstance(node, str) else node.url))
             if isinstance(pool, ExpressPool):
                 self.queue_depth.labels(name)
+                self.seats_total.labels(name).set(len(pool.nodes))
+                self.seats_busy.labels(name).set(0)
                 for reason in ("queue_full", "queue_timeout", "node_busy"):
                     self.rejected.labels(name, reason)
                 targets = {q.spill_to for q in [pool.queue] + [a.queue for a in config.aliases.values()

@@ -18,13 +18,22 @@ cannot honour is, per the alias's `unsupported` policy, served by the native lan
 counted in `expresslane_router_capability_reroutes_total{alias,feature}`, the response says so in the
 `X-Expresslane-Lane` and `X-Expresslane-Reroute` headers) or refused with a 400 naming the feature (`refuse`).
 An explicit `X-Lane: express` is never rerouted: the client asked for that lane, so it gets the 400.
+
+Seats: the same `GET /capabilities` answer says how many requests a `kind: expresslane` node serves at once
+(top-level `"seats": S`, S >= 1; absent = 1, an older node). A `kind: tilert` node is one seat (TileRT's contract)
+and is never asked. `running(nodes)` asks every expresslane node at start and keeps the answers fresh (refresh_s;
+a failed fetch again after retry_s) in the background; `on_seats(callback)` hears every change of a node's known
+seats (the express gate's capacity: gate.NodeGate.set_seats). A node not answered yet counts as one seat; a failed
+fetch keeps the last known count. `expire(url)` makes the next round ask again (a node that refused a reservation
+as busy while the router counted a free seat may have restarted with fewer).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,7 +45,7 @@ from ..errors import BadRequest, UnsupportedFeature
 from ..server.secrets import RouterSecrets
 
 __all__ = ["CapabilityRouter", "EXPRESSLANE_ENGINE", "FEATURES", "NATIVE", "TILERT", "Feature", "Reroute",
-           "compat_table", "requested_features", "reroute_counter"]
+           "compat_table", "requested_features", "reroute_counter", "seats_of"]
 
 log = logging.getLogger("expresslane.router.fleet.capabilities")
 
@@ -180,6 +189,18 @@ class _Entry:
     features: dict[str, bool] | None
     at: float
     why: str = ""
+    seats: int | None = None  # None: the fetch failed (the last known count stays)
+
+
+def seats_of(data: Any) -> tuple[int, str]:
+    """(seats, problem) of a /capabilities answer: its top-level integer `seats` (>= 1), 1 when absent (an older
+    node), 1 with a problem to log when it is not a positive integer."""
+    v = data.get("seats") if isinstance(data, dict) else None
+    if v is None:
+        return 1, ""
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        return 1, f"'seats' is {v!r}, not an integer >= 1: counting one seat"
+    return v, ""
 
 
 class CapabilityRouter:
@@ -198,6 +219,8 @@ class CapabilityRouter:
         self.relay_check = relay_check
         self._cache: dict[str, _Entry] = {}
         self._locks: dict[str, asyncio.Lock] = {}
+        self._seats: dict[str, int] = {}  # url -> the last known count (a failed fetch keeps it)
+        self._seat_listeners: list[Callable[[ExpressNode, int], None]] = []
 
     # ---- per-node features ------------------------------------------------------------------------
     @property
@@ -210,6 +233,67 @@ class CapabilityRouter:
         members only (a node that comes back at that address is asked again)."""
         self._cache.pop(url, None)
         self._locks.pop(url, None)  # a fetch still holding it keeps its own reference
+        self._seats.pop(url, None)
+
+    def expire(self, url: str) -> None:
+        """Ask `url` again at the next chance (its cached answer is kept until then)."""
+        e = self._cache.get(url)
+        if e is not None:
+            e.at = float("-inf")
+
+    # ---- seats ----------------------------------------------------------------------------------------
+    def node_seats(self, url: str) -> int:
+        """The node's seats as last known; 1 until it answered."""
+        return self._seats.get(url, 1)
+
+    def on_seats(self, callback: Callable[[ExpressNode, int], None]) -> None:
+        self._seat_listeners.append(callback)
+
+    def _note_seats(self, node: ExpressNode, entry: _Entry) -> None:
+        if entry.seats is None or self._seats.get(node.url) == entry.seats:
+            return
+        before = self._seats.get(node.url)
+        self._seats[node.url] = entry.seats
+        if before is not None or entry.seats != 1:
+            log.warning("express node %s: %d seat(s)%s", node.url, entry.seats,
+                        f" (was {before})" if before is not None else "")
+        for cb in self._seat_listeners:
+            cb(node, entry.seats)
+
+    def _expresslane_nodes(self) -> list[ExpressNode]:
+        return [n for name, p in self.config.pools.items() if isinstance(p, ExpressPool) and p.kind == "expresslane"
+                for n in self.pool_nodes(name)]
+
+    async def refresh(self) -> None:
+        """Ask every expresslane node whose answer is not fresh (its features and seats), all at once."""
+        await asyncio.gather(*(self.node_features(n) for n in self._expresslane_nodes()))
+
+    @contextlib.asynccontextmanager
+    async def running(self):
+        """Ask every expresslane node at start (a node that does not answer yet counts as one seat), then keep the
+        answers fresh in the background while the body runs."""
+        async def loop() -> None:
+            while True:
+                await asyncio.sleep(min(self.config.capabilities.retry_s, self.config.capabilities.refresh_s))
+                try:
+                    await self.refresh()
+                except Exception:  # a bug must not stop the refresh
+                    log.exception("capability refresh failed")
+
+        task = asyncio.create_task(self._first_then(loop))
+        try:
+            yield self
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    async def _first_then(self, loop: Callable[[], Awaitable[None]]) -> None:
+        try:
+            await self.refresh()
+        except Exception:
+            log.exception("capability refresh failed")
+        await loop()
 
     async def node_features(self, node: ExpressNode) -> dict[str, bool] | None:
         entry = self._cache.get(node.url)
@@ -225,6 +309,7 @@ class CapabilityRouter:
                     log.warning("express node %s: capabilities unknown (%s); assuming what this router "
                                 "version's expresslane engine honours", node.url, entry.why)
                 self._cache[node.url] = entry
+                self._note_seats(node, entry)
         return entry.features
 
     def _fresh(self, e: _Entry) -> bool:
@@ -245,10 +330,13 @@ class CapabilityRouter:
             data = resp.json()
         except ValueError:
             return _Entry(None, self.clock(), f"GET {url}: not JSON")
+        seats, problem = seats_of(data)
+        if problem:
+            log.warning("express node %s: %s", node.url, problem)
         feats = data.get("features") if isinstance(data, dict) else None
         if not isinstance(feats, dict):
-            return _Entry(None, self.clock(), f"GET {url}: no 'features' map (an older node?)")
-        return _Entry(features_from_node(feats), self.clock())
+            return _Entry(None, self.clock(), f"GET {url}: no 'features' map (an older node?)", seats)
+        return _Entry(features_from_node(feats), self.clock(), seats=seats)
 
     async def pool_features(self, pool: str) -> dict[str, bool]:
         p = self.config.pools[pool]

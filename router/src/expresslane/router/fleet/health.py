@@ -55,7 +55,7 @@ from .outlier import Decision, OutlierConfig, OutlierDetector
 
 __all__ = ["ActiveHealth", "HealthMonitor", "HealthState", "ProbeResult", "Upstream"]
 
-log = logging.getLogger("expresslane.router.health")
+log = logging.getLogger("expresslane.router.fleet.health")
 
 
 class HealthState(enum.Enum):

@@ -46,7 +46,7 @@ import asyncio
 import contextlib
 import logging
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import httpx
@@ -134,6 +134,13 @@ class ExpressLane:
         self._max_model_len: int | None = ctx.config.max_model_len
         self._model_len_fetch: asyncio.Future | None = None
         self._token_strings: TokenStrings | None = None
+        self.node_busy: Callable[[str], None] = lambda url: None  # (the app: CapabilityRouter.expire)
+
+    def seats_changed(self, node: ExpressNode, seats: int) -> None:
+        """A node's /capabilities told its seats (fleet/capabilities.py): its gate holds that many leases on it."""
+        for gate in self.gates.values():
+            if any(n is node for n in [*gate.nodes, *gate.draining]):
+                gate.set_seats(node, seats)
 
     def _members_changed(self, pool: str, added: list[str], removed: list[str]) -> None:
         """An express pool's DNS answer changed: a new address is a new node of its gate (it takes requests once
@@ -158,8 +165,10 @@ class ExpressLane:
 
         def update(gate: NodeGate[ExpressNode]) -> None:
             m.queue_depth.labels(pool).set(gate.waiting)
+            m.seats_total.labels(pool).set(gate.seats_total)
+            m.seats_busy.labels(pool).set(gate.busy_count)
             for n in gate.nodes:
-                m.inflight.labels(pool, node_label(n.url)).set(1 if gate.is_busy(n) else 0)
+                m.inflight.labels(pool, node_label(n.url)).set(gate.busy_seats(n))
         return update
 
     # ---- admission -----------------------------------------------------------------------------
@@ -192,6 +201,7 @@ class ExpressLane:
             except NodeBusy:
                 busy += 1
                 log.info("express node %s busy (attempt %d)", lease.node.url, busy)
+                self.node_busy(lease.node.url)  # every seat held there while the router counted one free: ask again
                 if busy > busy_retries:
                     return await self._when_full(req, pool, queue, "node_busy",
                                                  f"express nodes stayed busy after {busy} tries", record)
