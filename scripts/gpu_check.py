@@ -474,6 +474,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     s.add_argument("--commit", default=None, help="default: the one the run recorded")
 
     args = ap.parse_args(argv)
+    if args.cmd == "prepare":
+        return args
     args.out = args.out.resolve()  # every command runs from the repository root
     if args.cmd in DEADLINE_S:
         args.deadline_s = DEADLINE_S[args.cmd] if args.deadline_s is None else args.deadline_s

@@ -262,3 +262,9 @@ def test_the_stack_unpacks_the_carried_vllm_then_runs(tmp_path, monkeypatch) -> 
     assert (tmp_path / "path.txt").read_text().split(":")[0] == str(tmp_path / "site")
     assert run.phases[-1].startswith("stack ") and len(run.phases) == 1, run.phases
     assert time.time() + 500 < seen["deadline"] < time.time() + 570
+
+
+def test_prepare_parses_without_an_output_folder() -> None:
+    """`prepare` runs here, before any run folder exists: it takes no OUT."""
+    args = gpu_check.parse_args(["prepare"])
+    assert args.cmd == "prepare" and not hasattr(args, "out")
