@@ -175,11 +175,7 @@ def _group(module: str) -> str:
     return parts[2] if len(parts) > 2 and parts[2] in SUBPACKAGES else "(top level)"
 
 
-KNOWN = {
-    "decode": "issue 44: the lead untangles engine.py/family.py/speculative.py",
-    "transfer": "issue 44: transfer/control_server.py imports transfer/receiver.py (for a type) and receiver.py "
-                "imports control_server.py",
-}
+KNOWN: dict[str, str] = {}  # subpackage -> why a circle is known (none now)
 
 
 @pytest.mark.parametrize("subpackage", [

@@ -29,29 +29,40 @@ a forward that fails fails every request of the step.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from .sequence import SequenceRun
+from .speculative import SpecStats
 
-if TYPE_CHECKING:
-    from .engine import Generation
 
-#: Listener of a request's tokens: (token id, its logprob or None, its top logprobs or None).
-TokenListener = Callable[[int, "float | None", "list[tuple[int, float]] | None"], None]
+class SeatRequest(Protocol):
+    """What the scheduler uses of a request (decode/engine.py's Generation): its cancel flag, its outcome, and
+    the two hooks it calls, each token as it is out and once at its end."""
+
+    cancel_event: threading.Event
+    finish_reason: str | None
+    error: BaseException | None
+    spec: SpecStats
+
+    def _deliver(self, token: int) -> None: ...
+
+    def _done(self) -> None: ...
+
 
 
 class SeatScheduler:
     """The active requests of a multi-seat engine, stepped together. Not thread-safe: one thread drives it."""
 
     def __init__(self, forward_rows, seats: int, *, max_step_rows: int | None = None,
-                 on_finished: Callable[["Generation"], None] | None = None) -> None:
+                 on_finished: Callable[[SeatRequest], None] | None = None) -> None:
         # runner.forward_rows: ([(seat, start, tokens)], want_argmax) -> (logits [rows, vocab], row argmaxes | None)
         self._forward_rows = forward_rows
         self.seats = seats
         self.max_step_rows = max_step_rows
         self._on_finished = on_finished
-        self._runs: dict[int, tuple["Generation", SequenceRun]] = {}
+        self._runs: dict[int, tuple[SeatRequest, SequenceRun]] = {}
         self._order = 0  # rotates which request plans first (drafts weighed against the others' rows)
         self.steps = 0
         self.rows_histogram: dict[int, int] = {}  # forwards by row count
@@ -64,7 +75,7 @@ class SeatScheduler:
     def busy(self, seat: int) -> bool:
         return seat in self._runs
 
-    def join(self, seat: int, gen: "Generation", run: SequenceRun) -> None:
+    def join(self, seat: int, gen: SeatRequest, run: SequenceRun) -> None:
         if not 0 <= seat < self.seats:
             raise ValueError(f"seat {seat} outside [0, {self.seats})")
         if seat in self._runs:

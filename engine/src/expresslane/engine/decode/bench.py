@@ -10,17 +10,17 @@ For each context (prompt length) it prints tok/s of plain decoding and, with --o
 decoding with an oracle drafter: the model's own greedy continuation (decoded first without speculation)
 cut at k tokens a step, so acceptance is what the verify forward agrees with (k when logits are exact; less
 where half-precision near-ties flip between a 1-row and a (k+1)-row forward). "bound" is a device copy's
-bytes/s (read + write, the calibration FACTS.md uses) over the bytes one token must read: weights plus the
+bytes/s (read + write, counted as docs/performance.md's method does) over the bytes one token must read: weights plus the
 live K/V at the mean context of the run. Speculative tok/s may exceed it: that is the point.
 
 --replay runs recorded speculation traces at this model's speed: a trace is the (drafted, kept) of every step of
-a real request's drafter (`RecordingDrafter`; scripts/make_copy_model.py --trace records the node's prompt
+a real request's drafter (`RecordingDrafter`; docs/bench/2026-12-04-copy-acceptance/make_copy_model.py --trace records the node's prompt
 lookup on the repo's copy-and-continue model over code-edit and agentic prompts), and `ReplayDrafter` proposes
 the same number of drafts a step, the first `kept` of them the model's own greedy continuation and the next
 one wrong. So a large model verifies exactly the row counts, and keeps exactly the drafts, that the real
 drafter's request did, on text it cannot be trained to copy here (no checkpoint is downloaded).
 --replay-text runs the node's own drafter, with this engine's measured step costs, on recorded text (a prompt and
-the greedy output of the model it was recorded with: scripts/make_copy_model.py --texts): `TextReplayDrafter`
+the greedy output of the model it was recorded with: docs/bench/2026-12-04-copy-acceptance/make_copy_model.py --texts): `TextReplayDrafter`
 plays the recorded request out under the drafter and has this model verify the row counts the drafter's policy
 picks there, keeping what it earned. A trace fixes the row counts; a text lets the policy choose them here.
 --lean-gemv per-request: an engine with a runner of each GEMV family that runs each request on the family its
@@ -137,7 +137,7 @@ class ReplayDrafter:
 
 class TextReplayDrafter:
     """A drafter run on a recorded request's text, its drafts translated to this model. The recorded request
-    (a prompt and its greedy output on the model it was recorded with: scripts/make_copy_model.py --texts)
+    (a prompt and its greedy output on the model it was recorded with: docs/bench/2026-12-04-copy-acceptance/make_copy_model.py --texts)
     plays out step by step under `inner` (the node's own drafter, given this engine's step costs); where it
     proposes d drafts of which the first `kept` are the recorded output's next tokens, this drafter proposes d
     tokens of which the first `kept` are this model's greedy continuation and the next one is not. So this

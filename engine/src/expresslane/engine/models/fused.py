@@ -53,7 +53,7 @@ from .precompile import precompile
 # whose five-row kernels need the fewest registers in sm_90 ptxas (80-160 a thread where the unpacked shapes that
 # do not spill need up to 241, at a few warps an SM); a verifying step's pick weighs them by their verify
 # (verify_pick). On the H200 they take 20-50 % off the five-row time of the normalising kernels, and are the
-# fastest one-row shape of some (docs/bench/2026-12-05-h200-hint-packed, scripts/probe_packed_gemv.py).
+# fastest one-row shape of some (docs/bench/2026-12-05-h200-hint-packed/probe_packed_gemv.py).
 GEMV_CONFIGS = ((4, 2048, 0), (8, 1024, 0), (16, 512, 0), (32, 256, 0), (8, 512, 1), (16, 256, 1), (32, 128, 1),
                 (16, 512, 0, 8), (32, 256, 0, 8), (16, 256, 1, 8),
                 (4, 1024, 1), (8, 1024, 1), (4, 512, 1), (8, 512, 1, 8), (4, 1024, 1, 8),

@@ -7,7 +7,7 @@ Here every projection is one `tl.dot`, "swap AB": acc[BLOCK_N, 16] += W[BLOCK_N,
 R <= 16 input rows zero-padded to 16 (tl.dot's smallest N). The row count is a runtime argument (never
 specialised), so a T = 1 launch and a verify's launch run one binary, and a tensor-core product's output column
 depends on its own input row only: row r of a verify is the T = 1 step's bits at start + r by construction
-(tests/unit/engine/test_fused_kernels.py checks it with torch.equal; scripts/probe_verify_kernels.py on every
+(tests/unit/engine/test_fused_kernels.py checks it with torch.equal; docs/bench/2026-12-04-tensor-core-verify/probe_verify_kernels.py on every
 block shape). Measured per 8B projection on the H200 (docs/bench/2026-12-04-tensor-core-verify/): five rows
 cost 1.01-1.36x one row, against 1.97-3.20x for the CUDA-core kernels; one row costs 1.03-1.23x the CUDA-core
 kernels' best. So this family is the opt-in for traffic that repeats (--lean-gemv tensor-core: an engine then
@@ -20,7 +20,7 @@ statistic as per-program partials left by the kernel that writes x, the 8B one-r
 4.22 (docs/bench/2026-12-04-gpu-check-folded-norm/). A second placement (`gemv_residual(norm=...)`, the lean
 step's `tail`): the o_proj / down_proj kernel's last program to finish (a ticket counter) normalises the residual
 the kernel wrote, so no norm kernel stands between it and the next projection; its timing against the norm
-kernels is scripts/probe_lean_norm.py's to measure. Rounding
+kernels is docs/bench/2026-12-05-h100-gpu-check/probe_lean_norm.py's to measure. Rounding
 follows models/fused.py (and so the PyTorch step) at every point: the norm's two roundings, each projection's
 output, RoPE's products and sum, silu before the product with up, the residual sum. float32 models run IEEE
 dots (no TF32), as the split-KV attention does.

@@ -40,7 +40,7 @@ residual kernels before them (`tail`, LEAN_NORMS: `set_norm`, the bench's --lean
 prefetch their first weight tiles into the L2 before their PDL wait (`set_l2_prefetch`, --lean-l2-prefetch): the
 candidates for the gap its one-row step loses, both measured slower (an H100, 2026-12-05: the one-row step at
 1.057x the CUDA-core one at 8B with the norm kernels, 1.086x with the tail, 1.116x with the tail and the prefetch;
-scripts/probe_lean_norm.py, docs/bench/2026-12-05-h100-gpu-check/).
+docs/bench/2026-12-05-h100-gpu-check/probe_lean_norm.py).
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ Triton's own autotuner is being given for the same reason (triton-lang/triton PR
 first, then benchmark sequentially).
 
 Measured on a 2-core host, compiling the CUDA-core `gemv_residual` kernel's 15 block shapes for sm_90
-(scripts/bench_precompile.py): one row 3.74 s one after another, 1.72 s on two threads; five rows 12.89 s and
+(docs/bench/2026-12-05-parallel-compile/bench_precompile.py): one row 3.74 s one after another, 1.72 s on two threads; five rows 12.89 s and
 6.65 s. The kernels are the same either way (a test compares the binaries).
 
 `precompile(jobs)` runs each job (a call that compiles and does not launch: a launcher's `compile_only=True`) on

@@ -307,7 +307,7 @@ def split_kv_attention_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     0 .. start_pos + r), each bit-identical to `split_kv_attention(q[r:r+1], ..., start_pos + r)`.
     shared (R <= SHARED_MAX_ROWS): one program per (KV head, split) reads each cache tile once for all R rows
     instead of R programs reading it through L2 (the long-context verify's cost; not yet measured on a GPU,
-    so not the lean step's choice: scripts/probe_verify_attention.py times and compares the two)."""
+    so not the lean step's choice: docs/bench/2026-12-05-gpu-check/probe_verify_attention.py times and compares the two)."""
     r = q.shape[0]
     if shared and r > SHARED_MAX_ROWS:
         raise ValueError(f"the shared rows kernel takes at most {SHARED_MAX_ROWS} rows, got {r}")

@@ -20,14 +20,34 @@ import itertools
 import time
 import logging
 import ssl
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from expresslane.engine.protocol import auth as a
 from expresslane.engine.protocol import messages as m
 from expresslane.engine.protocol.errors import AuthError, ConnectionClosed, ProtocolError, ProtocolMismatch
 
-if TYPE_CHECKING:
-    from expresslane.engine.transfer.receiver import KVReceiver
+
+class ReceiverSide(Protocol):
+    """What the control server uses of the receiver it feeds (transfer/receiver.py's KVReceiver): its state-table
+    handlers, its hello and its counters. A protocol, so this module imports nothing that imports it."""
+
+    write_deadline_s: float
+
+    def _hello(self) -> m.Hello: ...
+
+    def _on_admit(self, msg: m.Admit, conn_id: int, peer: str) -> m.Message: ...
+
+    async def _on_done(self, msg: m.Done, conn_id: int) -> m.Ack: ...
+
+    def _on_abort(self, msg: m.Abort, conn_id: int, peer: str) -> None: ...
+
+    def _connection_closed(self, conn_id: int, peer_closed: bool = True) -> None: ...
+
+    def _write_deadline(self, conn_id: int) -> float | None: ...
+
+    def _count(self, key: str) -> int: ...
+
+    def _set_gauge(self, key: str, value: int) -> None: ...
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +89,7 @@ class _Conn:
 
 
 class ControlServer:
-    def __init__(self, receiver: "KVReceiver", *, host: str, port: int, peer_secret: bytes | None,
+    def __init__(self, receiver: ReceiverSide, *, host: str, port: int, peer_secret: bytes | None,
                  max_connections: int, io_timeout_s: float, handshake_timeout_s: float,
                  ssl_context: ssl.SSLContext | None) -> None:
         self.rx = receiver
