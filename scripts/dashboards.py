@@ -595,8 +595,8 @@ def lanes_overview() -> Built:
 def express_lane() -> Built:
     items = [
         Row("Express pool (router)"),
-        ts("Decode node busy", "bool_on_off", [Z(f"max by (instance) ({D}busy)", "{{instance}}")],
-           "1 while the express decode node is serving a request (it serves one at a time).", w=6, max=1),
+        ts("Decode node full", "bool_on_off", [Z(f"max by (instance) ({D}busy)", "{{instance}}")],
+           "1 while every seat of the express decode node is held (a TileRT node has one seat).", w=6, max=1),
         ts("In-flight requests per node", "short",
            [Z(f"sum by (pool, node) ({R}inflight_requests)", "{{pool}} {{node}}")],
            "Requests the router has in flight per decode node (an express node: its busy seats).", w=6),
@@ -652,6 +652,20 @@ def express_lane() -> Built:
            [T(rate(D + "generated_tokens_total"), "tokens/s"),
             T(rate(D + "requests_total", ("status",)), "requests/s {{status}}")],
            "Tokens the node generates per second and the requests it finishes per second by status.", w=12),
+        Row("Seats (express decode server)"),
+        ts("Seats held", "short",
+           [Z(f"sum by (instance) ({D}seats_busy)", "{{instance}} held"),
+            Z(f"sum by (instance) ({D}seats)", "{{instance}} seats")],
+           "Requests the node holds (reserved, waiting for KV, injecting, decoding) against its seats: each "
+           "seat decodes one user, all of them in one forward a step.", w=8),
+        ts("Rows per decode step", "short",
+           [Z(or_zero(mean(D + "step_rows")), "mean"), T(quantile(0.95, D + "step_rows"), "p95")],
+           "Rows of each forward: every active user's token plus the drafts it verifies. Rows of several users "
+           "share one read of the weights.", w=8),
+        ts("Decode step time by rows (mean)", "s",
+           [Z(or_zero(mean(D + "step_seconds", ("rows",))), "{{rows}} rows")],
+           "Wall time of one decode step (forward, sampling, emission) by its row count: what each user's "
+           "token costs at that width.", w=8),
         Row("Speculation (express decode server)"),
         ts("Tokens from accepted drafts", "percentunit",
            [Z(or_zero(f"{rate(S + 'accepted_tokens_total')} / ({rate(S + 'accepted_tokens_total')} + "
