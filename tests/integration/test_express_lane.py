@@ -116,6 +116,50 @@ def test_mixed_lanes_in_one_prefill_batch_stay_exact(live_stack, http):
     assert claimed == n // 2 and copies == n // 2
 
 
+def test_four_users_at_once_on_one_node_each_get_their_answer_alone(live_stack, http):
+    """Four express requests at once through the router onto ONE node of four seats (each in its own seat, all
+    decoded in one forward a step): each user's answer is the single server's and its own answer alone on the
+    node, streamed or not; the node held more than one seat while they ran, and the next user's first token did
+    not wait for the previous user's whole decode."""
+    import threading
+    import time
+
+    n = 4
+    prompts = [token_prompt(40 + 173 * i, salt=60 + i) for i in range(n)]
+    body = lambda i: {"model": EXPRESS_ALIAS, "prompt": prompts[i], "max_tokens": MAX_TOKENS,  # noqa: E731
+                      "temperature": 0}
+    refs = [reference(http, live_stack, p)["text"] for p in prompts]
+    alone = [completion(http, live_stack.router_url, body(i))["choices"][0]["text"] for i in range(n)]
+    assert alone == refs
+    status = f"{live_stack.express_url}/decode_status"
+    assert http.get(status).json()["seats"] == n
+    held, done = [0], threading.Event()
+
+    def watch():
+        while not done.is_set():
+            held[0] = max(held[0], http.get(status).json()["seats_busy"])
+            time.sleep(0.01)
+
+    def one(i):
+        with httpx.Client(timeout=300) as c:
+            t0 = time.monotonic()
+            if i % 2:
+                text, _ = stream_text(c, live_stack.router_url, "/v1/completions", body(i))
+                return text, time.monotonic() - t0
+            return completion(c, live_stack.router_url, body(i))["choices"][0]["text"], time.monotonic() - t0
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        with cf.ThreadPoolExecutor(max_workers=n) as pool:
+            outs = list(pool.map(one, range(n)))
+    finally:
+        done.set()
+        watcher.join(5)
+    assert [o[0] for o in outs] == refs, "a user's answer beside three others differs from its answer alone"
+    assert held[0] >= 2, f"the node never held two seats at once (max {held[0]})"
+
+
 def test_connector_does_no_work_for_unclaimed_requests(live_stack, http):
     """Native-lane and plain requests through the prefill with our connector loaded: results unchanged
     (the native tests prove that) and the connector's work counters do not move.
