@@ -414,6 +414,43 @@ def test_express_node_sigkill_mid_stream_fails_over_exactly(faults):
     c.done()
 
 
+def test_express_node_sigkill_with_every_seat_decoding_fails_each_over_exactly(faults):
+    """SIGKILL while the node decodes a user in every seat (its /decode_status seats, streams in one forward a
+    step): every user's stream continues on the native lane and equals its single-server reference; none is
+    lost or cut."""
+    f, c = faults, Checks("express SIGKILL with every seat decoding")
+    _baseline(f, c)
+    seats = httpx.get(f"{f.stack.express_url}/decode_status", timeout=5, trust_env=False).json().get("seats", 1)
+    prompts = [token_prompt(40 + 31 * i, salt=90 + i) for i in range(seats)]
+    wants = [f.ref(p, LONG) for p in prompts]
+    seen: dict[str, float] = {}
+
+    def on_chunk(n: int) -> None:
+        if n == 20 and "killed_at" not in seen:
+            seen["killed_at"] = time.monotonic()
+            f.stack.kill("decode-express")
+
+    async def all_users() -> list[Outcome]:
+        return await asyncio.gather(*(f.send(SPILL, p, LONG, stream=True, bound_s=STREAM_S,
+                                             on_chunk=on_chunk if i == 0 else None)
+                                      for i, p in enumerate(prompts)))
+
+    try:
+        outs = run(all_users())
+        c("killed_at" in seen, f"node killed after 20 streamed chunks of the first of {seats} users")
+        for i, (o, want) in enumerate(zip(outs, wants)):
+            c(o.ok and o.done and o.text == want, f"user {i}: one complete stream equal to the reference "
+              f"(len {len(want)}): {o.describe()}")
+        c(f.wait_health("express", f.express_node, 0.0, DETECT_S) is not None, "node ejected")
+        f.aftermath(c)
+        f.restart_express()
+        c(f.wait_health("express", f.express_node, 1.0, READMIT_S) is not None, "re-admitted")
+        f.next_served_by_express(c)
+    finally:
+        f.ensure_express()
+    c.done()
+
+
 def test_express_node_partition_mid_stream_then_sigcont(faults):
     """SIGSTOP of the express node mid-stream (a partition: the socket stays open, nothing answers): the
     stream fails over after the stall timeout and completes exactly; the node is ejected; after SIGCONT the
