@@ -168,3 +168,49 @@ def test_the_node_reads_the_hidden_size_from_the_checkpoint(tmp_path) -> None:
     assert node_lean_gemv(parse_args(["--model", str(tmp_path), "--device", "cuda"])) == "auto"
     assert node_lean_gemv(parse_args(["--model", str(tmp_path), "--device", "cuda",
                                       "--lean-gemv", "tensor-core"])) == "tensor-core"
+
+
+def test_seats_flag(capsys) -> None:
+    assert parse_args(["--model", "m"]).seats is None  # auto
+    assert parse_args(["--model", "m", "--seats", "3"]).seats == 3
+    for bad in ("0", "9", "many"):
+        with pytest.raises(SystemExit):
+            parse_args(["--model", "m", "--seats", bad])
+        assert "--seats" in capsys.readouterr().err
+
+
+def test_seats_auto_is_four_on_a_cpu_and_sized_by_memory_on_a_gpu() -> None:
+    from expresslane.engine.server.config import MAX_SEATS, resolve_seats
+
+    gib = 2**30
+    seat_8b_32k = 33_100 * 131_072  # the 8B shape's K+V per token (32 layers, 8 KV heads of 128, bf16)
+    assert resolve_seats(None, device_type="cpu", seat_bytes=10**8, free_bytes=None, multi_seat_step=None)[0] == 4
+    # an H200 with the 8B weights loaded (139 GiB - 16 GB free) at max_seq_len 33,100: 12 fit, capped at 8
+    seats, why = resolve_seats(None, device_type="cuda", seat_bytes=seat_8b_32k, free_bytes=124 * gib,
+                               multi_seat_step=None)
+    assert seats == MAX_SEATS and "12 seats of 8.08 GiB" in why
+    # an H100 (79 GiB - 16 GB): 6
+    assert resolve_seats(None, device_type="cuda", seat_bytes=seat_8b_32k, free_bytes=63 * gib,
+                         multi_seat_step=None)[0] == 6
+    # a node that cannot step several users: auto is one seat and says why; asking for more is an error
+    assert resolve_seats(None, device_type="cuda", seat_bytes=1, free_bytes=gib,
+                         multi_seat_step="no lean step") == (1, "no lean step")
+    with pytest.raises(ValueError, match="no lean step"):
+        resolve_seats(4, device_type="cuda", seat_bytes=1, free_bytes=gib, multi_seat_step="no lean step")
+    assert resolve_seats(2, device_type="cpu", seat_bytes=1, free_bytes=None, multi_seat_step=None) == \
+        (2, "as configured")
+
+
+def test_the_node_builds_seats_on_a_cpu_and_one_seat_per_request_family_when_asked(tmp_path) -> None:
+    from expresslane.engine.decode.shapes import random_checkpoint  # noqa: F401  (the engine imports cleanly)
+    from expresslane.engine.server.__main__ import node_engine_options
+
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text(
+        '{"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 64, "hidden_size": 4096, '
+        '"intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 32, "num_key_value_heads": 8, '
+        '"max_position_embeddings": 64, "rms_norm_eps": 1e-5, "torch_dtype": "float32"}')
+    assert node_engine_options(parse_args(["--model", str(model)])) == ("auto", 4)
+    assert node_engine_options(parse_args(["--model", str(model), "--seats", "1"])) == ("auto", 1)
+    assert node_engine_options(parse_args(["--model", str(model), "--compile"])) == ("auto", 1)  # one sequence
