@@ -248,6 +248,15 @@ def load_traces(path: str) -> dict[str, list[tuple[int, int]]]:
     return {name: [(int(d), int(a)) for d, a in steps] for name, steps in traces.items()}
 
 
+def build_engine(model: str | None, random_shape: str | None, **options) -> DecodeEngine:
+    """The bench's engine: a checkpoint directory's, or random weights of a real model's shape in memory
+    (decode/shapes.py); options as DecodeEngine.from_pretrained's."""
+    if random_shape:
+        config, tensors = random_checkpoint(random_shape, options.get("device", "cpu"))
+        return DecodeEngine.from_checkpoint_tensors(config, tensors, **options)
+    return DecodeEngine.from_pretrained(model, **options)
+
+
 def _sync(engine: DecodeEngine) -> None:
     if engine.device.type == "cuda":
         torch.cuda.synchronize(engine.device)
@@ -460,12 +469,7 @@ def main(argv: list[str] | None = None) -> None:
                    speculation=SpeculationConfig(k=args.speculation_k) if args.speculation_k else None,
                    lean_gemv=args.lean_gemv)
     try:
-        if args.random_shape:
-            config, tensors = random_checkpoint(args.random_shape, args.device)
-            engine = DecodeEngine.from_checkpoint_tensors(config, tensors, **options)
-            del tensors
-        else:
-            engine = DecodeEngine.from_pretrained(args.model, **options)
+        engine = build_engine(args.model, args.random_shape, **options)
         # every runner (one per GEMV family on a per-request engine); the tensor-core family's own options go
         # to its runners, and are an error where there is none
         tensor_core = [r for r in engine.runners if r.lean_gemv == "tensor-core"] or [engine.runner]

@@ -25,10 +25,10 @@ import time
 
 import torch
 
-from .bench import _sync, copy_bandwidth, load_texts
+from .bench import _sync, build_engine, copy_bandwidth, load_texts
 from .engine import ATTENTION_MODES, CUDA_GRAPH_CHOICES, DecodeEngine
 from .sampling import SamplingParams
-from .shapes import SHAPES, random_checkpoint
+from .shapes import SHAPES
 from .speculative import SpeculationConfig
 
 
@@ -164,12 +164,7 @@ def main(argv: list[str] | None = None) -> None:
                    speculation=SpeculationConfig(k=args.speculation_k) if args.speculation_k else None)
     t0 = time.perf_counter()
     try:
-        if args.random_shape:
-            config, tensors = random_checkpoint(args.random_shape, args.device)
-            engine = DecodeEngine.from_checkpoint_tensors(config, tensors, **options)
-            del tensors
-        else:
-            engine = DecodeEngine.from_pretrained(args.model, **options)
+        engine = build_engine(args.model, args.random_shape, **options)
         engine.warmup()
     except (OSError, ValueError) as e:
         ap.error(str(e))
