@@ -2,8 +2,10 @@
 the express lane, the native lane and a single vLLM server (the prefill alone), on real prompts: chat, a code edit,
 JSON through structured outputs, a forced tool call, a completion; streamed and not.
 
-Its own stack (scripts/dev_stack.py with the served name smollm2-135m-instruct, so the router's aliases are
-smollm2-135m-instruct and smollm2-135m-instruct-express), on ports EXPRESSLANE_TEST_PORT_BASE + 700. Express
+Its own stack on ports EXPRESSLANE_TEST_PORT_BASE + 700, started the way a user serves their own checkpoint
+(scripts/dev_stack.py --model-dir: the directory as it is, no model-init in the start): scripts/model_init.py writes
+the model first, and the stack serves it through a link named `own-smollm2`, so the served name and the router's
+aliases (own-smollm2, own-smollm2-express) come from the directory's name. Express
 requests are pinned with `X-Lane: express` and each non-stream answer must say it was served there (a feature the
 node lacked would be a 400, never a silent native answer). Float32 on every engine.
 """
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -24,6 +27,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 from dev_stack import DevStack  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"
+SERVED = "own-smollm2"  # the name of the directory the stack serves
 EXPRESS = {"X-Lane": "express"}
 MAX_TOKENS = 64
 
@@ -68,10 +72,15 @@ CASES = {
 @pytest.fixture(scope="module")
 def real_stack(tmp_path_factory):
     base = int(os.environ.get("EXPRESSLANE_TEST_PORT_BASE", "20000")) + 700
-    stack = DevStack(model_dir=REPO / "var" / "models" / MODEL, state_dir=tmp_path_factory.mktemp("real-stack"),
-                     port_base=base)
-    assert stack.model == MODEL and stack.aliases == (MODEL, f"{MODEL}-express")
-    stack.start()  # model_init.py converts the model first (once; later runs verify its checksums)
+    model_dir = REPO / "var" / "models" / MODEL
+    init = subprocess.run([sys.executable, str(REPO / "scripts" / "model_init.py"), str(model_dir), "--model", MODEL],
+                          capture_output=True, text=True, timeout=900)  # once; later runs verify the checksums
+    assert init.returncode == 0, init.stderr
+    own = tmp_path_factory.mktemp("models") / SERVED
+    own.symlink_to(model_dir, target_is_directory=True)
+    stack = DevStack(model_dir=own, state_dir=tmp_path_factory.mktemp("real-stack"), port_base=base)
+    assert stack.model is None and stack.aliases == (SERVED, f"{SERVED}-express")  # served as it is
+    stack.start()
     try:
         yield stack
     finally:
@@ -126,7 +135,7 @@ def _streamed(http: httpx.Client, url: str, body: dict, headers: dict) -> dict:
 
 def _lanes(stack: DevStack):
     native, express = stack.aliases
-    return {"single": (stack.prefill_url, MODEL, {}), "native": (stack.router_url, native, {}),
+    return {"single": (stack.prefill_url, SERVED, {}), "native": (stack.router_url, native, {}),
             "express": (stack.router_url, express, EXPRESS)}
 
 

@@ -20,10 +20,12 @@ The Starlette routes of the two paths stay: they answer the other methods (405 w
 `fast_path=False` (create_app) all of it, the old path the byte-identity tests compare with
 (tests/unit/router/test_router_fastpath.py).
 
-Measured 2026-12-04 (docs/bench/2026-12-04-one-client): this module and http_protocol.py together save about 0.3 ms of
+Measured 2026-12-04 (docs/bench/2026-12-04-one-client, confounded: see 2026-12-07): this module and http_protocol.py together save about 0.3 ms of
 router CPU per non-streaming request (1.63 ms with them, 1.94 ms with Starlette's routing and stock uvicorn: +19 %,
-per round +8 to +31 %; streams: no difference). At the edge of the 20 % the project allows for deleting them: a
-longer interleaved run on a quiet host decides.
+per round +8 to +31 %; streams: no difference). Fair re-run 2026-12-07 (docs/bench/2026-12-07-one-client: the
+tick removal and gc.freeze in both variants, c = 1 / 32): without them +18 % / +22 % router CPU per one-shot request,
++17 % / +9 % per streamed one, 0.6-0.9x the throughput: kept at about the 20 % bar; a run where the gain falls
+clearly below it deletes them.
 """
 
 from __future__ import annotations

@@ -33,10 +33,12 @@ uvicorn marks the cycle disconnected (and so when its `receive()` would answer `
 (app.run_until_disconnect) subscribes instead of running a watcher task that waits on `receive()`: one task
 fewer per request (its creation, first step and cancellation).
 
-Measured 2026-12-04 (docs/bench/2026-12-04-one-client): this module and fastpath.py together save about 0.3 ms of
+Measured 2026-12-04 (docs/bench/2026-12-04-one-client, confounded: see 2026-12-07): this module and fastpath.py together save about 0.3 ms of
 router CPU per non-streaming request (1.63 ms with them, 1.94 ms with Starlette's routing and stock uvicorn: +19 %,
-per round +8 to +31 %; streams: no difference). At the edge of the 20 % the project allows for deleting them: a
-longer interleaved run on a quiet host decides.
+per round +8 to +31 %; streams: no difference). Fair re-run 2026-12-07 (docs/bench/2026-12-07-one-client: the
+tick removal and gc.freeze in both variants, c = 1 / 32): without them +18 % / +22 % router CPU per one-shot request,
++17 % / +9 % per streamed one, 0.6-0.9x the throughput: kept at about the 20 % bar; a run where the gain falls
+clearly below it deletes them.
 """
 
 from __future__ import annotations

@@ -20,9 +20,9 @@ then the reply through `errors.status_error` and `errors.json_object`. `get_stat
 exceptions themselves (health.py tells timeouts from the rest). A cancelled call is a cancellation (its
 connection is closed, never reused).
 
-Measured 2026-12-04 (docs/bench/2026-12-04-one-client, router CPU per request, p50): the one-shot path costs 1.44 ms
-with this pool, 2.92 ms with every call through httpx over aiohttp (+103 %), 4.90 ms through httpx's own transport
-(+240 %): the only client within the project's 20 % of today's. Its keep-alive expiry is the router's
+Measured 2026-12-07 (docs/bench/2026-12-07-one-client: router CPU per one-shot request, equal server settings, c = 1
+/ 32): 0.48 / 0.37 ms with this pool, +60 % / +77 % with plain aiohttp, +194 % / +232 % through httpx over aiohttp,
++339 % / +865 % through httpx's own transport: the gain that keeps it beside the one client library. Its keep-alive expiry is the router's
 `timeouts.upstream_keepalive_s` (2 s), well under the upstreams' 5 s idle close (the bursts' transport errors:
 docs/operations.md).
 
