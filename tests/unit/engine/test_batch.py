@@ -176,6 +176,34 @@ def test_a_neighbour_cancelled_mid_way_and_one_joining_late(engines):
     assert_same(alone[2], (c, true_rows(rec.rows[1], c, len(ps[2]))), f"{kind} joined late into a freed seat")
 
 
+def _compiles() -> tuple[int, int]:
+    from torch._dynamo.utils import counters
+
+    return counters["frames"]["ok"], counters["stats"]["unique_graphs"]
+
+
+def test_the_compiled_cpu_step_is_bit_identical_to_alone_and_compiles_at_warmup_only(hf_model):
+    """The CPU node compiles its step by default (EXPRESS_COMPILE=1): one graph for one row, one for several
+    rows of one sequence, one for rows of several (sizes symbolic, the per-sequence attention one opaque op). Each
+    user's logits are still its alone bits, and nothing compiles after warmup (a recompile mid-stream is a gap
+    of seconds on 2 CPUs)."""
+    kind, path, _ = hf_model
+    with torch._dynamo.config.patch(recompile_limit=64):  # several engines compile in this process
+        engine = DecodeEngine.from_pretrained(path, max_seq_len=MAX_SEQ, seats=SEATS, compile=True,
+                                              speculation=SpeculationConfig(adaptive=False))
+        engine.warmup()
+        ps = prompts(6)
+        alone = [solo(engine, 0, p) for p in ps]
+        before = _compiles()
+        with Recorder(engine) as rec:
+            gens = [start(engine, s, p) for s, p in zip([1, 3, 0, 2], ps)]
+            run_all(engine, gens)
+    assert _compiles() == before, "the compiled step compiled mid-stream"
+    assert max(rec.steps) > 1
+    for u, (s, p, g) in enumerate(zip([1, 3, 0, 2], ps, gens)):
+        assert_same(alone[u], (g, true_rows(rec.rows[s], g, len(p))), f"{kind} compiled, user {u}")
+
+
 def test_steps_are_bounded_by_max_step_rows(engines):
     _, by_spec = engines
     engine = by_spec["always"]

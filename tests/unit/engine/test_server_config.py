@@ -213,4 +213,4 @@ def test_the_node_builds_seats_on_a_cpu_and_one_seat_per_request_family_when_ask
         '"max_position_embeddings": 64, "rms_norm_eps": 1e-5, "torch_dtype": "float32"}')
     assert node_engine_options(parse_args(["--model", str(model)])) == ("auto", 4)
     assert node_engine_options(parse_args(["--model", str(model), "--seats", "1"])) == ("auto", 1)
-    assert node_engine_options(parse_args(["--model", str(model), "--compile"])) == ("auto", 1)  # one sequence
+    assert node_engine_options(parse_args(["--model", str(model), "--compile"])) == ("auto", 4)  # compiled too

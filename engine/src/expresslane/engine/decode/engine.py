@@ -523,6 +523,8 @@ class DecodeEngine:
             clock.mark("step_tune")
         if self.scheduler is not None:  # every step runs over seats: the row counts' graphs, nothing else
             self.runner.capture_seats()
+            if not self.runner.lean:
+                self.runner.warm_rows()  # the compiled CPU step's graphs, compiled now
             clock.mark("capture")
         else:
             self.runner.capture()

@@ -45,7 +45,7 @@ from collections.abc import Sequence
 import torch
 
 from ..models import Transformer
-from ..models.attention import AttentionKind, RowGroup, StepContext, causal_mask
+from ..models.attention import AttentionKind, StepContext, causal_mask
 from ..models.cpu_linear import row_linear
 from .cache import StaticKVCache
 
@@ -235,6 +235,8 @@ class StepRunner:
         self._graphs = self._graphs if self._lean is not None else {}
         self._step = (torch.compile(self._forward, dynamic=True, mode=self.compile_mode) if self.compile
                       else self._forward)
+        self._rows_step = (torch.compile(self._forward_rows, dynamic=True, mode=self.compile_mode) if self.compile
+                           else self._forward_rows)
 
     def disable_compile(self) -> None:
         """Run the plain step from now on (e.g. torch.compile cannot build kernels on this host)."""
@@ -320,20 +322,37 @@ class StepRunner:
         groups = []
         for seat, start, toks in plan:
             s0 = self.cache.seat_start(seat)
-            groups.append(RowGroup(len(tokens), len(toks), s0, start + len(toks)))
+            groups.append((len(tokens), len(toks), s0, start + len(toks)))
             tokens += toks
             positions += range(start, start + len(toks))
             rows += range(s0 + start, s0 + start + len(toks))
         if self._lean is not None:
             return self._seats_graph(tokens, positions, rows, want_argmax)
         device = self.device
-        pos = torch.tensor(positions, dtype=torch.long, device=device)
-        ctx = StepContext(AttentionKind.LIVE, pos[:1], groups=tuple(groups), linear=self.linear)
-        logits = self.model(torch.tensor(tokens, dtype=torch.long, device=device),
-                            torch.tensor(rows, dtype=torch.long, device=device), self.cos.index_select(0, pos),
-                            self.sin.index_select(0, pos), self.cache.k_layers, self.cache.v_layers, ctx,
-                            num_logits=len(tokens))
+        logits = self._rows_step(torch.tensor(tokens, dtype=torch.long, device=device),
+                                 torch.tensor(positions, dtype=torch.long, device=device),
+                                 torch.tensor(rows, dtype=torch.long, device=device),
+                                 torch.tensor(groups, dtype=torch.long))
         return logits, (logits.argmax(dim=-1).tolist() if want_argmax else None)
+
+    def _forward_rows(self, tokens: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor,
+                      groups: torch.Tensor) -> torch.Tensor:
+        """The PyTorch step over several sequences' rows (forward_rows): RoPE at each row's position, K/V into each
+        row's cache row, attention per sequence (models/attention.py seat_attention). Compiled where the runner
+        compiles (`_rows_step`): one graph for one row, one for several (their sizes symbolic), warmed by
+        `warm_rows`."""
+        ctx = StepContext(AttentionKind.LIVE, positions[:1], groups=groups, linear=self.linear)
+        return self.model(tokens, rows, self.cos.index_select(0, positions), self.sin.index_select(0, positions),
+                          self.cache.k_layers, self.cache.v_layers, ctx, num_logits=tokens.shape[0])
+
+    def warm_rows(self) -> None:
+        """Run forward_rows once for each shape class a step over several users takes (one row of one sequence,
+        several rows of one, rows of several), so a compiled step compiles them all now and never mid-stream.
+        Writes cache rows at positions 0 .. 2 of seats 0 and 1, which the caller treats as scratch."""
+        seats = min(2, self.cache.seats)
+        for plan in ([(0, 0, [0])], [(0, 0, [0, 1])], [(s, 0, [0, 1]) for s in range(seats)],
+                     [(s, 0, [0, 1, 2][:2 + s]) for s in range(seats)]):
+            self.forward_rows(plan)
 
     def _seats_graph(self, tokens: list[int], positions: list[int], rows: list[int],
                      want_argmax: bool) -> tuple[torch.Tensor, list[int] | None]:

@@ -46,18 +46,6 @@ ATTENTION_ALIASES = {"live": AttentionKind.LIVE, "sliced": AttentionKind.LIVE, "
                      "split": AttentionKind.SPLIT_KV}
 
 
-@dataclass(frozen=True)
-class RowGroup:
-    """One sequence's rows of a step over several sequences (decode/batch.py): step rows [first, first + count)
-    at consecutive positions ending at kv_len - 1, over the cache rows [cache_start, cache_start + kv_len) (its
-    seat's region). Its attention is the one sequence's own live-length call, as in a step of it alone."""
-
-    first: int
-    count: int
-    cache_start: int
-    kv_len: int
-
-
 @dataclass
 class StepContext:
     """What every layer's attention needs for one forward (built once per step, nano-vllm style).
@@ -65,16 +53,16 @@ class StepContext:
     `start_pos` is a [1] long device tensor (graph-capturable); `kv_len` is the host-side live length
     start_pos + T, used by LIVE only (None for the fixed-shape kinds); `mask` is MASKED's [T, S] bool mask;
     `prefill` marks a causal forward from position 0. `groups` (LIVE only): the step's rows belong to several
-    sequences, each attending over its own seat of the cache (RowGroup); `input_pos` is then each row's cache
-    row. `linear`: the step's projections (models/cpu_linear.py's row-invariant kernel on a CPU), None for the
-    modules' own."""
+    sequences, each attending over its own seat of the cache: a [G, 4] long CPU tensor, a row (first, count,
+    cache_start, kv_len) per sequence (`seat_attention`); `input_pos` is then each row's cache row. `linear`: the
+    step's projections (models/cpu_linear.py's row-invariant kernel on a CPU), None for the modules' own."""
 
     kind: AttentionKind
     start_pos: torch.Tensor
     kv_len: int | None = None
     mask: torch.Tensor | None = None
     prefill: bool = False
-    groups: tuple[RowGroup, ...] | None = None
+    groups: torch.Tensor | None = None
     linear: object | None = None
 
 
@@ -258,6 +246,37 @@ def _(q, k_cache, v_cache, kv_len, scale):
     return q.new_empty(q.shape)
 
 
+def _seat_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, groups: torch.Tensor,
+                    scale: float) -> torch.Tensor:
+    out = torch.empty_like(q)
+    for first, count, cache_start, kv_len in groups.tolist():
+        out[first:first + count] = live_attention(q[first:first + count], k_cache[cache_start:],
+                                                  v_cache[cache_start:], kv_len, scale)
+    return out
+
+
+@torch.library.custom_op("expresslane::seat_attention", mutates_args=())
+def _seat_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, groups: torch.Tensor,
+                       scale: float) -> torch.Tensor:
+    return _seat_attention(q, k_cache, v_cache, groups, scale)
+
+
+@_seat_attention_op.register_fake
+def _(q, k_cache, v_cache, groups, scale):
+    return torch.empty_like(q)
+
+
+def seat_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, groups: torch.Tensor,
+                   scale: float) -> torch.Tensor:
+    """q [R, H, D]: the rows of several sequences (decode/batch.py), groups [G, 4] (first, count, cache_start,
+    kv_len) each: a sequence's rows [first, first + count) at positions kv_len - count .. kv_len - 1 over its cache
+    rows [cache_start, cache_start + kv_len). Each sequence's attention is its own live-length call, the call a
+    step of it alone makes (the same bits). Under torch.compile one opaque op (the loop over sequences is data)."""
+    if torch.compiler.is_compiling():
+        return _seat_attention_op(q, k_cache, v_cache, groups, scale)
+    return _seat_attention(q, k_cache, v_cache, groups, scale)
+
+
 def causal_mask(arange: torch.Tensor, start_pos: torch.Tensor, t: int) -> torch.Tensor:
     """[T, S] bool: row i may see cache rows <= start_pos + i (built on the device, fixed shape)."""
     positions = start_pos + arange[:t]
@@ -270,8 +289,7 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: S
     if ctx.prefill:
         return _sdpa(q, k_cache[: q.shape[0]], v_cache[: q.shape[0]], None, True, scale)
     if ctx.groups is not None:
-        return torch.cat([live_attention(q[g.first:g.first + g.count], k_cache[g.cache_start:],
-                                         v_cache[g.cache_start:], g.kv_len, scale) for g in ctx.groups])
+        return seat_attention(q, k_cache, v_cache, ctx.groups, scale)
     if ctx.kind is AttentionKind.LIVE:
         if not torch.compiler.is_compiling():
             return live_attention(q, k_cache, v_cache, ctx.kv_len, scale)

@@ -77,8 +77,6 @@ def node_seats(config: ServerConfig, lean_gemv: str) -> int:
     attention = config.attention or default_attention(device.type)
     why = multi_seat_unsupported(device.type, attention, config.cuda_graph, lean_gemv, config.lean)
     mc = ModelConfig.from_model_dir(config.model)
-    if why is None and config.compile:
-        why = "--compile: the compiled step serves one sequence"
     if why is None and device.type == "cuda" and (mc.qk_norm or mc.head_dim % 2):
         why = "the lean step does not cover this model (per-head q/k norms or an odd head_dim)"
     dtype = parse_dtype(config.dtype)
