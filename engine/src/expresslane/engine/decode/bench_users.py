@@ -2,7 +2,7 @@
 
     python -m expresslane.engine.decode.bench_users {--model DIR | --random-shape llama-8b} [--device cuda]
         [--dtype bfloat16] [--contexts 1024,8192] [--users 1,2,4,8] [--tokens 128] [--speculation on,off]
-        [--text TEXTS.json] [--repeats 2] [--threads N] [--json F]
+        [--text TEXTS.json] [--compile] [--repeats 2] [--threads N] [--json F]
 
 For each context, speculation setting and user count U it runs U requests at once on an engine of max(--users)
 seats (each on its own seat, a prompt of `context` tokens: random ids, or with --text a recorded request's prompt
@@ -140,6 +140,7 @@ def main(argv: list[str] | None = None) -> None:
                                                  "are its first request's prompt and output")
     ap.add_argument("--attention", choices=ATTENTION_MODES, default=None)
     ap.add_argument("--cuda-graph", choices=["auto", "on", "off"], default="auto")
+    ap.add_argument("--compile", action="store_true", help="torch.compile the CPU step (the CPU node's default)")
     ap.add_argument("--max-seq-len", type=int, default=None)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--threads", type=int, default=None)
@@ -160,7 +161,7 @@ def main(argv: list[str] | None = None) -> None:
             ap.error(f"--text: {e}")
         text = [*prompt, *output]
     options = dict(dtype=args.dtype, device=args.device, max_seq_len=max_seq_len, attention=args.attention,
-                   cuda_graph=CUDA_GRAPH_CHOICES[args.cuda_graph], seats=max(users_list),
+                   cuda_graph=CUDA_GRAPH_CHOICES[args.cuda_graph], seats=max(users_list), compile=args.compile,
                    speculation=SpeculationConfig(k=args.speculation_k) if args.speculation_k else None)
     t0 = time.perf_counter()
     try:
@@ -171,6 +172,7 @@ def main(argv: list[str] | None = None) -> None:
     bw = None if args.no_bound else copy_bandwidth(engine.device)
     name = args.model or args.random_shape
     print(f"model={name} dtype={args.dtype} device={args.device} seats={engine.seats} step={engine.runner.mode.value} "
+          f"compile={engine.compile} "
           f"threads={torch.get_num_threads()} max_seq_len={max_seq_len} load+warmup_s={time.perf_counter() - t0:.1f} "
           f"weights={engine.weight_bytes() / 1e9:.3f}GB" + (f" copy_bandwidth={bw / 1e9:.0f}GB/s" if bw else ""),
           flush=True)
