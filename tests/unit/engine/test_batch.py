@@ -259,3 +259,32 @@ def test_a_step_that_fails_fails_its_requests_and_the_engine_goes_on(engines):
     again = start(engine, 0, ps[0])
     run_all(engine, [again])
     assert len(again.token_ids) == 40
+
+
+def test_one_users_own_failure_ends_it_alone(engines):
+    """A request that fails on its own rows (here its grammar matcher refuses a token, fault-injected after a few
+    steps: GrammarError, as the node's engine would raise it) ends with that error; the others keep their alone
+    bits and finish."""
+    from expresslane.engine.decode.grammar import GrammarError
+
+    kind, by_spec = engines
+    engine = by_spec["adaptive"]
+    ps = prompts(7)
+    alone = solo(engine, 0, ps[0])
+    bad = start(engine, 1, ps[1])
+    steps = [0]
+
+    def refuse(logits, argmax=None, _consume=engine.scheduler._runs[1][1].consume):
+        steps[0] += 1
+        if steps[0] > 3:
+            raise GrammarError("the grammar matcher refused a token its own mask allowed")
+        return _consume(logits, argmax)
+
+    engine.scheduler._runs[1][1].consume = refuse
+    with Recorder(engine) as rec:
+        me = start(engine, 0, ps[0])
+        other = start(engine, 2, ps[2])
+        run_all(engine, [])
+    assert bad.finish_reason == "error" and isinstance(bad.error, GrammarError) and len(bad.token_ids) == 4
+    assert other.done and len(other.token_ids) == 40
+    assert_same(alone, (me, true_rows(rec.rows[0], me, len(ps[0]))), f"{kind} beside a request that failed")

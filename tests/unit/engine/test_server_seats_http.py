@@ -178,3 +178,31 @@ def test_one_users_cancel_and_anothers_disconnect_leave_the_rest_as_alone(node, 
     assert '"cancelled"' in results[1] and results[3] == "gone"
     wait_free(client)
     assert metric(client, "expresslane_decode_seats_busy") == 0
+
+
+def test_one_users_deadline_leaves_the_others_as_alone(model_dir, reference, alone):
+    """A node whose request deadline is short: the user whose KV never comes ends with deadline_exceeded when the
+    deadline passes, its seat freed; the users beside it, decoding meanwhile, get their alone tokens."""
+    engine = DecodeEngine.from_pretrained(model_dir, max_seq_len=MAX_SEQ, seats=SEATS)
+    engine.warmup()
+    source = LocalKVSource()
+    config = ServerConfig(model=str(model_dir), max_seq_len=MAX_SEQ, kv_timeout_s=3.0, request_deadline_s=1.5)
+    with LiveServer(create_app(config, engine, source)) as url, httpx.Client(base_url=url, timeout=60) as client:
+        assert client.post("/pd/reserve", json={"rid": "late-0", "ttl_s": 10}).status_code == 200  # KV never sent
+        firsts = {u: ship(client, reference, source, f"late-{u}", PROMPTS[u]) for u in (1, 2)}
+        results: dict[int, object] = {}
+
+        def late():
+            results[0] = client.post("/pd/decode", json=body("late-0", 5, max_tokens=20))
+
+        def ok(u):
+            results[u] = decode(client, body(f"late-{u}", firsts[u], max_tokens=60, stream=True))
+
+        threads = [threading.Thread(target=late)] + [threading.Thread(target=ok, args=(u,)) for u in (1, 2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert results[0].status_code == 504 and results[0].json()["error"] == "deadline_exceeded"
+        assert results[1] == alone[1] and results[2] == alone[2]
+        wait_free(client)
