@@ -1,4 +1,4 @@
-"""The express decode engine: batch 1, static KV cache, KV injected from a prefill server.
+"""The express decode engine: a static KV cache of one or more seats, KV injected from a prefill server.
 
 API::
 
@@ -18,6 +18,12 @@ API::
     engine.inject(k, v, num_tokens)
     # k, v: dense [num_layers, num_tokens, num_kv_heads, head_dim] (paged->dense is the transfer layer's job),
     # copied into cache positions [0, num_tokens).
+
+    # Several users (seats=S): each request has a seat of the cache, all active ones decode in one forward a
+    # step (decode/batch.py), each bit-identical to alone:
+    #   engine = DecodeEngine.from_pretrained(model_dir, seats=4); engine.inject(k, v, n, seat=2)
+    #   gen = engine.generate(first, n, params, seat=2)   # iterating it steps every active request
+    #   engine.scheduler.step()                            # or drive the steps yourself (the node's engine thread)
 
     gen = engine.generate(first_token_id, num_prompt_tokens, SamplingParams(max_tokens=64, temperature=0.0))
     for token_id in gen:       # starts WITH first_token_id (sampled by the prefill), then position

@@ -1,4 +1,4 @@
-"""DecodeEngine: one model, one static KV cache, one request at a time (see the package docstring)."""
+"""DecodeEngine: one model, one static KV cache of one or more seats, one request per seat (see the package docstring)."""
 
 from __future__ import annotations
 

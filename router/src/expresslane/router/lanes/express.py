@@ -1,7 +1,7 @@
-"""Express lane: stock vLLM prefill -> single-user decode node speaking TileRT's HTTP contract.
+"""Express lane: stock vLLM prefill -> a decode node speaking TileRT's HTTP contract (a few users per node).
 
 Per request:
-1. Gate: take a free node of the pool (at most ONE request in flight per node), else wait in the
+1. Gate: take a free seat of the pool (at most a node's seats in flight on it: fleet/gate.py), else wait in the
    pool's bounded FIFO queue; a full queue or `max_wait_s` without a node -> the alias's `when_full`:
    `spill` (served by the native `spill_to` pool, counted) or `reject` (429 + Retry-After).
 2. Prefill leg (prefill.express_prefill_body) with the node's marker in `kv_transfer_params`:
