@@ -613,7 +613,8 @@ class DecodeEngine:
 
     # ------------------------------------------------------------------ decode
     def cancel(self) -> None:
-        """Stop the running generation between steps (thread-safe)."""
+        """Stop the running generation between steps (thread-safe). A multi-seat engine's requests are cancelled
+        one by one (`Generation.cancel`, or the event passed as cancel_event=): this stops none of them."""
         self._cancel.set()
 
     def generate(self, first_token_id: int, num_prompt_tokens: int, params: SamplingParams,
