@@ -25,6 +25,14 @@ export VLLM_NIXL_SIDE_CHANNEL_HOST="${PREFILL_NIXL_HOST:-127.0.0.1}"
 EXPRESS_STAGING_DEVICE="${EXPRESS_STAGING_DEVICE:-}"
 staging=""
 [[ -n "$EXPRESS_STAGING_DEVICE" ]] && staging=',"staging_device":"'"$EXPRESS_STAGING_DEVICE"'"'
+# Requests our connector may hold staged at once (its staging_slots): at least the express node's seats, or requests
+# the router admitted to free seats get a 503 `no_staging_slot` while the slots are full (the real model on the
+# compose stack: 8 of an overload's 200 requests, beside a CPU node's 4 seats). Default: 4 where the KV cache is on
+# the CPU (the node's --seats auto there; ~190 MB of host memory a slot for SmolLM2 at 4,096 tokens), else the
+# connector's own (2).
+if [[ -z "${EXPRESS_STAGING_SLOTS:-}" && "$KV_BUFFER_DEVICE" == cpu ]]; then EXPRESS_STAGING_SLOTS=4; fi
+EXPRESS_STAGING_SLOTS="${EXPRESS_STAGING_SLOTS:-}"
+[[ -n "$EXPRESS_STAGING_SLOTS" ]] && staging="$staging"',"staging_slots":'"$EXPRESS_STAGING_SLOTS"
 # More vLLM flags for this server (word-split), e.g. the GPU memory split of a one-GPU stack:
 # "--gpu-memory-utilization 0.25 --kv-cache-memory-bytes 10G" (scripts/gpu_stack.py).
 PREFILL_EXTRA_ARGS="${PREFILL_EXTRA_ARGS:-}"
