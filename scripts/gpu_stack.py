@@ -84,6 +84,7 @@ def stack_env(shape: str, args: argparse.Namespace) -> dict[str, str]:
         "EXPRESS_DEVICE": "cuda",
         "EXPRESS_COMPILE": "1" if args.express_compile else "0",
         "EXPRESS_SPECULATION": args.express_speculation,
+        "EXPRESS_SEATS": str(args.express_seats),  # explicit: the GPU is shared with the two vLLM servers
         "VLLM_TOOL_CALL_PARSER": "",            # the shape checkpoints have no tool-call tokens
         "VLLM_USE_FLASHINFER_SAMPLER": "0",     # flashinfer is not carried (scripts/gpu_carry.py)
         "EXPRESS_KV_TIMEOUT_S": "120",
@@ -344,6 +345,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--max-model-len", type=int, default=8448, help="prompt 8192 + 256 output")
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--max-num-seqs", type=int, default=8, help="vLLM servers: bounds CUDA-graph capture too")
+    ap.add_argument("--express-seats", type=int, default=4, help="users the express node decodes at once")
     ap.add_argument("--express-speculation", choices=["on", "off"], default="off",
                     help="off: the headline target is without speculation (random weights rarely repeat)")
     ap.add_argument("--no-express-compile", dest="express_compile", action="store_false")

@@ -34,6 +34,10 @@ EXPRESS_SPEC_K="${EXPRESS_SPEC_K:-}"
 # more, for traffic that repeats its prompt, i.e. code edits and agentic tool results.
 # docs/performance.md#gpu-speculation).
 EXPRESS_LEAN_GEMV="${EXPRESS_LEAN_GEMV:-}"
+# Users decoded at once, each in a seat of its own, every one bit-identical to alone (1-8; empty = auto: 4 on a CPU,
+# on a GPU as many as 80 % of the memory left after the weights holds at --max-seq-len). Set it where the GPU is
+# shared with other servers (gpu-single): auto reads the free memory at the node's start.
+EXPRESS_SEATS="${EXPRESS_SEATS:-}"
 # Deadlines (seconds; every failure of a request surfaces within a bound). Empty = the node's default.
 EXPRESS_KV_TIMEOUT_S="${EXPRESS_KV_TIMEOUT_S:-}"              # default wait for a request's KV (120)
 EXPRESS_MAX_TIMEOUT_S="${EXPRESS_MAX_TIMEOUT_S:-}"            # largest timeout_s a request may ask (300)
@@ -54,6 +58,7 @@ extra=()
 extra+=(--speculation "$EXPRESS_SPECULATION")
 [[ -n "$EXPRESS_SPEC_K" ]] && extra+=(--spec-k "$EXPRESS_SPEC_K")
 [[ -n "$EXPRESS_LEAN_GEMV" ]] && extra+=(--lean-gemv "$EXPRESS_LEAN_GEMV")
+[[ -n "$EXPRESS_SEATS" ]] && extra+=(--seats "$EXPRESS_SEATS")
 [[ -n "$EXPRESS_THREADS" ]] && extra+=(--threads "$EXPRESS_THREADS")
 [[ -n "$EXPRESS_CPU_BIND" ]] && extra+=(--cpu-bind "$EXPRESS_CPU_BIND")
 [[ -n "$EXPRESS_KV_TIMEOUT_S" ]] && extra+=(--kv-timeout-s "$EXPRESS_KV_TIMEOUT_S")
