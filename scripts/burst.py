@@ -46,7 +46,7 @@ sys.path.insert(0, str(REPO / "tests" / "integration"))
 import httpx  # noqa: E402
 from fault_support import Outcome, greedy_references, metric, request, scrape  # noqa: E402
 
-WORDS = (REPO / "scripts" / "tiny_model_corpus.txt").read_text().split()
+WORDS = (REPO / "scripts" / "bench_lib" / "tiny_model_corpus.txt").read_text().split()
 # the 503 messages of a pool without a node to take the request (lanes/native.py, gate.py)
 NO_NODE = ("no healthy", "takes traffic", "take no traffic", "stopped taking traffic", "is down", "are down", "went down")
 

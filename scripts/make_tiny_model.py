@@ -9,7 +9,7 @@ OUTDIR receives a directory that transformers (AutoModelForCausalLM/AutoTokenize
                              intermediate 688, vocab 1024, 8192 positions, rope_theta 10000
   model.safetensors          the weights (see "Weights" below)
   generation_config.json     bos/eos ids
-  tokenizer.json             byte-level BPE (any text tokenizes), trained on scripts/tiny_model_corpus.txt,
+  tokenizer.json             byte-level BPE (any text tokenizes), trained on scripts/bench_lib/tiny_model_corpus.txt,
   tokenizer_config.json      vocab exactly 1024 including the special tokens; ChatML chat_template
                              that also renders `tools` (hermes <tool_call> format, as Qwen2.5)
   expresslane_tiny_model.json  marker: generator version, seed, dtype, corpus hash, file hashes
@@ -53,7 +53,7 @@ GENERATOR = "expresslane-tiny-llama"
 # Bump whenever the output for a given (seed, dtype, corpus) changes, so cached directories are rebuilt.
 GENERATOR_VERSION = 1
 MARKER = "expresslane_tiny_model.json"
-DEFAULT_CORPUS = Path(__file__).resolve().parent / "tiny_model_corpus.txt"
+DEFAULT_CORPUS = Path(__file__).resolve().parent / "bench_lib" / "tiny_model_corpus.txt"
 
 VOCAB_SIZE = 1024
 HIDDEN = 256

@@ -49,7 +49,7 @@ import httpx  # noqa: E402
 from fault_support import Outcome, greedy_references, metric, request, scrape, wait_until  # noqa: E402
 
 LOOPBACK = "127.0.0.1"
-WORDS = (REPO / "scripts" / "tiny_model_corpus.txt").read_text().split()
+WORDS = (REPO / "scripts" / "bench_lib" / "tiny_model_corpus.txt").read_text().split()
 
 
 # ---- what is run against ----------------------------------------------------------------------------------

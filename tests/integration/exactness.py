@@ -43,7 +43,7 @@ def _corpus_ids() -> list[int]:
 
     model_dir = Path(os.environ.get("EXPRESSLANE_TEST_MODEL_DIR", REPO / "var" / "models" / "tiny-llama"))
     tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
-    text = (REPO / "scripts" / "tiny_model_corpus.txt").read_text()
+    text = (REPO / "scripts" / "bench_lib" / "tiny_model_corpus.txt").read_text()
     return tok.encode(text, add_special_tokens=False).ids
 
 
