@@ -109,6 +109,14 @@ def _assert_only_challenge(data: bytes) -> None:
     assert data[4 + n:] == b"" and b"agent_metadata" not in data
 
 
+def _prompt(stack) -> str | list[int]:
+    """The victim request's prompt: token ids of the dev stack's tiny model, or, against a running stack (its
+    model is in its own volume, not on this host), plain text that its own tokenizer reads."""
+    if isinstance(stack, _Running):
+        return "Write three sentences about the sea, the wind and the harbour at dawn."
+    return token_prompt(40, salt=11)
+
+
 def _reference(http, stack, prompt):
     body = {"model": getattr(stack, "model", "tiny-llama"), "prompt": prompt, "max_tokens": MAX_TOKENS,
             "temperature": 0}
@@ -139,7 +147,7 @@ def test_attacks_on_the_control_port_are_refused_while_an_exact_request_is_serve
             idle.append(socket.create_connection(addr, timeout=5))
         except OSError:
             break
-    prompt = token_prompt(40, salt=11)
+    prompt = _prompt(secured_stack)
     ref = _reference(http, secured_stack, prompt)
     time.sleep(6)  # the idle ones hit the node's handshake deadline (5 s) and free their places
     got = completion(http, secured_stack.router_url,
