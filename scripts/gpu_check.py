@@ -161,13 +161,14 @@ def _families(args: argparse.Namespace, shape: str) -> list[Step]:
 @bench_part("users", default=True, measures=(
     "several users on one engine as the node builds it on a GPU (seats: the tensor-core GEMVs, one forward a step "
     "for every user: decode/batch.py): --users at --users-contexts, speculation on (the node's default) and off; "
-    "per-user tok/s, aggregate, x solo, % of the step's bound, every user's tokens against its run alone; about "
-    "2.5 min at 8B, 1.5 min at 1B on an H100"))
+    "--users-repeats rounds of every user count in turn (x solo: the median of each round's ratio); per-user tok/s, "
+    "aggregate, x solo, % of the step's bound, host time a step, every user's tokens against its run alone; one "
+    "round of 1k / 8k / 32k took 106 s for both shapes on an H100 (2026-12-07), three about 5 min"))
 def _users(args: argparse.Namespace, shape: str) -> list[Step]:
     return [Step(f"{shape} users ({args.users} at once)",
                  (PYTHON, "-m", "expresslane.engine.decode.bench_users", "--random-shape", shape, "--device", "cuda",
                   "--dtype", "bfloat16", "--contexts", args.users_contexts, "--users", args.users,
-                  "--tokens", str(args.users_tokens), "--speculation", "on,off", "--repeats", "1",
+                  "--tokens", str(args.users_tokens), "--speculation", "on,off", "--repeats", str(args.users_repeats),
                   "--max-seq-len", str(args.max_seq_len), "--json", str(args.out / "users.jsonl")))]
 
 
@@ -445,6 +446,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--users", default="1,2,4,8", help="users at once of the users part")
     g.add_argument("--users-contexts", default="1024,8192,32768", help="prompt lengths of the users part")
     g.add_argument("--users-tokens", type=int, default=128, help="greedy tokens each user decodes (users part)")
+    g.add_argument("--users-repeats", type=int, default=3,
+                   help="rounds of every user count in turn (users part): medians, x solo paired by round")
 
     stack = argparse.ArgumentParser(add_help=False)
     g = stack.add_argument_group("stack")

@@ -47,9 +47,9 @@ REPO = Path(__file__).resolve().parent.parent
 # vLLM: 0.25 of the GPU is only checked as free at start; the KV cache is fixed (8B: 128 KiB/token, so 10 GiB
 # holds 80k tokens: 4 users x 8.4k with room). The express node's KV cache is its max_seq_len (one user).
 SHAPES = {
-    "llama-8b": {"min_s": 240, "vllm_args": "--gpu-memory-utilization 0.25 --kv-cache-memory-bytes 10G"},
-    "llama-1b": {"min_s": 150, "vllm_args": "--gpu-memory-utilization 0.15 --kv-cache-memory-bytes 4G"},
-    "tiny": {"min_s": 300, "vllm_args": ""},  # --device cpu only: scripts/make_tiny_model.py's model
+    "llama-8b": {"min_s": 240, "vllm_args": "--gpu-memory-utilization 0.25", "kv": "10G"},
+    "llama-1b": {"min_s": 150, "vllm_args": "--gpu-memory-utilization 0.15", "kv": "4G"},
+    "tiny": {"min_s": 300, "vllm_args": "", "kv": None},  # --device cpu only: scripts/make_tiny_model.py's model
 }
 GREEDY_LANES = ("express", "native", "prefill")
 
@@ -71,15 +71,20 @@ def stack_env(shape: str, args: argparse.Namespace) -> dict[str, str]:
     if args.device == "cpu":  # the same script on the CPU dev stack (tiny model): a check of this script itself
         return {"SERVED_MODEL_NAME": shape, "VLLM_TOOL_CALL_PARSER": "", "EXPRESS_COMPILE": "0",
                 "EXPRESS_SPECULATION": args.express_speculation}
-    vllm_args = f"{SHAPES[shape]['vllm_args']} --max-num-seqs {args.max_num_seqs}"
+    base = f"{SHAPES[shape]['vllm_args']} --max-num-seqs {args.max_num_seqs}"
+
+    def vllm_args(kv: str | None) -> str:
+        kv = kv or SHAPES[shape]["kv"]
+        return f"{base} --kv-cache-memory-bytes {kv}" if kv else base
+
     return {
         "SERVED_MODEL_NAME": shape,
         "DTYPE": "bfloat16",
         "MAX_MODEL_LEN": str(args.max_model_len),
         "MAX_NUM_BATCHED_TOKENS": str(args.max_num_batched_tokens),
         "KV_BUFFER_DEVICE": "cuda",
-        "PREFILL_EXTRA_ARGS": vllm_args,
-        "DECODE_NATIVE_EXTRA_ARGS": vllm_args,
+        "PREFILL_EXTRA_ARGS": vllm_args(args.prefill_kv_cache),
+        "DECODE_NATIVE_EXTRA_ARGS": vllm_args(args.native_kv_cache),
         "EXPRESS_STAGING_DEVICE": "device",
         "EXPRESS_DEVICE": "cuda",
         "EXPRESS_COMPILE": "1" if args.express_compile else "0",
@@ -346,6 +351,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--max-num-seqs", type=int, default=8, help="vLLM servers: bounds CUDA-graph capture too")
     ap.add_argument("--express-seats", type=int, default=4, help="users the express node decodes at once")
+    # An H100 (79 GiB) at 8B holds three 15 GiB copies of the weights: the express node with 4 seats takes ~25.5 GiB
+    # (each seat's KV cache and its receive region, 2 x 1.1 GiB at max_model_len 8448), each vLLM server ~17.5 GiB
+    # plus its KV cache, so 10G + 10G runs out (2026-12-07); 6G (prefill: prompts held until the handoff) + 9G
+    # (native decode: 8 users x 8.4k tokens at 128 KiB) fits.
+    ap.add_argument("--prefill-kv-cache", default=None, help="the prefill's --kv-cache-memory-bytes (default: the "
+                                                               "shape's, 8B 10G, 1B 4G)")
+    ap.add_argument("--native-kv-cache", default=None, help="the native decode's --kv-cache-memory-bytes (default: "
+                                                              "the shape's)")
     ap.add_argument("--express-speculation", choices=["on", "off"], default="off",
                     help="off: the headline target is without speculation (random weights rarely repeat)")
     ap.add_argument("--no-express-compile", dest="express_compile", action="store_false")

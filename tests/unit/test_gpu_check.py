@@ -53,7 +53,7 @@ def test_bench_measures_the_node_as_deployed_by_default(tmp_path) -> None:
     def users(shape: str) -> list[str]:  # the node's seats: several users on one engine
         return ["-m", "expresslane.engine.decode.bench_users", "--random-shape", shape, "--device", "cuda",
                 "--dtype", "bfloat16", "--contexts", "1024,8192,32768", "--users", "1,2,4,8", "--tokens", "128",
-                "--speculation", "on,off", "--repeats", "1", "--max-seq-len", "33100",
+                "--speculation", "on,off", "--repeats", "3", "--max-seq-len", "33100",
                 "--json", str(tmp_path / "users.jsonl")]
 
     # shape by shape: the one-user engine, the engine without speculation it is judged against, then several
