@@ -156,16 +156,19 @@ def test_several_users_targets_each_users_speed_and_exactness(tmp_path):
     rows = [_users_row("llama-8b", 1024, 1, 1.0), _users_row("llama-8b", 1024, 2, 0.97),
             _users_row("llama-8b", 1024, 4, 0.86), _users_row("llama-8b", 8192, 4, 0.81),
             _users_row("llama-1b", 1024, 4, 0.93, exact=False),
-            _users_row("llama-8b", 1024, 4, 0.10, speculation=False)]  # not the node's default: not judged
+            _users_row("llama-8b", 1024, 4, 0.10, speculation=False)]  # judged on its own, labelled
     import json
 
     (tmp_path / "users.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     got = _by_target(tmp_path)
-    assert got["llama-8b: per-user >= 0.95x solo with 2 users at 1k"][0]
-    assert not got["llama-8b: per-user >= 0.90x solo with 4 users at 1k"][0]
-    assert got["llama-8b: per-user >= 0.80x solo with 4 users at 8k"][0]
-    assert got["llama-1b: per-user >= 0.90x solo with 4 users at 1k"][0]
-    assert got["llama-8b: aggregate of 4 users at 1k >= 3.5x solo"] == (False, "3.44x (688.0 tok/s)")
+    assert got["llama-8b, speculation on: per-user >= 0.95x solo with 2 users at 1k"][0]
+    assert not got["llama-8b, speculation on: per-user >= 0.90x solo with 4 users at 1k"][0]
+    assert got["llama-8b, speculation on: per-user >= 0.80x solo with 4 users at 8k"][0]
+    assert got["llama-1b, speculation on: per-user >= 0.90x solo with 4 users at 1k"][0]
+    assert got["llama-8b, speculation on: aggregate of 4 users at 1k >= 3.5x solo"] == (False, "3.44x (688.0 tok/s)")
+    # without speculation: the same targets, its own lines; a shape / context it did not run is not judged
+    assert not got["llama-8b, speculation off: per-user >= 0.90x solo with 4 users at 1k"][0]
+    assert "llama-8b, speculation off: per-user >= 0.95x solo with 2 users at 1k" not in got
     assert got["several users: every user's tokens = alone"] == (False, "5 of 6 runs")
     assert gpu_check_targets.users_table(gpu_check_targets.users_rows(tmp_path))[1].startswith(
         "llama-8b    1024     1 on ")
