@@ -25,11 +25,16 @@ export VLLM_NIXL_SIDE_CHANNEL_HOST="${PREFILL_NIXL_HOST:-127.0.0.1}"
 EXPRESS_STAGING_DEVICE="${EXPRESS_STAGING_DEVICE:-}"
 staging=""
 [[ -n "$EXPRESS_STAGING_DEVICE" ]] && staging=',"staging_device":"'"$EXPRESS_STAGING_DEVICE"'"'
-# Requests our connector may hold staged at once (its staging_slots): at least the express node's seats, or requests
-# the router admitted to free seats get a 503 `no_staging_slot` while the slots are full (the real model on the
-# compose stack: 8 of an overload's 200 requests, beside a CPU node's 4 seats). Default: 4 where the KV cache is on
-# the CPU (the node's --seats auto there; ~190 MB of host memory a slot for SmolLM2 at 4,096 tokens), else the
-# connector's own (2).
+# Requests our connector may hold staged at once (its staging_slots): at least the express seats it feeds. The
+# router admits an express request whenever a seat is free, so as many prefills as there are free seats can finish
+# in one step and each needs a slot; one short, and that request fails with a 503 `no_staging_slot` after its
+# prefill (one H100 at 8B, a 4-seat node beside the connector's default of 2: 2 of 10 requests at 4 users,
+# docs/bench/2026-12-07-seats/). Default: EXPRESS_SEATS where this stack sets it (one express node beside this
+# prefill), else 4 where the KV cache is on the CPU (the node's --seats auto there; ~190 MB of host memory a slot
+# for SmolLM2 at 4,096 tokens), else the connector's own (2). A pool of nodes: the sum of their seats.
+if [[ -z "${EXPRESS_STAGING_SLOTS:-}" && "${EXPRESS_SEATS:-}" =~ ^[1-9][0-9]*$ ]]; then
+  EXPRESS_STAGING_SLOTS="$EXPRESS_SEATS"
+fi
 if [[ -z "${EXPRESS_STAGING_SLOTS:-}" && "$KV_BUFFER_DEVICE" == cpu ]]; then EXPRESS_STAGING_SLOTS=4; fi
 EXPRESS_STAGING_SLOTS="${EXPRESS_STAGING_SLOTS:-}"
 [[ -n "$EXPRESS_STAGING_SLOTS" ]] && staging="$staging"',"staging_slots":'"$EXPRESS_STAGING_SLOTS"

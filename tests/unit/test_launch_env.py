@@ -105,3 +105,16 @@ def test_express_lean_gemv_reaches_the_node_only_when_set(tmp_path):
     assert "--lean-gemv" not in argv
     argv = launch("decode-express.sh", tmp_path, EXPRESS_LEAN_GEMV="cuda-core")["argv"]
     assert flag(argv, "--lean-gemv") == "cuda-core"
+
+
+def test_staging_slots_cover_the_express_seats(tmp_path):
+    """Every express seat can finish its prefill in the same step: the prefill's connector gets a staging slot per
+    seat (EXPRESS_SEATS) unless EXPRESS_STAGING_SLOTS says otherwise; on a GPU without either, the connector's
+    own default (2); on the CPU, 4 (the CPU node's seats)."""
+    gpu = {"KV_BUFFER_DEVICE": "cuda"}
+    assert "staging_slots" not in _express_extra(launch("prefill.sh", tmp_path, **gpu)["argv"])
+    assert _express_extra(launch("prefill.sh", tmp_path, **gpu, EXPRESS_SEATS="6")["argv"])["staging_slots"] == 6
+    assert _express_extra(launch("prefill.sh", tmp_path, **gpu, EXPRESS_SEATS="6",
+                                 EXPRESS_STAGING_SLOTS="3")["argv"])["staging_slots"] == 3
+    assert "staging_slots" not in _express_extra(launch("prefill.sh", tmp_path, **gpu, EXPRESS_SEATS="auto")["argv"])
+    assert _express_extra(launch("prefill.sh", tmp_path, KV_BUFFER_DEVICE="cpu")["argv"])["staging_slots"] == 4
