@@ -318,7 +318,10 @@ def cmd_assemble(args: argparse.Namespace) -> int:
     if marker.exists() and json.loads(marker.read_text()).get("lock_sha256") == want:
         print(f"assemble: {site} already holds this build")
         return 0
-    manifests = sorted(args.carry_dir.glob("p*/manifest.json")) + sorted(parts_dir.glob("manifest.json"))
+    # the manifest that came with the parts being assembled first; a carry folder's (a part that travelled with
+    # this call) only where the parts folder has none: a repo whose .carry holds another build then cannot make
+    # good parts look damaged
+    manifests = sorted(parts_dir.glob("manifest.json")) + sorted(args.carry_dir.glob("p*/manifest.json"))
     if not manifests:
         sys.exit(f"assemble: {site} does not hold this build and there is no manifest.json in {args.carry_dir}/p*/ "
                  f"or {parts_dir}: run the part calls")
