@@ -3,7 +3,8 @@
 Sources (docs/performance.md, "Method": server numbers):
   router     expresslane_router_queue_wait_seconds{lane="express"}, _spillover_total, _rejected_total,
              _upstream_errors_total                                      (the bench router)
-  express    expresslane_decode_handoff_bytes_total, _handoff_seconds, _phase_seconds{phase}  (express node)
+  express    expresslane_decode_handoff_bytes_total, _handoff_seconds, _phase_seconds{phase},
+             _step_seconds{rows} (express node: its decode steps by row count, wall time of each)
   connector  expresslane_connector_*                                     (prefill worker, CONNECTOR_METRICS_PORT)
   nixl       vllm:nixl_xfer_time_seconds, vllm:nixl_bytes_transferred    (native decode node, if exported)
   prefill    vllm:request_prefill_time_seconds, vllm:request_queue_time_seconds,
@@ -125,6 +126,23 @@ def decode_speed(lane: str, d: dict[str, Snapshot]) -> dict | None:
     return {"source": source, "n": int(h["count"]), "tok_s": _r(tokens / h["sum"], 2)}
 
 
+def express_steps(express: Snapshot) -> dict | None:
+    """The express node's decode steps in the scenario, by row class: how many and their mean wall time (the
+    engine thread's step: settle, forward, deliver, consume). Beside the client's ITL it tells the node's step
+    from what lies between steps (joins, injects) and between node and client."""
+    if not express.available:
+        return None
+    out = {}
+    for (name, labels), _ in express.samples.items():
+        if name != "expresslane_decode_step_seconds_count":
+            continue
+        rows = dict(labels).get("rows")
+        h = express.hist("expresslane_decode_step_seconds", rows=rows)
+        if h["count"] > 0:
+            out[rows] = {"steps": int(h["count"]), "mean_ms": _mean_ms(h)}
+    return dict(sorted(out.items())) or None
+
+
 def extract(lane: str, deltas: dict[str, Snapshot]) -> dict:
     """The `server` block of one scenario (stable keys; a block is null when its source gave nothing)."""
     none = Snapshot({}, available=False)
@@ -139,6 +157,7 @@ def extract(lane: str, deltas: dict[str, Snapshot]) -> dict:
         "router": router_counts(d["router"]) if lane != "single" else None,
         "handoff": handoff,
         "decode": decode_speed(lane, d),
+        "express_steps": express_steps(d["express"]) if lane == "express" else None,
         "connector": connector(d["connector"]),
         "prefill_server": prefill_server(d["prefill"]),
     }

@@ -185,7 +185,8 @@ def test_unavailable_source_gives_null_blocks():
     d = Snapshot(parse(SCRAPE_2)) - Snapshot({}, available=False)
     assert not d.available
     blocks = extract.extract("express", {"express": d})
-    assert set(blocks) == {"queue_wait_ms", "router", "handoff", "decode", "connector", "prefill_server"}
+    assert set(blocks) == {"queue_wait_ms", "router", "handoff", "decode", "express_steps", "connector",
+                           "prefill_server"}
     assert all(v is None for v in blocks.values())
 
 
@@ -198,6 +199,30 @@ def test_extract_per_lane():
     na = extract.extract("native", {k: d for k in extract.SOURCES})
     assert na["queue_wait_ms"] is None and na["handoff"] is None  # no vllm:nixl_* series exported
     assert extract.extract("single", {k: d for k in extract.SOURCES})["router"] is None
+
+
+def test_express_steps_by_row_class():
+    before = """
+expresslane_decode_step_seconds_bucket{le="0.005",rows="1"} 10.0
+expresslane_decode_step_seconds_bucket{le="+Inf",rows="1"} 10.0
+expresslane_decode_step_seconds_count{rows="1"} 10.0
+expresslane_decode_step_seconds_sum{rows="1"} 0.05
+"""
+    after = """
+expresslane_decode_step_seconds_bucket{le="0.005",rows="1"} 30.0
+expresslane_decode_step_seconds_bucket{le="+Inf",rows="1"} 30.0
+expresslane_decode_step_seconds_count{rows="1"} 30.0
+expresslane_decode_step_seconds_sum{rows="1"} 0.15
+expresslane_decode_step_seconds_bucket{le="0.005",rows="4"} 0.0
+expresslane_decode_step_seconds_bucket{le="0.01",rows="4"} 4.0
+expresslane_decode_step_seconds_bucket{le="+Inf",rows="4"} 4.0
+expresslane_decode_step_seconds_count{rows="4"} 4.0
+expresslane_decode_step_seconds_sum{rows="4"} 0.026
+"""
+    d = Snapshot(parse(after)) - Snapshot(parse(before))
+    steps = extract.extract("express", {"express": d})["express_steps"]
+    assert steps == {"1": {"steps": 20, "mean_ms": 5.0}, "4": {"steps": 4, "mean_ms": 6.5}}
+    assert extract.extract("native", {"express": d})["express_steps"] is None
 
 
 def test_nixl_handoff_from_vllm_histograms():

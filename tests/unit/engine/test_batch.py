@@ -61,8 +61,8 @@ class Recorder:
         self.steps: list[int] = []
 
     def __enter__(self) -> "Recorder":
-        def hook(plan, want_argmax=False):
-            out, argmax = self._orig(plan, want_argmax)
+        def hook(plan, want_argmax=False, while_running=None):
+            out, argmax = self._orig(plan, want_argmax, while_running)
             i = 0
             for seat, start, toks in plan:
                 for j in range(len(toks)):
@@ -244,7 +244,7 @@ def test_a_step_that_fails_fails_its_requests_and_the_engine_goes_on(engines):
     gens = [start(engine, s, p) for s, p in enumerate(ps[:2])]
     orig = engine.runner.forward_rows
 
-    def broken(plan, want_argmax=False):
+    def broken(plan, want_argmax=False, while_running=None):
         raise RuntimeError("device lost")
     engine.runner.forward_rows = broken
     try:
@@ -288,3 +288,56 @@ def test_one_users_own_failure_ends_it_alone(engines):
     assert bad.finish_reason == "error" and isinstance(bad.error, GrammarError) and len(bad.token_ids) == 4
     assert other.done and len(other.token_ids) == 40
     assert_same(alone, (me, true_rows(rec.rows[0], me, len(ps[0]))), f"{kind} beside a request that failed")
+
+
+@pytest.mark.parametrize("forward_calls_back", [True, False])
+def test_a_steps_tokens_go_out_while_the_next_forward_runs(engines, forward_calls_back):
+    """The tokens a step settles reach their listeners (the node's streams) from inside the next forward, once it
+    is under way (decode/batch.py `deliver`): the host's work for the users' streams hides under the device's
+    step. Each request hears all its tokens, in order, then its end; the tokens are its tokens alone. A forward
+    that does not call back (forward_calls_back=False) gets them delivered after it returns, before consume."""
+    kind, by_spec = engines
+    engine = by_spec["adaptive"]
+    ps = prompts(11)
+    alone = [solo(engine, s, p)[0].token_ids for s, p in enumerate(ps[:3])]
+    orig = engine.runner.forward_rows
+    in_forward = [False]
+    heard: dict[int, list] = {0: [], 1: [], 2: []}
+
+    def hook(plan, want_argmax=False, while_running=None):
+        in_forward[0] = True
+        try:
+            return orig(plan, want_argmax, while_running if forward_calls_back else None)
+        finally:
+            in_forward[0] = False
+
+    def listener(u):
+        def on_token(tok, lp, top):
+            heard[u].append(("token", tok, in_forward[0]))
+
+        def on_done(gen):
+            heard[u].append(("done", gen.finish_reason, in_forward[0]))
+        return on_token, on_done
+
+    engine.runner.forward_rows = hook
+    try:
+        gens = []
+        for u, p in enumerate(ps[:3]):
+            gens.append(start(engine, u, p, max_tokens=12 + 9 * u))  # they end at different steps
+            gens[-1].listen(*listener(u))
+        run_all(engine, gens)
+    finally:
+        engine.runner.forward_rows = orig
+    for u, g in enumerate(gens):
+        tokens = [e[1] for e in heard[u] if e[0] == "token"]
+        assert tokens == g.token_ids == alone[u][:len(tokens)], f"{kind} user {u}"
+        assert heard[u][-1][:2] == ("done", "length") and sum(e[0] == "done" for e in heard[u]) == 1
+        # every token of a request still decoding when its tokens went out was heard inside a forward (the last
+        # request's final tokens have no next forward to hide under)
+        inside = [e[2] for e in heard[u][:-1]]
+        if forward_calls_back:
+            assert any(inside), f"{kind} user {u}: no token went out under a forward"
+            if u < 2:  # users 0 and 1 end while user 2 still decodes: all their tokens went out under forwards
+                assert all(inside), f"{kind} user {u}: {inside}"
+        else:
+            assert not any(inside)

@@ -4,10 +4,14 @@ A `DecodeEngine(seats=S)` holds up to S requests, each in its own seat of the st
 with its own position, sampler, drafter and grammar (a decode/sequence.py SequenceRun). `SeatScheduler.step`
 runs one forward over all of them:
 
-    emit       each request's pending tokens go out (stop rules, its listener); finished or cancelled ones leave
+    settle     each request's pending tokens are appended (stop rules); finished or cancelled ones leave
     plan       each request's rows: its last token, then the drafts worth verifying in a step this wide
     forward    one forward over every row (runner.forward_rows): the projections read each weight once for all
                rows; each request's attention reads its own seat
+    deliver    while the device runs that forward, the settled tokens go to their listeners (the node's event
+               loop) and the requests that left are told so: a step's host work for its users' streams hides
+               under the device's step instead of running between steps (on a CPU, which computes the step
+               itself, before the forward)
     consume    each request verifies / samples on its own rows' logits
 
 Bit-identity: a request's rows are computed by row-invariant kernels (models/cpu_linear.py on a CPU; the lean
@@ -57,7 +61,8 @@ class SeatScheduler:
 
     def __init__(self, forward_rows, seats: int, *, max_step_rows: int | None = None,
                  on_finished: Callable[[SeatRequest], None] | None = None) -> None:
-        # runner.forward_rows: ([(seat, start, tokens)], want_argmax) -> (logits [rows, vocab], row argmaxes | None)
+        # runner.forward_rows: ([(seat, start, tokens)], want_argmax, while_running) -> (logits [rows, vocab],
+        # row argmaxes | None); it calls while_running() once the forward is under way (before it waits on it)
         self._forward_rows = forward_rows
         self.seats = seats
         self.max_step_rows = max_step_rows
@@ -84,26 +89,47 @@ class SeatScheduler:
 
     def _leave(self, seat: int) -> None:
         gen, _ = self._runs.pop(seat)
+        self._finish(gen)
+
+    def _finish(self, gen: SeatRequest) -> None:
         gen._done()
         if self._on_finished is not None:
             self._on_finished(gen)
 
-    def _emit(self, seat: int) -> None:
+    def _settle(self, seat: int, out: list) -> None:
+        """Append the seat's pending tokens (stop rules applied); a request that finished or was cancelled leaves
+        its seat now. What its listener hears goes to `out`, delivered by `_deliver` in order."""
         gen, run = self._runs[seat]
-        for tok in run.emit():
-            gen._deliver(tok)
-        if run.finished:
-            self._leave(seat)
-        elif gen.cancel_event.is_set():
+        tokens = list(run.emit())
+        left = run.finished
+        if not left and gen.cancel_event.is_set():
             gen.finish_reason = "abort"
-            self._leave(seat)
+            left = True
+        if left:
+            self._runs.pop(seat)
+        if tokens or left:
+            out.append((gen, tokens, left))
+
+    def _deliver(self, out: list) -> None:
+        """Hand the settled tokens to their requests, each request's tokens before its end (idempotent: `out` is
+        emptied)."""
+        items = out[:]
+        out.clear()
+        for gen, tokens, left in items:
+            for tok in tokens:
+                gen._deliver(tok)
+            if left:
+                self._finish(gen)
 
     def step(self) -> int:
-        """Emit every active request's pending tokens, then run one forward for those still going. Returns the
-        number of rows of that forward (0: none ran)."""
+        """Settle every active request's pending tokens, run one forward for those still going (delivering the
+        settled tokens while it runs), consume its logits. Returns the number of rows of that forward (0: none
+        ran)."""
+        out: list = []
         for seat in list(self._runs):
-            self._emit(seat)
+            self._settle(seat, out)
         if not self._runs:
+            self._deliver(out)
             return 0
         seats = sorted(self._runs)
         k = self._order % len(seats)
@@ -121,11 +147,13 @@ class SeatScheduler:
         # Plain greedy requests need only their rows' argmaxes: every row's, read with the step's one host sync.
         want_argmax = any(self._runs[seat][1].argmax_only for seat, _, _ in plan)
         try:
-            logits, argmax = self._forward_rows(plan, want_argmax)
+            logits, argmax = self._forward_rows(plan, want_argmax, lambda: self._deliver(out))
         except BaseException as e:
+            self._deliver(out)
             for seat in seats:
                 self._fail(seat, e)
             raise
+        self._deliver(out)  # a forward that did not call back (no-op when it did)
         self.steps += 1
         self.rows_histogram[planned] = self.rows_histogram.get(planned, 0) + 1
         self.users_histogram[len(plan)] = self.users_histogram.get(len(plan), 0) + 1

@@ -76,10 +76,10 @@ def run_users(engine: DecodeEngine, prompts: list[list[int]], firsts: list[int],
     steps0, rows0 = sched.steps, dict(sched.rows_histogram)
     forward, in_forward = sched._forward_rows, [0.0]
 
-    def timed_forward(plan, want_argmax):
+    def timed_forward(plan, want_argmax, while_running=None):
         t = time.perf_counter()
         try:
-            return forward(plan, want_argmax)
+            return forward(plan, want_argmax, while_running)
         finally:
             in_forward[0] += time.perf_counter() - t
 

@@ -314,7 +314,7 @@ class DecodeEngine:
             why = self.runner.multi_seat_unsupported()
             if why:
                 raise ValueError(f"{seats} seats: {why}")
-            self.scheduler = SeatScheduler(lambda plan, argmax: self.runner.forward_rows(plan, argmax), seats,
+            self.scheduler = SeatScheduler(lambda *a: self.runner.forward_rows(*a), seats,
                                            max_step_rows=seat_rows or None,
                                            on_finished=lambda gen: self.spec_stats.add(gen.spec))
 

@@ -40,7 +40,7 @@ The model owns the math, the engine owns the cache; the runner owns nothing else
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -304,12 +304,14 @@ class StepRunner:
         return None
 
     @torch.inference_mode()
-    def forward_rows(self, plan: Sequence[tuple[int, int, Sequence[int]]],
-                     want_argmax: bool = False) -> tuple[torch.Tensor, list[int] | None]:
+    def forward_rows(self, plan: Sequence[tuple[int, int, Sequence[int]]], want_argmax: bool = False,
+                     while_running: Callable[[], None] | None = None) -> tuple[torch.Tensor, list[int] | None]:
         """One forward over the rows of several sequences: plan holds (seat, start position, token ids) per
         sequence, its tokens at positions start .. in its seat of the cache (decode/cache.py). Returns float32
         logits [rows, vocab] in plan order (on the graph path: the graph's buffer, until its next replay) and,
-        with want_argmax, every row's argmax (read with the step's one host sync). Each sequence's rows are the
+        with want_argmax, every row's argmax (read with the step's one host sync). `while_running()` is called
+        once the forward is enqueued on the device and before the host waits for it (on a CPU, which computes
+        it on this thread, before it): the caller's host work overlaps the device's step. Each sequence's rows are the
         bits a step of it alone computes here: a CPU runs the PyTorch step with the live attention per sequence
         and the row-invariant projections (models/cpu_linear.py); a GPU the lean step's forward_seats (tensor-core
         GEMVs, each row's attention over its own seat), one CUDA graph per row count."""
@@ -327,12 +329,16 @@ class StepRunner:
             positions += range(start, start + len(toks))
             rows += range(s0 + start, s0 + start + len(toks))
         if self._lean is not None:
-            return self._seats_graph(tokens, positions, rows, want_argmax)
+            return self._seats_graph(tokens, positions, rows, want_argmax, while_running)
         device = self.device
+        if while_running is not None and device.type == "cpu":
+            while_running()
         logits = self._rows_step(torch.tensor(tokens, dtype=torch.long, device=device),
                                  torch.tensor(positions, dtype=torch.long, device=device),
                                  torch.tensor(rows, dtype=torch.long, device=device),
                                  torch.tensor(groups, dtype=torch.long))
+        if while_running is not None and device.type != "cpu":
+            while_running()
         return logits, (logits.argmax(dim=-1).tolist() if want_argmax else None)
 
     def _forward_rows(self, tokens: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor,
@@ -354,8 +360,8 @@ class StepRunner:
                      [(s, 0, [0, 1, 2][:2 + s]) for s in range(seats)]):
             self.forward_rows(plan)
 
-    def _seats_graph(self, tokens: list[int], positions: list[int], rows: list[int],
-                     want_argmax: bool) -> tuple[torch.Tensor, list[int] | None]:
+    def _seats_graph(self, tokens: list[int], positions: list[int], rows: list[int], want_argmax: bool,
+                     while_running: Callable[[], None] | None = None) -> tuple[torch.Tensor, list[int] | None]:
         """forward_rows on the lean graph: the inputs staged in a pinned slot and copied with one asynchronous
         copy, the row count's graph replayed (captured on first use), the rows' argmaxes read from pinned memory
         after an event (the graph copies them there)."""
@@ -377,6 +383,8 @@ class StepRunner:
             self._capture_seats(r)
         graph, logits = self._graphs[key]
         graph.replay()
+        if while_running is not None:
+            while_running()
         if not want_argmax:
             return logits, None
         self._argmax_done.record()
