@@ -86,13 +86,20 @@ class PagedKVLayout:
 
     def token_index(self, block_ids: Sequence[int], num_tokens: int,
                     device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
-        """(kernel block, offset) of every token 0..num_tokens-1 of a request with these manager blocks."""
+        """(kernel block, offset) of every token 0..num_tokens-1 of a request with these manager blocks.
+
+        On a GPU only the block ids travel (from pinned memory, asynchronously) and the index is computed there:
+        a copy from pageable memory would make the host wait for the whole forward before the gather is even
+        enqueued (the connector calls this inside vLLM's step, whose host work runs ahead of the device)."""
         need = math.ceil(num_tokens / self.block_size)
         if len(block_ids) < need:
             raise ValueError(f"{num_tokens} tokens need {need} blocks of {self.block_size}, got {len(block_ids)}")
+        device = torch.device(device)
         blocks = torch.as_tensor(list(block_ids[:need]), dtype=torch.long)
-        kernel = (blocks[:, None] * self.ratio + torch.arange(self.ratio)).flatten()
-        t = torch.arange(num_tokens)
+        if device.type == "cuda":
+            blocks = blocks.pin_memory().to(device, non_blocking=True)
+        kernel = (blocks[:, None] * self.ratio + torch.arange(self.ratio, device=device)).flatten()
+        t = torch.arange(num_tokens, device=device)
         blk = kernel[t // self.kernel_block_size]
         off = t % self.kernel_block_size
         return blk.to(device), off.to(device)
