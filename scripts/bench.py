@@ -90,6 +90,14 @@ def bound(model: dict, bw: dict, prompts: list[int], output: int) -> dict:
             "bandwidth_kind": "numpy copy, read+write bytes", "per_context": rows}
 
 
+def _repo_relative(path: str) -> str:
+    """A path inside the repository as the reader's checkout has it (a record names no machine's repo root)."""
+    try:
+        return str(Path(path).resolve().relative_to(REPO))
+    except ValueError:
+        return path
+
+
 class Scrapers:
     """The /metrics URL of every source (None = not scraped)."""
 
@@ -187,7 +195,8 @@ class Report:
             "started_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
             "finished_at": None,
             "complete": False,
-            "command": " ".join(shlex.quote(a) for a in [sys.argv[0], *(sys.argv[1:] if argv is None else argv)]),
+            "command": " ".join(shlex.quote(a) for a in [_repo_relative(sys.argv[0]),
+                                                          *(sys.argv[1:] if argv is None else argv)]),
             "mode": "quick" if args.quick else "full",
             "host": {"cpus": os.cpu_count(), "loadavg_start": [round(x, 2) for x in os.getloadavg()],
                      "loadavg_end": None, "copy_gb_per_s": None, "read_gb_per_s": None, "placement": {}},
