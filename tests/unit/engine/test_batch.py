@@ -341,3 +341,31 @@ def test_a_steps_tokens_go_out_while_the_next_forward_runs(engines, forward_call
                 assert all(inside), f"{kind} user {u}: {inside}"
         else:
             assert not any(inside)
+
+
+def test_each_token_goes_out_with_its_own_logprobs(engines):
+    """A step's tokens are delivered after all of them are appended (while the next forward runs): each must still
+    reach its listener with its own logprob and top logprobs, also where a verify keeps several tokens a step."""
+    from expresslane.engine.decode.bench import OracleDrafter
+
+    kind, by_spec = engines
+    engine = by_spec["always"]
+    ps = prompts(13)
+    alone = [solo(engine, u, p)[0].token_ids for u, p in enumerate(ps[:2])]
+    heard: dict[int, list] = {0: [], 1: []}
+    gens = []
+    try:
+        for u, p in enumerate(ps[:2]):  # a drafter that proposes the request's own greedy continuation: every
+            engine.new_drafter = lambda n, c=alone[u]: OracleDrafter(c, 3)  # verify keeps several tokens
+            g = start(engine, u, p, logprobs=2)
+            g.listen(lambda tok, lp, top, u=u: heard[u].append((tok, lp, top)))
+            gens.append(g)
+    finally:
+        del engine.new_drafter
+    run_all(engine, gens)
+    assert sum(g.spec.accepted_tokens for g in gens) > 10, f"{kind}: verifies kept too few drafts"
+    for u, g in enumerate(gens):
+        assert [h[0] for h in heard[u]] == g.token_ids, f"{kind} user {u}"
+        assert [h[1] for h in heard[u]] == g.logprobs, f"{kind} user {u}: a token went out with another's logprob"
+        assert [h[2] for h in heard[u]] == g.top_logprobs, f"{kind} user {u}"
+        assert len({lp for lp in g.logprobs if lp is not None}) > 1

@@ -50,7 +50,7 @@ class SeatRequest(Protocol):
     error: BaseException | None
     spec: SpecStats
 
-    def _deliver(self, token: int) -> None: ...
+    def _deliver(self, token: int, index: int) -> None: ...  # token_ids[index] (and its logprobs) is out
 
     def _done(self) -> None: ...
 
@@ -100,7 +100,8 @@ class SeatScheduler:
         """Append the seat's pending tokens (stop rules applied); a request that finished or was cancelled leaves
         its seat now. What its listener hears goes to `out`, delivered by `_deliver` in order."""
         gen, run = self._runs[seat]
-        tokens = list(run.emit())
+        first = len(gen.token_ids)
+        tokens = list(run.emit())  # each token (and its logprobs) appended: token_ids[first + i]
         left = run.finished
         if not left and gen.cancel_event.is_set():
             gen.finish_reason = "abort"
@@ -108,16 +109,16 @@ class SeatScheduler:
         if left:
             self._runs.pop(seat)
         if tokens or left:
-            out.append((gen, tokens, left))
+            out.append((gen, first, tokens, left))
 
     def _deliver(self, out: list) -> None:
         """Hand the settled tokens to their requests, each request's tokens before its end (idempotent: `out` is
         emptied)."""
         items = out[:]
         out.clear()
-        for gen, tokens, left in items:
-            for tok in tokens:
-                gen._deliver(tok)
+        for gen, first, tokens, left in items:
+            for i, tok in enumerate(tokens):
+                gen._deliver(tok, first + i)
             if left:
                 self._finish(gen)
 

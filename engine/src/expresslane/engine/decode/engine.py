@@ -145,13 +145,15 @@ class Generation:
         """Its last token is out (a multi-seat engine's request; a batch-1 one is done when iteration ends)."""
         return self._finished
 
-    def _deliver(self, token: int) -> None:
+    def _deliver(self, token: int, index: int) -> None:
+        """token_ids[index] is out (a multi-seat step delivers a step's tokens after all of them are appended:
+        each one's logprobs are read at its own index)."""
         if self._listener is None:
             self._buffer.append(token)
             return
         lps = self.logprobs
-        self._listener(token, lps[-1] if lps is not None else None,
-                       self.top_logprobs[-1] if self.top_logprobs is not None else None)
+        self._listener(token, lps[index] if lps is not None else None,
+                       self.top_logprobs[index] if self.top_logprobs is not None else None)
 
     def _done(self) -> None:
         self._finished = True
