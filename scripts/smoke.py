@@ -2,7 +2,7 @@
 """Smoke-test a running expresslane stack through its router: both lanes, every API shape, greedy exactness.
 
     python scripts/smoke.py http://127.0.0.1:8080 [--native NAME] [--express NAME-express]
-                            [--api-key KEY] [--max-tokens 48] [--timeout 120] [--wait 0]
+                            [--api-key KEY] [--max-tokens 48] [--users 4] [--timeout 120] [--wait 0]
 
 The lanes' aliases default to what the router lists: the model whose lane is native and its NAME-express (the
 shipped router config derives both from the served model's name, e.g. smollm2-135m-instruct).
@@ -18,6 +18,9 @@ Checks (one row each in the printed table; exit code 0 only when every row passe
   compl-stream    the same completion streamed: the same text as non-streaming
   exact-chat      temperature 0: express text == native text (token-identical greedy decoding)
   exact-compl     the same for /v1/completions
+  users           --users N (default 4) users on the express lane at once, each its own question at temperature
+                  0: every answer is the one its question gets alone (a node of several seats decodes them in one
+                  step each; its tokens must not depend on the others)
   metrics         GET /metrics answers Prometheus text
 
 Dependencies: the Python standard library only (urllib, json), so a bare `python3` runs it on any machine, and
@@ -32,6 +35,7 @@ import dataclasses
 import json
 import os
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -39,6 +43,9 @@ from collections.abc import Callable, Iterator
 
 PROMPT_CHAT = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
 PROMPT_COMPLETION = "The quick brown fox jumps over the lazy dog. Once upon a time"
+USER_QUESTIONS = ["Name three primary colours.", "What is twelve times twelve?", "Write a haiku about the sea.",
+                  "Give one word that means fast.", "Which planet is the largest?", "Say hello in Spanish.",
+                  "What is the boiling point of water in Celsius?", "Name a famous painter."]
 
 
 class CheckFailed(Exception):
@@ -130,6 +137,7 @@ class Smoke:
     native: str | None  # None: the router's native alias (discovered by the models check)
     express: str | None  # None: NATIVE-express
     max_tokens: int
+    users_at_once: int = 4
     rows: list[Row] = dataclasses.field(default_factory=list)
     texts: dict[tuple[str, str], str] = dataclasses.field(default_factory=dict)
 
@@ -246,6 +254,38 @@ class Smoke:
             raise CheckFailed(f"differs at char {at}: native {native[at:at + 24]!r} express {express[at:at + 24]!r}")
         return f"{len(native)} chars identical"
 
+    def users(self, model: str, n: int) -> str:
+        """n users on one lane at once, each its own question: each answer equals its question's answer alone."""
+        bodies = [{"model": model, "messages": [{"role": "user", "content": q}], "max_tokens": self.max_tokens,
+                   "temperature": 0} for q in (USER_QUESTIONS * n)[:n]]
+        together: list[object] = [None] * n
+        spans: list[tuple[float, float]] = [(0.0, 0.0)] * n
+
+        def one(i: int) -> None:
+            t0 = time.monotonic()
+            try:
+                together[i] = _one_choice(self.post("/v1/chat/completions", bodies[i]))["message"].get("content")
+            except (CheckFailed, TransportError) as exc:
+                together[i] = exc
+            spans[i] = (t0, time.monotonic())
+
+        threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(n)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        failed = [(i, r) for i, r in enumerate(together) if isinstance(r, Exception)]
+        if failed:
+            i, exc = failed[0]
+            raise CheckFailed(f"{len(failed)} of {n} users failed; user {i}: {type(exc).__name__}: {exc}")
+        for i, body in enumerate(bodies):  # the same questions one at a time
+            alone = _one_choice(self.post("/v1/chat/completions", body))["message"].get("content")
+            if alone != together[i]:
+                raise CheckFailed(f"user {i}: with {n - 1} others {_clip(str(together[i]))!r}, "
+                                  f"alone {_clip(str(alone))!r}")
+        overlap = min(end for _, end in spans) - max(start for start, _ in spans)
+        return f"{n} at once (all in flight together {max(0.0, overlap):.1f} s): each answer = its answer alone"
+
     def metrics(self) -> str:
         resp = self.client.get("/metrics")
         if resp.status != 200:
@@ -268,6 +308,8 @@ class Smoke:
             self.run("compl-stream", lane, lambda lane=lane, model=model: self.compl_stream(lane, model))
         self.run("exact-chat", "both", lambda: self.exact("chat"))
         self.run("exact-compl", "both", lambda: self.exact("compl"))
+        if self.users_at_once > 0:
+            self.run("users", "express", lambda: self.users(self.express, self.users_at_once))
         self.run("metrics", "-", self.metrics)
 
 
@@ -325,6 +367,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--express", default=None, help="express-lane alias (default: NATIVE-express)")
     ap.add_argument("--api-key", default=os.environ.get("ROUTER_API_KEY", ""), help="bearer key (env ROUTER_API_KEY)")
     ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--users", type=int, default=4, help="users at once on the express lane (0: skip the check)")
     ap.add_argument("--timeout", type=float, default=120.0, help="per request, seconds")
     ap.add_argument("--wait", type=float, default=0.0, help="first wait up to this many seconds for /health")
     args = ap.parse_args(argv)
@@ -333,7 +376,7 @@ def main(argv: list[str] | None = None) -> int:
     client = Client(args.router_url.rstrip("/"), headers, args.timeout)
     if args.wait:
         wait_healthy(client, args.wait)
-    smoke = Smoke(client, args.native, args.express, args.max_tokens)
+    smoke = Smoke(client, args.native, args.express, args.max_tokens, args.users)
     smoke.all()
     print_table(smoke.rows)
     print_answers(smoke)

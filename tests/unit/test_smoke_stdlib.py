@@ -10,6 +10,7 @@ import json
 import subprocess
 import sys
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -19,6 +20,13 @@ SMOKE = Path(__file__).resolve().parents[2] / "scripts" / "smoke.py"
 
 
 def make_handler(express_text: str):
+    """express_text: the express lane's answer; "crowd:" + text: the express lane answers `text` alone and
+    something else while another express request is in flight (a node whose tokens depend on its neighbours)."""
+    crowd = express_text.startswith("crowd:")
+    express_text = express_text.removeprefix("crowd:")
+    in_flight = [0]
+    lock = threading.Lock()
+
     class Handler(BaseHTTPRequestHandler):
         def log_message(self, *args):  # quiet
             pass
@@ -44,6 +52,15 @@ def make_handler(express_text: str):
         def do_POST(self):
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
             text = express_text if body["model"].endswith("-express") else "once upon a time"
+            if crowd and body["model"].endswith("-express"):
+                with lock:
+                    in_flight[0] += 1
+                time.sleep(0.3)  # long enough for users sent at once to meet
+                with lock:
+                    crowded = in_flight[0] > 1
+                    in_flight[0] -= 1
+                if crowded:
+                    text = text + " (crowded)"
             chat = self.path == "/v1/chat/completions"
             if not body.get("stream"):
                 choice = {"message": {"content": text}} if chat else {"text": text}
@@ -80,7 +97,7 @@ def test_bare_python_passes_against_a_router_that_answers_right(fake_router):
     proc = run_bare(fake_router, "--timeout", "10")
     print(proc.stdout, proc.stderr)
     assert proc.returncode == 0
-    assert "13/13 passed" in proc.stdout
+    assert "14/14 passed" in proc.stdout
 
 
 @pytest.mark.parametrize("fake_router", ["once upon a tide"], indirect=True)
@@ -90,6 +107,16 @@ def test_lanes_that_disagree_fail_the_exactness_rows(fake_router):
     assert proc.returncode == 1
     failed = [line.split()[0] for line in proc.stdout.splitlines() if " FAIL " in line]
     assert failed == ["exact-chat", "exact-compl"]
+
+
+@pytest.mark.parametrize("fake_router", ["crowd:once upon a time"], indirect=True)
+def test_a_node_whose_answers_depend_on_its_other_users_fails_the_users_row(fake_router):
+    proc = run_bare(fake_router, "--timeout", "10")
+    print(proc.stdout, proc.stderr)
+    assert proc.returncode == 1
+    failed = [line.split()[0] for line in proc.stdout.splitlines() if " FAIL " in line]
+    assert failed == ["users"]
+    assert "(crowded)" in proc.stdout and "alone" in proc.stdout
 
 
 def test_unreachable_router_is_a_table_of_failures_not_a_traceback():
