@@ -268,7 +268,9 @@ def logs_on_failure(faults, request):
     """A failed fault test prints what every process logged while it ran (the router, both vLLM servers, the
     express node): under CI's load a timing bound can miss, and the logs are the only account of where the
     time went (pytest keeps just three basetemps)."""
-    logs = sorted(faults.stack.state_dir.glob("*.log")) + [faults.router.workdir / "router.log"]
+    # the router's log first: it names every leg's failure and when; a CI summary that keeps only the head and the
+    # tail of a long report then still has it
+    logs = [faults.router.workdir / "router.log"] + sorted(faults.stack.state_dir.glob("*.log"))
     start = {p: p.stat().st_size if p.exists() else 0 for p in logs}
     yield
     rep = getattr(request.node, "rep_call", None)

@@ -9,6 +9,7 @@ import json
 import time
 
 import httpx
+import pytest
 
 from ._kit import EXPRESS, NATIVE, PREFILL, config_dict, make_config, parse_config, parse_sse, sse_bytes
 from .test_router_express_lane import COMP, PROMPT_IDS, TEXT, FakeNode, gate_of
@@ -205,6 +206,35 @@ async def test_midstream_failover_stitches_one_unbroken_stream(make_client, upst
     assert body["kv_transfer_params"] == {"remote_engine_id": "e", "remote_block_ids": [1]}
     assert 'expresslane_router_midstream_failovers_total{outcome="ok",pool="express"} 1.0' in metrics
     assert node.cancelled == node.reserved
+
+
+@pytest.mark.parametrize("failure, reason", [(httpx.ConnectTimeout, "timeout"), (httpx.ConnectError, "connect")])
+async def test_midstream_failover_retries_a_native_node_that_fails_before_its_first_byte(
+        make_client, upstreams, tokenizer, failure, reason):
+    """The continuation decodes by the native lane's own retry rule: a native node that does not answer the first
+    try (CI once saw a connect time out there) is tried again, and the stream still ends exact."""
+    node = _node(upstreams, tokenizer)
+    node.die_after = 3
+    native = NativeTokens(upstreams, node)
+    calls = []
+
+    def first_try_fails(request, body):
+        calls.append(body)
+        if len(calls) == 1:
+            raise failure("no answer")
+        return native.completions(request, body)
+
+    upstreams.on(NATIVE, "/v1/completions", first_try_fails)
+    n = len(node.answer)
+    async with make_client() as (client, _):
+        r = await client.post("/v1/completions", json=dict(COMP, stream=True, max_tokens=n, top_k=1))
+        metrics = (await client.get("/metrics")).text
+    events = parse_sse(r.text)
+    assert events[-1] == "[DONE]" and not any("error" in e for e in events[:-1]), events[-2:]
+    assert _text(events[:-1]) == TEXT
+    assert len(calls) == 2 and calls[0]["prompt"] == calls[1]["prompt"] == PROMPT_IDS + node.answer[:3]
+    assert f'expresslane_router_retries_total{{lane="native",pool="native",reason="{reason}"}} 1.0' in metrics
+    assert 'expresslane_router_midstream_failovers_total{outcome="ok",pool="express"} 1.0' in metrics
 
 
 async def test_midstream_failover_for_a_non_stream_chat_request(make_client, upstreams, tokenizer):

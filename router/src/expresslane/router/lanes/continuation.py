@@ -7,6 +7,9 @@ that is left (`max_tokens`, `min_tokens`), the client's sampling settings. The n
 sees one unbroken stream of the same chunk shape. Greedy outputs stay exact (the native lane computes the
 same argmax over the same context). Penalties that treat prompt and output tokens differently (presence /
 frequency) see the stitched history as prompt, so only they may differ from a single-server run.
+The native decode leg follows the native lane's own retry rule (NativeLane.decode_leg: a node that fails before
+its first byte is tried again, at most resilience.native_retries times); a failover is never more fragile than a
+native request.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from ..errors import UpstreamError
 from ..openai.request import RequestOptions
 from ..resilience import Deadline
 from .base import shielded
-from .native import NativeLane, decode_body
+from .native import NativeLane, NativeStream, decode_body
 
 __all__ = ["Continuation", "continuation_body"]
 
@@ -59,13 +62,17 @@ class Continuation:
         native, cfg = self.native, self.native.ctx.config
         body = continuation_body(client_body, opts, cfg.native_model(self.pool), history, max_tokens_left, generated)
         path = "/v1/completions"
-        kvp, _ = await native.prefill(body, path, deadline)
-        url = native.pick_node(self.pool)
-        if url is None:
-            raise UpstreamError(f"mid-stream failover: no healthy node in native pool {self.pool!r}",
-                                stage="decode", kind="no_healthy_node")
-        st = await native.open_stream(self.pool, url, path, decode_body(body, cfg.native_model(self.pool), kvp,
-                                                                         force_usage=False), deadline)
+        model = cfg.native_model(self.pool)
+        kvp, n_prompt = await native.prefill(body, path, deadline)
+
+        async def attempt(url: str, kvp: dict[str, Any], _n: int) -> NativeStream:
+            return await native.open_stream(self.pool, url, path, decode_body(body, model, kvp, force_usage=False),
+                                            deadline)
+
+        # the native lane's own retry rule: a failure before the first byte is tried again (native.decode_leg)
+        st = await native.decode_leg(self.pool, kvp, n_prompt, attempt, lambda: native.prefill(body, path, deadline),
+                                     deadline)
+        url = st.url
         try:
             async for data in st.all_events():
                 if data.strip() == "[DONE]":

@@ -45,6 +45,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -493,6 +494,7 @@ class ExpressLane:
         cont = Continuation(self.native, target)
         outcome = "failed"
         done = len(asm.token_ids)
+        started = time.monotonic()
         try:
             async with contextlib.aclosing(cont.tokens(req.body, req.opts, leg.prompt_ids + asm.token_ids,
                                                        leg.max_tokens - done, done, deadline)) as native_batches:
@@ -504,6 +506,8 @@ class ExpressLane:
             outcome = "ok" if asm.finished else "client_gone"  # a stop rule ended the answer, or the client left
             raise
         except RouterError as e2:
+            log.warning("the mid-stream failover of rid %s to native pool %s failed after %.2fs (%d tokens were in): "
+                        "%s", leg.rid, target, time.monotonic() - started, done, e2.message)
             raise UpstreamError(f"{failure.message}; the mid-stream failover to the native lane failed too: "
                                 f"{e2.message}", stage=STAGE, kind="failover_failed") from None
         finally:

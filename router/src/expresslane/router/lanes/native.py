@@ -34,9 +34,9 @@ import contextlib
 import json
 import logging
 from collections import defaultdict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from starlette.responses import Response
 
@@ -55,6 +55,8 @@ from .base import LaneContext, ManagedStream, closing_on_error, count_upstream_e
 __all__ = ["NativeLane", "NativeStream", "decode_body", "fix_usage"]
 
 log = logging.getLogger("expresslane.router")
+
+T = TypeVar("T")
 
 # Failures before the first byte that another node may not have: retried there.
 RETRY_KINDS = ("connect", "http_500", "http_502", "http_503", "http_504", "stall", "timeout", "transport", "truncated")
@@ -173,33 +175,47 @@ class NativeLane:
         if self.pick_node(pool) is None:
             raise self._unavailable(f"no decode node of pool {pool!r} takes traffic (unhealthy by its probes)")
         kvp, n_prompt = await self.prefill(req.body, req.path, deadline)
+
+        async def attempt(url: str, kvp: dict[str, Any], n_prompt: int) -> Response:
+            body = decode_body(req.body, cfg.native_model(pool), kvp, force_usage=True)
+            if req.stream:
+                st = await self.open_stream(pool, url, req.path, body, deadline)
+                return ManagedStream(self._relay(req, st, n_prompt, record), on_close=st.stack.aclose, record=record)
+            return await self._non_stream(req, pool, url, body, n_prompt, record, deadline)
+
+        return await self.decode_leg(pool, kvp, n_prompt, attempt,
+                                     lambda: self.prefill(req.body, req.path, deadline), deadline)
+
+    async def decode_leg(self, pool: str, kvp: dict[str, Any], n_prompt: int,
+                         attempt: Callable[[str, dict[str, Any], int], Awaitable[T]],
+                         prefill_again: Callable[[], Awaitable[tuple[dict[str, Any], int]]], deadline: Deadline) -> T:
+        """`attempt(url, kv_transfer_params, prompt_tokens)` on the least-loaded serving node, with the lane's retry
+        rule (module docstring): a failure before the first byte of a kind in RETRY_KINDS is tried again on another
+        serving node, or on the same one after retry_backoff_s, at most resilience.native_retries times; after
+        anything but a connect error the prefill runs again (`prefill_again`). The native lane's own requests and an
+        express request's mid-stream failover (continuation.py) both decode through here."""
+        res = self.ctx.config.resilience
         tried: tuple[str, ...] = ()
-        res = cfg.resilience
         attempts = 0
         while True:
             url = self.pick_node(pool, tried) or (tried[-1] if tried and self.ctx.available(pool, tried[-1])
                                                   else None)  # the only serving node: once more, after a backoff
             if url is None:
                 raise self._unavailable(f"no healthy decode node of pool {pool!r} is left to try")
-            body = decode_body(req.body, cfg.native_model(pool), kvp, force_usage=True)
             try:
-                if req.stream:
-                    st = await self.open_stream(pool, url, req.path, body, deadline)
-                    return ManagedStream(self._relay(req, st, n_prompt, record), on_close=st.stack.aclose,
-                                         record=record)
-                return await self._non_stream(req, pool, url, body, n_prompt, record, deadline)
+                return await attempt(url, kvp, n_prompt)
             except UpstreamError as e:
                 if attempts >= res.native_retries or e.kind not in RETRY_KINDS:
                     raise
                 attempts += 1
                 tried += (url,)
-                ctx.metrics.retries.labels("native", pool, e.kind).inc()
+                self.ctx.metrics.retries.labels("native", pool, e.kind).inc()
                 log.warning("native decode leg on %s failed before its first byte (%s: %s): retrying on %s",
                             url, e.kind, e.message, self.pick_node(pool, tried) or "the same node")
                 if self.pick_node(pool, tried) is None:
                     await asyncio.sleep(deadline.timeout_for(res.retry_backoff_s, stage="decode"))
                 if e.kind != "connect":  # the node may have pulled (and so freed) the KV: prefill again
-                    kvp, n_prompt = await self.prefill(req.body, req.path, deadline)
+                    kvp, n_prompt = await prefill_again()
 
     async def _non_stream(self, req: ClientRequest, pool: str, url: str, body: dict[str, Any], n_prompt: int,
                           record: RequestRecord, deadline: Deadline) -> Response:
