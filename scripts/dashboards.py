@@ -549,6 +549,11 @@ def lanes_overview() -> Built:
            [Z(or_zero(rate(R + "upstream_pool_saturated_total", ("client",))), "{{client}}")],
            "Upstream calls the router refused itself (503 router_saturated): its own pool had no free connection "
            "(never counted against a node). 0 when none.", w=4),
+        ts("Router event loop lag", "s",
+           [T(quantile(0.99, R + "event_loop_lag_seconds", ("instance",)), "p99 {{instance}}")],
+           "How late each router's event loop ran a 0.5 s timer (router server/loop_lag.py), p99: near 0 when "
+           "healthy. A lag delays every timeout and stall window of that moment by as much: an upstream error beside "
+           "it is the router's (a blocked loop) or its host's (no CPU), not the node's.", w=6),
         Row("Pools"),
         stat("Pool members", "short", [T(f"max by (pool) ({R}pool_members)", "{{pool}}")],
              "Current members of each pool (prefill, native and express pools): static nodes plus the addresses "

@@ -53,6 +53,7 @@ from .lanes.express import ExpressLane, check_express_supported
 from .lanes.native import NativeLane
 from .server.fastpath import CompletionsFastPath, RouterApp
 from .server.limits import loads_object, read_asgi_body, read_body
+from .server.loop_lag import LoopLagMonitor
 from .metrics import RequestRecord, RouterMetrics
 from .openai.shapes import ClientRequest, Kind, parse_request
 from .server.requestlog import RequestIdMiddleware, upstream_request_id_hook
@@ -228,7 +229,8 @@ def create_app(config: RouterConfig, *, secrets: RouterSecrets | None = None,
                                             report_failure=monitor.report_failure,
                                             report_success=monitor.report_success)
             async with membership.running(), monitor.running(probes or HttpxOneShot(client)), caps.running():
-                yield
+                with LoopLagMonitor(metrics.loop_lag).running():  # server/loop_lag.py
+                    yield
             await ctx.drain(t.cancel_s + t.connect_s)  # cancels still in flight reach their nodes
             app.state.lanes = None
 

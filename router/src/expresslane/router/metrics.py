@@ -19,6 +19,7 @@ __all__ = ["PREFILL_CHOICES", "PREFILL_POOL", "RequestRecord", "RouterMetrics", 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1, 2.5)
 _TPS_BUCKETS = (1, 5, 10, 25, 50, 75, 100, 150, 200, 300, 400, 600, 800, 1200, 2000)
+_LOOP_LAG_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 _QUEUE_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60)
 
 P = "expresslane_router_"
@@ -105,6 +106,9 @@ class RouterMetrics:
         self.pool_dns_failures = Counter(P + "pool_dns_failures_total",
                                          "Pool DNS resolutions that failed (the pool kept its last answer)",
                                          ["pool"], registry=r)
+        # ---- the router itself (server/loop_lag.py) ----
+        self.loop_lag = Histogram(P + "event_loop_lag_seconds", "How late the router's event loop ran a 0.5 s timer "
+                                  "(blocked, or the process got no CPU)", buckets=_LOOP_LAG_BUCKETS, registry=r)
         self._children: dict[tuple[Any, tuple[str, ...]], Any] = {}
         self._precreate(config)
 
