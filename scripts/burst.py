@@ -13,7 +13,9 @@ A round: `--n` requests at once (both aliases, half streamed, completions and ch
   broken   anything else (a transport error, a stream cut without an error event)
 and every served greedy output is compared with the single vLLM server's answer (the prefill, asked directly
 afterwards). Printed per round: the counts, p50 / p99 latency of served requests, the router's queue depth
-(the highest value seen while the round ran) and the ejections the router counted.
+(the highest value seen while the round ran), the ejections the router counted, the requests whose connect
+was tried again (`--connect-retries`, the openai SDK's default 2: a connect that failed sent nothing), how late
+this process's event loop ran at worst, and how often the router's ran 1 s late or more.
 
 Open loop (`--overload-s`): requests arrive at `--overload-rps` whatever the answers, all on the express pool's
 own queue (`X-Lane: express` on the native alias: the pool's policy, `when_full: reject`); every one must get an
@@ -47,6 +49,10 @@ import httpx  # noqa: E402
 from fault_support import Outcome, greedy_references, metric, request, scrape  # noqa: E402
 
 WORDS = (REPO / "scripts" / "bench_lib" / "tiny_model_corpus.txt").read_text().split()
+# A client whose connect fails (ConnectError / ConnectTimeout: the request was never sent) tries again, as the
+# openai SDK does with its default max_retries=2. The rounds count those retries and print them; a connect that
+# keeps failing is still a broken request.
+SDK_CONNECT_RETRIES = 2
 # the 503 messages of a pool without a node to take the request (lanes/native.py, gate.py)
 NO_NODE = ("no healthy", "takes traffic", "take no traffic", "stopped taking traffic", "is down", "are down", "went down")
 
@@ -107,7 +113,21 @@ def percentile(values: list[float], q: float) -> float | None:
 def router_counters(router: str) -> dict[str, float]:
     m = scrape(router + "/metrics")
     ej = sum(v for name, _, v in m if name == "expresslane_router_upstream_ejections_total")
-    return {"ejections": ej, "queue_depth": metric(m, "expresslane_router_queue_depth") or 0.0}
+    lag = "expresslane_router_event_loop_lag_seconds"
+    late = (metric(m, lag + "_count") or 0.0) - (metric(m, lag + "_bucket", le="1.0") or 0.0)
+    return {"ejections": ej, "queue_depth": metric(m, "expresslane_router_queue_depth") or 0.0,
+            "router_loop_late_1s": late}
+
+
+async def _watch_own_loop(stop: asyncio.Event, worst: list[float]) -> None:
+    """The worst lateness of this process's own event loop (a 0.1 s timer): a loop that runs late fires its
+    requests' connect timeouts before it reads their connects, so a client-side ConnectTimeout next to a late
+    loop here is the load generator's, not the router's."""
+    loop = asyncio.get_running_loop()
+    while not stop.is_set():
+        t = loop.time()
+        await asyncio.sleep(0.1)
+        worst[0] = max(worst[0], loop.time() - t - 0.1)
 
 
 async def _watch_queue(router: str, stop: asyncio.Event, seen: list[float]) -> None:
@@ -131,26 +151,31 @@ async def references(prefill: str, model: str, served: list[Sent], parallel: int
 
 
 async def burst_round(router: str, n: int, seed: int, *, aliases: tuple[str, str], bound_s: float,
-                      client: httpx.AsyncClient | None = None) -> dict:
+                      client: httpx.AsyncClient | None = None, connect_retries: int = SDK_CONNECT_RETRIES) -> dict:
+    """`n` requests at once. A connect that fails (nothing sent) is tried again `connect_retries` times, as the
+    openai SDK does; how many were is printed with how late this process's loop and the router's ran."""
     rng = random.Random(seed)
     sents = [make_request(rng, aliases) for _ in range(n)]
     before = router_counters(router)
-    stop, depth = asyncio.Event(), []
-    watcher = asyncio.create_task(_watch_queue(router, stop, depth))
+    stop, depth, own_late = asyncio.Event(), [], [0.0]
+    watchers = [asyncio.create_task(_watch_queue(router, stop, depth)), asyncio.create_task(_watch_own_loop(stop, own_late))]
     t0 = time.monotonic()
 
     async def one(s: Sent) -> None:
-        s.outcome = await request(router, s.path, s.body, bound_s=bound_s, stream=s.stream, client=client)
+        s.outcome = await request(router, s.path, s.body, bound_s=bound_s, stream=s.stream, client=client,
+                                  connect_retries=connect_retries)
 
     await asyncio.gather(*(one(s) for s in sents))
     wall = time.monotonic() - t0
     stop.set()
-    await watcher
+    await asyncio.gather(*watchers)
     after = router_counters(router)
     c = classify(sents)
     lat = [s.outcome.elapsed_s for s in c["served"]]
     return {"sents": sents, "classes": c, "wall_s": wall, "p50_s": percentile(lat, 0.5), "p99_s": percentile(lat, 0.99),
-            "queue_depth_max": max(depth, default=0.0), "ejections": after["ejections"] - before["ejections"]}
+            "queue_depth_max": max(depth, default=0.0), "ejections": after["ejections"] - before["ejections"],
+            "connect_retried": [s for s in sents if s.outcome.connect_failures], "own_loop_late_max_s": own_late[0],
+            "router_loop_late_1s": after["router_loop_late_1s"] - before["router_loop_late_1s"]}
 
 
 def summarize(r: dict) -> str:
@@ -158,7 +183,8 @@ def summarize(r: dict) -> str:
     counts = " ".join(f"{k}={len(v)}" for k, v in c.items())
     p = (f"p50={r['p50_s']:.2f}s p99={r['p99_s']:.2f}s" if r["p50_s"] is not None else "p50=- p99=-")
     return (f"{counts} wall={r['wall_s']:.1f}s {p} queue_depth_max={r['queue_depth_max']:g} "
-            f"ejections={r['ejections']:g}")
+            f"ejections={r['ejections']:g} connect_retried={len(r['connect_retried'])} "
+            f"client_loop_late_max={r['own_loop_late_max_s']:.2f}s router_loop_late_ge_1s={r['router_loop_late_1s']:g}")
 
 
 def examples(r: dict, k: int = 3) -> list[str]:
@@ -166,6 +192,8 @@ def examples(r: dict, k: int = 3) -> list[str]:
     for cls in ("lost", "broken", "refused_no_node", "refused"):
         for s in r["classes"][cls][:k]:
             out.append(f"{cls}: {s.alias} {s.kind} stream={s.stream}: {s.outcome.describe()}")
+    for s in r.get("connect_retried", [])[:k]:
+        out.append(f"connect retried: {s.alias} {s.kind} stream={s.stream}: {s.outcome.describe()}")
     return out
 
 
@@ -182,7 +210,7 @@ async def overload(router: str, alias: str, rps: float, duration_s: float, bound
         s.headers = {"X-Lane": "express"}
         sents.append(s)
         tasks.append(asyncio.create_task(request(router, s.path, s.body, bound_s=bound_s, stream=s.stream,
-                                                 headers=s.headers)))
+                                                 headers=s.headers, connect_retries=SDK_CONNECT_RETRIES)))
         i += 1
         await asyncio.sleep(max(0.0, t0 + i / rps - time.monotonic()))
     for s, t in zip(sents, tasks):
@@ -219,7 +247,8 @@ async def main_async(a: argparse.Namespace) -> int:
                 timeout=httpx.Timeout(a.bound_s + 5, connect=5.0), trust_env=False,
                 limits=httpx.Limits(max_connections=1000, max_keepalive_connections=100)))
         for i in range(a.rounds):
-            r = await burst_round(a.router, a.n, a.seed + i, aliases=aliases, bound_s=a.bound_s, client=pool)
+            r = await burst_round(a.router, a.n, a.seed + i, aliases=aliases, bound_s=a.bound_s, client=pool,
+                                  connect_retries=a.connect_retries)
             print(f"round {i + 1}/{a.rounds}: {summarize(r)}", flush=True)
             for line in examples(r):
                 print("  " + line, flush=True)
@@ -256,6 +285,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--n", type=int, default=256)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--bound-s", type=float, default=120.0, help="a request without an answer by then is lost")
+    ap.add_argument("--connect-retries", type=int, default=SDK_CONNECT_RETRIES,
+                    help="tries again of a connect that failed, as the openai SDK's max_retries (0: none)")
     ap.add_argument("--no-check-exact", dest="check_exact", action="store_false")
     ap.add_argument("--vllm-api-key-file", help="vLLM's API key for the reference calls (a closed dev stack: "
                                                  "<state>/secrets/vllm_api_key)")

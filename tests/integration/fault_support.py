@@ -52,6 +52,7 @@ class Outcome:
     lost: bool = False
     disconnected: bool = False  # we closed it on purpose (disconnect_after_s)
     body: Any = None
+    connect_failures: list[str] = field(default_factory=list)  # connects retried (request(connect_retries=...))
 
     @property
     def ok(self) -> bool:
@@ -74,6 +75,8 @@ class Outcome:
         parts.append(f"chunks={self.chunks} done={self.done} lost={self.lost} text_len={len(self.text)}")
         if self.disconnected:
             parts.append("disconnected-by-client")
+        if self.connect_failures:
+            parts.append(f"connect retried after: {'; '.join(self.connect_failures)}")
         return " ".join(parts)
 
 
@@ -88,11 +91,15 @@ def _error_of(obj: Any) -> tuple[str | None, str | None]:
 
 async def request(base: str, path: str, body: dict, *, bound_s: float, stream: bool | None = None,
                   disconnect_after_s: float | None = None, on_chunk: Callable[[int], None] | None = None,
-                  headers: dict[str, str] | None = None, client: httpx.AsyncClient | None = None) -> Outcome:
+                  headers: dict[str, str] | None = None, client: httpx.AsyncClient | None = None,
+                  connect_retries: int = 0) -> Outcome:
     """POST `body` and record the outcome. The request is abandoned (the connection closed, as a client
     with a timeout does) after `bound_s` -> lost, or on purpose after `disconnect_after_s` -> disconnected.
     `on_chunk(n)` runs after the n-th text chunk of a stream (a place to inject a fault). `client`: a pooled client
-    to send it on (its idle connections reused, as an SDK's are); default: a client of its own."""
+    to send it on (its idle connections reused, as an SDK's are); default: a client of its own.
+    `connect_retries`: how often a connect that failed (ConnectError / ConnectTimeout: nothing was sent) is tried
+    again, after 0.5 s, 1 s, ... as the openai SDK does (its default: 2); each one is recorded in
+    `connect_failures`. Nothing else is retried: a failure after the connect is the outcome."""
     stream = bool(body.get("stream")) if stream is None else stream
     body = dict(body, stream=stream)
     out = Outcome()
@@ -102,54 +109,64 @@ async def request(base: str, path: str, body: dict, *, bound_s: float, stream: b
         async with contextlib.AsyncExitStack() as stack:
             c = client if client is not None else await stack.enter_async_context(httpx.AsyncClient(
                 timeout=httpx.Timeout(bound_s + 5, connect=5.0), trust_env=False, verify=_TLS))
-            async with c.stream("POST", base + path, json=body, headers=headers) as r:
-                out.status = r.status_code
-                out.retry_after = r.headers.get("retry-after")
-                if not stream or r.status_code != 200 or not r.headers.get("content-type", "").startswith(
-                        "text/event-stream"):
-                    raw = await r.aread()
-                    try:
-                        out.body = json.loads(raw)
-                    except ValueError:
-                        out.body = raw.decode("utf-8", "replace")
-                    out.error_type, out.error = _error_of(out.body)
-                    if out.status == 200 and out.error_type is None and isinstance(out.body, dict):
-                        choice = (out.body.get("choices") or [{}])[0]
-                        out.text = choice.get("text") if "text" in choice else (
-                            (choice.get("message") or {}).get("content") or "")
-                        out.finish_reason = choice.get("finish_reason")
-                    elif out.status != 200 and out.error_type is None:
-                        out.error = str(out.body)[:300]
-                    return
-                async for line in r.aiter_lines():
-                    if not line:
-                        continue
-                    if not line.startswith("data: "):
-                        out.error_type, out.error = "bad_sse", line[:200]
-                        continue
-                    payload = line[len("data: "):]
-                    if payload == "[DONE]":
-                        out.done = True
-                        continue
-                    chunk = json.loads(payload)
-                    etype, emsg = _error_of(chunk)
-                    if etype is not None:
-                        out.error_type, out.error = etype, emsg
-                        continue
-                    for choice in chunk.get("choices") or []:
-                        piece = choice.get("text") if "text" in choice else (choice.get("delta") or {}).get(
-                            "content")
-                        if piece:
-                            out.text += piece
-                            out.chunks += 1
-                            if out.first_token_s is None:
-                                out.first_token_s = time.monotonic() - t0
-                            if on_chunk is not None:
-                                on_chunk(out.chunks)
-                        if choice.get("finish_reason"):
-                            out.finish_reason = choice["finish_reason"]
-                if not out.done and out.error_type is None:
-                    out.error_type, out.error = "truncated", "stream ended without data: [DONE]"
+            attempt = 0
+            while True:
+                try:
+                    r = await stack.enter_async_context(c.stream("POST", base + path, json=body, headers=headers))
+                    break
+                except (httpx.ConnectError, httpx.ConnectTimeout) as e:
+                    if attempt >= connect_retries:
+                        raise
+                    out.connect_failures.append(f"{type(e).__name__} at {time.monotonic() - t0:.2f}s")
+                    await asyncio.sleep(min(8.0, 0.5 * 2 ** attempt))
+                    attempt += 1
+            out.status = r.status_code
+            out.retry_after = r.headers.get("retry-after")
+            if not stream or r.status_code != 200 or not r.headers.get("content-type", "").startswith(
+                    "text/event-stream"):
+                raw = await r.aread()
+                try:
+                    out.body = json.loads(raw)
+                except ValueError:
+                    out.body = raw.decode("utf-8", "replace")
+                out.error_type, out.error = _error_of(out.body)
+                if out.status == 200 and out.error_type is None and isinstance(out.body, dict):
+                    choice = (out.body.get("choices") or [{}])[0]
+                    out.text = choice.get("text") if "text" in choice else (
+                        (choice.get("message") or {}).get("content") or "")
+                    out.finish_reason = choice.get("finish_reason")
+                elif out.status != 200 and out.error_type is None:
+                    out.error = str(out.body)[:300]
+                return
+            async for line in r.aiter_lines():
+                if not line:
+                    continue
+                if not line.startswith("data: "):
+                    out.error_type, out.error = "bad_sse", line[:200]
+                    continue
+                payload = line[len("data: "):]
+                if payload == "[DONE]":
+                    out.done = True
+                    continue
+                chunk = json.loads(payload)
+                etype, emsg = _error_of(chunk)
+                if etype is not None:
+                    out.error_type, out.error = etype, emsg
+                    continue
+                for choice in chunk.get("choices") or []:
+                    piece = choice.get("text") if "text" in choice else (choice.get("delta") or {}).get(
+                        "content")
+                    if piece:
+                        out.text += piece
+                        out.chunks += 1
+                        if out.first_token_s is None:
+                            out.first_token_s = time.monotonic() - t0
+                        if on_chunk is not None:
+                            on_chunk(out.chunks)
+                    if choice.get("finish_reason"):
+                        out.finish_reason = choice["finish_reason"]
+            if not out.done and out.error_type is None:
+                out.error_type, out.error = "truncated", "stream ended without data: [DONE]"
 
     limit = bound_s if disconnect_after_s is None else min(bound_s, disconnect_after_s)
     try:
