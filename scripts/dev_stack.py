@@ -35,6 +35,8 @@ core is its child), as `docker compose kill|pause|unpause|restart` acts on a con
   pause SERVICE    SIGSTOP: the process keeps its sockets but answers nothing (a partition, as seen by peers)
   resume SERVICE   SIGCONT
   restart SERVICE  SIGKILL if still running, start it again with its launcher, wait until healthy
+These commands, `status` and `down` act on the stack as `up` started it (its model, ports, pools and secrets, kept
+in <state>/stack.json), so they need no flags but --state-dir; a flag that names another setting is an error.
 """
 
 from __future__ import annotations
@@ -569,6 +571,55 @@ def _kill_group(pid: int, sig: int = signal.SIGTERM) -> None:
 _SIGNALS = {"KILL": signal.SIGKILL, "TERM": signal.SIGTERM, "INT": signal.SIGINT}
 
 
+# The settings `up` started a stack with, in its state directory: kill / pause / resume / restart / status / down
+# act on that stack (a restarted service gets the stack's model, ports, pools and secrets, whatever flags they are
+# given, as `docker compose restart` uses the project's own file). Without the file (a stack of the DevStack class,
+# a test's): the flags and defaults.
+SETTINGS_FILE = "stack.json"
+
+
+def default_settings() -> dict:
+    return {"model": DEFAULT_MODEL, "model_dir": str(MODELS_DIR / DEFAULT_MODEL), "served_model_name": None,
+            "port_base": 0, "services": list(SERVICES), "secure": True, "prefills": 1, "natives": 1}
+
+
+def given_settings(args: argparse.Namespace) -> dict:
+    """The settings the command line names explicitly."""
+    out: dict = {}
+    if args.model is not None:
+        out.update(model=args.model, model_dir=str(MODELS_DIR / args.model))
+    if args.model_dir is not None:
+        out.update(model=None, model_dir=str(args.model_dir.resolve()))
+    if args.served_model_name is not None:
+        out["served_model_name"] = args.served_model_name
+    if args.port_base is not None:
+        out["port_base"] = args.port_base
+    if args.only is not None:
+        out["services"] = [x for x in args.only.split(",") if x]
+    if args.open:
+        out["secure"] = False
+    if args.prefills is not None:
+        out["prefills"] = args.prefills
+    if args.natives is not None:
+        out["natives"] = args.natives
+    return out
+
+
+def save_settings(state_dir: Path, settings: dict) -> None:
+    state_dir.mkdir(parents=True, exist_ok=True)
+    (state_dir / SETTINGS_FILE).write_text(json.dumps(settings, indent=2) + "\n")
+
+
+def load_settings(state_dir: Path) -> dict | None:
+    """The settings of the stack `up` started in state_dir; None when none was (or the file is unreadable:
+    the command then says what it could not find through DevStack)."""
+    try:
+        saved = json.loads((state_dir / SETTINGS_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return {**default_settings(), **saved} if isinstance(saved, dict) else None
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("command", choices=["up", "down", "status", "kill", "pause", "resume", "restart"])
@@ -582,28 +633,36 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--served-model-name", default=None,
                     help="the name clients use (default: the model directory's name); aliases NAME, NAME-express")
     ap.add_argument("--state-dir", type=Path, default=DEFAULT_STATE)
-    ap.add_argument("--port-base", type=int, default=0, help="added to every default port")
-    ap.add_argument("--only", default=",".join(SERVICES), help="comma-separated services to start")
-    ap.add_argument("--open", action="store_true", help="no generated internal secrets (node token, control-plane "
-                                                         "peer secret, vLLM API key): every service open")
-    ap.add_argument("--prefills", type=int, default=1, help="prefill pool size (default 1)")
-    ap.add_argument("--natives", type=int, default=1, help="native decode pool size (default 1)")
+    ap.add_argument("--port-base", type=int, default=None, help="added to every default port (default 0)")
+    ap.add_argument("--only", default=None, help="comma-separated services to start (default: all)")
+    ap.add_argument("--open", action="store_const", const=True, default=None,
+                    help="no generated internal secrets (node token, control-plane peer secret, vLLM API key): "
+                         "every service open")
+    ap.add_argument("--prefills", type=int, default=None, help="prefill pool size (default 1)")
+    ap.add_argument("--natives", type=int, default=None, help="native decode pool size (default 1)")
     args = ap.parse_args(argv)
-    if args.model_dir is not None:
-        model_dir, model = args.model_dir.resolve(), None
+    given = given_settings(args)
+    saved = None if args.command == "up" else load_settings(args.state_dir)
+    if saved is not None:  # a service command acts on the stack as `up` started it
+        differ = {k: (saved.get(k), v) for k, v in given.items() if saved.get(k) != v}
+        if differ:
+            what = "; ".join(f"{k}: started with {old!r}, asked {new!r}" for k, (old, new) in differ.items())
+            print(f"{args.command}: the stack in {args.state_dir} was started otherwise ({what}); leave those flags "
+                  f"out, or `down` and `up` it again to change them", file=sys.stderr)
+            return 2
+        settings = saved
     else:
-        model = args.model or DEFAULT_MODEL
-        model_dir = MODELS_DIR / model
+        settings = {**default_settings(), **given}
     stack = DevStack(
-        model_dir=model_dir,
-        model=model,
-        served_model_name=args.served_model_name,
+        model_dir=Path(settings["model_dir"]),
+        model=settings["model"],
+        served_model_name=settings["served_model_name"],
         state_dir=args.state_dir,
-        port_base=args.port_base,
-        services=tuple(s for s in args.only.split(",") if s),
-        secure=not args.open,
-        prefills=args.prefills,
-        natives=args.natives,
+        port_base=settings["port_base"],
+        services=tuple(settings["services"]),
+        secure=settings["secure"],
+        prefills=settings["prefills"],
+        natives=settings["natives"],
     )
     if args.command in ("kill", "pause", "resume", "restart"):
         if args.service is None:
@@ -623,6 +682,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{args.command} {args.service}: done")
         return 0
     if args.command == "up":
+        save_settings(args.state_dir, settings)
         stack.start()
         print(f"up: router {stack.router_url}  (logs in {stack.state_dir}; stop with `dev_stack.py down`)")
         print(f"  model {stack.model_dir}: aliases {stack.aliases[0]} (native lane), {stack.aliases[1]} (express)")

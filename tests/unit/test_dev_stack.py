@@ -291,3 +291,40 @@ def test_pool_members_get_their_own_ports_and_the_router_their_urls(tmp_path):
     assert cfg.pools["native"].nodes == stack.member_urls("decode-native")
     with pytest.raises(ValueError, match="at least one member"):
         DevStack(state_dir=tmp_path, prefills=0)
+
+
+def test_cli_service_commands_act_on_the_stack_that_up_started(tmp_path, monkeypatch, capsys):
+    """`restart SERVICE` with no flags restarts it with the settings `up` saved (model, served name, ports), not
+    the CLI's defaults; a flag that names another setting is refused before anything is touched."""
+    import socket
+
+    launch = tmp_path / "launch"
+    launch.mkdir()
+    (launch / "decode-express.sh").write_text(
+        'echo "start SERVED_MODEL_NAME=$SERVED_MODEL_NAME MODEL_DIR=$MODEL_DIR"\n'
+        'exec "$PYTHON" -m http.server "$EXPRESS_HTTP_PORT" --bind 127.0.0.1\n')
+    monkeypatch.setattr(dev_stack, "LAUNCH", launch)
+    monkeypatch.setitem(dev_stack.SERVICES, "decode-express", ("decode-express.sh", "/", "EXPRESS_HTTP_PORT"))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    state = tmp_path / "state"
+    base = port - dev_stack.DEFAULT_PORTS["EXPRESS_HTTP_PORT"]
+    dev_stack.save_settings(state, {**dev_stack.default_settings(), "model": "tiny-llama",
+                                    "model_dir": str(dev_stack.MODELS_DIR / "tiny-llama"),
+                                    "served_model_name": "my-model", "port_base": base, "secure": False,
+                                    "services": ["decode-express"]})
+    try:
+        assert dev_stack.main(["--state-dir", str(state), "restart", "decode-express"]) == 0
+        log = (state / "decode-express.log").read_text()
+        assert f"start SERVED_MODEL_NAME=my-model MODEL_DIR={dev_stack.MODELS_DIR / 'tiny-llama'}" in log, log
+        assert dev_stack.main(["--state-dir", str(state), "--port-base", str(base), "status"]) == 0  # the same
+        assert "decode-express  healthy" in capsys.readouterr().out
+        pid = int((state / "decode-express.pid").read_text())
+        assert dev_stack.main(["--state-dir", str(state), "--model", "smollm2-135m-instruct", "restart",
+                               "decode-express"]) == 2
+        err = capsys.readouterr().err
+        assert "started with 'tiny-llama'" in err and "down" in err
+        assert int((state / "decode-express.pid").read_text()) == pid and _alive(pid)  # untouched
+    finally:
+        assert dev_stack.main(["--state-dir", str(state), "down"]) == 0
