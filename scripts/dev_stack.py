@@ -620,6 +620,14 @@ def load_settings(state_dir: Path) -> dict | None:
     return {**default_settings(), **saved} if isinstance(saved, dict) else None
 
 
+def stack_of(state_dir: Path, settings: dict) -> DevStack:
+    """The DevStack these settings describe (scripts/soak.py --dev-stack builds the running stack's this way)."""
+    return DevStack(model_dir=Path(settings["model_dir"]), model=settings["model"],
+                    served_model_name=settings["served_model_name"], state_dir=state_dir,
+                    port_base=settings["port_base"], services=tuple(settings["services"]), secure=settings["secure"],
+                    prefills=settings["prefills"], natives=settings["natives"])
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("command", choices=["up", "down", "status", "kill", "pause", "resume", "restart"])
@@ -653,17 +661,7 @@ def main(argv: list[str] | None = None) -> int:
         settings = saved
     else:
         settings = {**default_settings(), **given}
-    stack = DevStack(
-        model_dir=Path(settings["model_dir"]),
-        model=settings["model"],
-        served_model_name=settings["served_model_name"],
-        state_dir=args.state_dir,
-        port_base=settings["port_base"],
-        services=tuple(settings["services"]),
-        secure=settings["secure"],
-        prefills=settings["prefills"],
-        natives=settings["natives"],
-    )
+    stack = stack_of(args.state_dir, settings)
     if args.command in ("kill", "pause", "resume", "restart"):
         if args.service is None:
             ap.error(f"{args.command} needs a SERVICE ({', '.join(SERVICES)})")

@@ -68,11 +68,18 @@ class Endpoints:
 class DevStackTarget:
     """Real signals to the process groups of a running dev stack (scripts/dev_stack.py up)."""
 
-    def __init__(self, state_dir: Path, port_base: int, restart_env: dict[str, str] | None = None):
-        from dev_stack import DevStack
+    def __init__(self, state_dir: Path, port_base: int | None, restart_env: dict[str, str] | None = None):
+        from dev_stack import DevStack, load_settings, stack_of
 
-        # a stack started closed (`dev_stack.py up`) is restarted with the same generated secrets
-        self.stack = DevStack(state_dir=state_dir, port_base=port_base, secure=(state_dir / "secrets").is_dir())
+        settings = load_settings(state_dir)
+        if settings is not None:  # `dev_stack.py up`: a restarted service gets the stack's model, ports, secrets
+            if port_base is not None and port_base != settings["port_base"]:
+                raise SystemExit(f"the stack in {state_dir} runs at --port-base {settings['port_base']}, "
+                                 f"not {port_base}")
+            self.stack = stack_of(state_dir, settings)
+        else:  # a stack of the DevStack class (a test's): a closed one restarts with its generated secrets
+            self.stack = DevStack(state_dir=state_dir, port_base=port_base or 0,
+                                  secure=(state_dir / "secrets").is_dir())
         self.restart_env = restart_env or {}
         s = self.stack
         self.endpoints = Endpoints(
@@ -533,7 +540,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="instead of the soak: N express requests one at a time, no faults, and the handoff's share "
                          "of each (the node's phase times from its /metrics)")
     ap.add_argument("--state-dir", type=Path, default=REPO / "var" / "dev-stack", help="--dev-stack: its state")
-    ap.add_argument("--port-base", type=int, default=0, help="--dev-stack: its port shift")
+    ap.add_argument("--port-base", type=int, default=None,
+                    help="--dev-stack: its port shift (default: the one `dev_stack.py up` started it with, else 0)")
     ap.add_argument("--restart-env", default="EXPRESS_COMPILE=0",
                     help="--dev-stack: K=V,... for restarted services (default: the express node skips torch.compile, "
                          "~10 s to healthy instead of ~55 s on 2 CPUs; empty = as first started)")

@@ -328,3 +328,19 @@ def test_cli_service_commands_act_on_the_stack_that_up_started(tmp_path, monkeyp
         assert int((state / "decode-express.pid").read_text()) == pid and _alive(pid)  # untouched
     finally:
         assert dev_stack.main(["--state-dir", str(state), "down"]) == 0
+
+
+def test_the_soak_acts_on_the_stack_that_up_started(tmp_path):
+    """scripts/soak.py --dev-stack builds its DevStack from the saved settings (what it restarts gets the stack's
+    model and ports); a --port-base other than the stack's is an error, not a stack on other ports."""
+    import soak
+
+    state = tmp_path / "state"
+    dev_stack.save_settings(state, {**dev_stack.default_settings(), "served_model_name": "my-model",
+                                    "port_base": 700, "secure": False})
+    stack = soak.DevStackTarget(state, None).stack
+    assert stack.served_name == "my-model" and stack.model_dir == dev_stack.MODELS_DIR / dev_stack.DEFAULT_MODEL
+    assert stack.ports["ROUTER_PORT"] == dev_stack.DEFAULT_PORTS["ROUTER_PORT"] + 700 and not stack.secure
+    assert soak.DevStackTarget(state, 700).stack.ports == stack.ports
+    with pytest.raises(SystemExit, match="--port-base 700, not 0"):
+        soak.DevStackTarget(state, 0)
