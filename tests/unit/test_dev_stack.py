@@ -97,21 +97,26 @@ def test_pause_and_resume_stop_and_continue_every_process(tmp_path):
     assert proc.poll() is not None
 
 
-def test_restart_relaunches_with_env_overrides_and_waits_healthy(tmp_path, monkeypatch):
-    """restart() kills the running process, starts the service's launcher again (fresh pid, log appended) with
-    the per-start environment, and returns once its health URL answers; a launcher that dies says so."""
+def _http_launcher(tmp_path: Path, monkeypatch, echo: str) -> tuple[Path, int]:
+    """A decode-express launcher stand-in that prints `echo` (shell-expanded) and serves HTTP on its port: the
+    launch folder and a free port for the service."""
+    import socket
+
     launch = tmp_path / "launch"
     launch.mkdir()
     (launch / "decode-express.sh").write_text(
-        'echo "start MAX_MODEL_LEN=$MAX_MODEL_LEN"\n'
-        'exec "$PYTHON" -m http.server "$EXPRESS_HTTP_PORT" --bind 127.0.0.1\n')
+        f'echo "{echo}"\nexec "$PYTHON" -m http.server "$EXPRESS_HTTP_PORT" --bind 127.0.0.1\n')
     monkeypatch.setattr(dev_stack, "LAUNCH", launch)
     monkeypatch.setitem(dev_stack.SERVICES, "decode-express", ("decode-express.sh", "/", "EXPRESS_HTTP_PORT"))
-    import socket
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+        return launch, s.getsockname()[1]
+
+
+def test_restart_relaunches_with_env_overrides_and_waits_healthy(tmp_path, monkeypatch):
+    """restart() kills the running process, starts the service's launcher again (fresh pid, log appended) with
+    the per-start environment, and returns once its health URL answers; a launcher that dies says so."""
+    launch, port = _http_launcher(tmp_path, monkeypatch, "start MAX_MODEL_LEN=$MAX_MODEL_LEN")
     stack = DevStack(state_dir=tmp_path / "state", services=("decode-express",), port_base=port - 5557)
     stack.state_dir.mkdir()
     old = _spawn(stack, "decode-express")
@@ -296,18 +301,7 @@ def test_pool_members_get_their_own_ports_and_the_router_their_urls(tmp_path):
 def test_cli_service_commands_act_on_the_stack_that_up_started(tmp_path, monkeypatch, capsys):
     """`restart SERVICE` with no flags restarts it with the settings `up` saved (model, served name, ports), not
     the CLI's defaults; a flag that names another setting is refused before anything is touched."""
-    import socket
-
-    launch = tmp_path / "launch"
-    launch.mkdir()
-    (launch / "decode-express.sh").write_text(
-        'echo "start SERVED_MODEL_NAME=$SERVED_MODEL_NAME MODEL_DIR=$MODEL_DIR"\n'
-        'exec "$PYTHON" -m http.server "$EXPRESS_HTTP_PORT" --bind 127.0.0.1\n')
-    monkeypatch.setattr(dev_stack, "LAUNCH", launch)
-    monkeypatch.setitem(dev_stack.SERVICES, "decode-express", ("decode-express.sh", "/", "EXPRESS_HTTP_PORT"))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    _, port = _http_launcher(tmp_path, monkeypatch, "start SERVED_MODEL_NAME=$SERVED_MODEL_NAME MODEL_DIR=$MODEL_DIR")
     state = tmp_path / "state"
     base = port - dev_stack.DEFAULT_PORTS["EXPRESS_HTTP_PORT"]
     dev_stack.save_settings(state, {**dev_stack.default_settings(), "model": "tiny-llama",
